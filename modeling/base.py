@@ -1,0 +1,233 @@
+"""What every family shares: the pre-norm block, the base model and the causal-LM head.
+
+A family provides its config class and its mixer (``mixer_class``); the mixer maps
+``(hidden_states (N, L, D), lengths, state) -> (output (N, L, D), new_state)`` over right-padded rows (see
+:mod:`.layout`) and keeps its decoding state in a flat dict of tensors (batch first).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils import logging
+from transformers.utils.generic import can_return_tuple
+
+from .cache import SelectiveRopeCache
+from .layers import GatedMLP, RMSNorm, mlp_width
+from .layout import SequenceLayout
+from .rotary import PhaseProjection, SelectiveRotaryEmbedding
+
+logger = logging.get_logger(__name__)
+
+
+def substate(state: dict[str, torch.Tensor] | None, prefix: str) -> dict[str, torch.Tensor]:
+    """The entries of ``state`` under ``prefix.``, without the prefix."""
+    prefix = prefix + "."
+    return {name[len(prefix):]: t for name, t in (state or {}).items() if name.startswith(prefix)}
+
+
+def with_prefix(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {f"{prefix}.{name}": t for name, t in state.items()}
+
+
+class SelectiveRopeDecoderBlock(GradientCheckpointingLayer):
+    """``x + mixer(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config, layer_idx: int, mixer_class: type[nn.Module]):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.attn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.attn = mixer_class(config, layer_idx)
+        self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, mlp_width(config.hidden_size, config.hidden_ratio,
+                                                          config.intermediate_size))
+
+    def forward(self, hidden_states: torch.Tensor, lengths: torch.Tensor | None = None,
+                state: dict[str, torch.Tensor] | None = None, use_cache: bool = False):
+        mixed, new_state = self.attn(self.attn_norm(hidden_states), lengths=lengths, state=state, use_cache=use_cache)
+        hidden_states = hidden_states + mixed
+        hidden_states = hidden_states + self.mlp(self.mlp_norm(hidden_states))
+        return hidden_states, new_state
+
+
+class SelectiveRopePreTrainedModel(PreTrainedModel):
+    """Weight initialisation and the transformers flags shared by every family."""
+
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["SelectiveRopeDecoderBlock"]
+    # The temperature and the phase bias stay float32 even when the model loads in bf16/fp16.
+    _keep_in_fp32_modules_strict = ["temperature", "phase_bias"]
+    _is_stateful = True  # recurrent state: no assisted generation, no cache cropping
+    _supports_attention_backends = False
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)  # Linear / Conv1d: N(0, initializer_range); Embedding; RMSNorm ones
+        if isinstance(module, SelectiveRotaryEmbedding) and module.mode != "nope":
+            init.copy_(module.temperature, module.initial_temperature())
+            if getattr(module, "phase_bias", None) is not None:
+                init.zeros_(module.phase_bias)
+        elif isinstance(module, PhaseProjection):
+            if module.kind == "low_rank":
+                init.normal_(module.down)
+                init.normal_(module.up, std=module.up.shape[-1] ** -0.5)
+            else:
+                init.normal_(module.weight)
+                if module.kind == "full_rank":
+                    init.copy_(module.scale, module.weight.norm(dim=-1))
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # generate() must not build a DynamicCache for us: our forward creates a SelectiveRopeCache.
+        return False
+
+
+class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
+    """Embeddings -> blocks -> final norm. Subclasses set ``config_class`` and ``mixer_class``."""
+
+    mixer_class: type[nn.Module]
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(
+            SelectiveRopeDecoderBlock(config, i, self.mixer_class) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embeddings = value
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: SelectiveRopeCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        cu_seqlens: torch.LongTensor | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        """
+        Args:
+            input_ids: ``(B, T)``; or ``inputs_embeds``: ``(B, T, D)``.
+            attention_mask: ``(B, T_past + T)`` or ``(B, T)`` padding mask (1 = real token, padding anywhere). Only
+                its last ``T`` columns are read: earlier tokens live in the cache.
+            past_key_values: a :class:`SelectiveRopeCache` to continue from (created when ``use_cache`` and None).
+            cu_seqlens: packed sequences: ``input_ids`` of shape ``(1, total)`` and offsets ``[0, ..., total]``; each
+                sequence gets exactly the outputs it has alone (the cache then holds one row per sequence).
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if self.gradient_checkpointing and self.training and use_cache:
+            logger.warning_once("use_cache=True is incompatible with gradient checkpointing; setting use_cache=False")
+            use_cache = False
+        if past_key_values is not None and not isinstance(past_key_values, SelectiveRopeCache):
+            raise TypeError(f"past_key_values must be a SelectiveRopeCache (these models carry recurrent state), "
+                            f"got {type(past_key_values).__name__}")
+        if use_cache and past_key_values is None:
+            past_key_values = SelectiveRopeCache(self.config)
+
+        hidden_states = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        layout = self._layout(hidden_states.shape[:2], attention_mask, cu_seqlens)
+        rows = hidden_states if layout is None else layout.to_rows(hidden_states)  # (N, L, D)
+        lengths = None if layout is None else layout.lengths
+        restore = (lambda x: x) if layout is None else layout.from_rows
+
+        all_hidden_states = [] if output_hidden_states else None
+        for layer_idx, block in enumerate(self.layers):
+            if all_hidden_states is not None:
+                all_hidden_states.append(restore(rows))
+            state = past_key_values.layers[layer_idx].states if past_key_values is not None else None
+            rows, new_state = block(rows, lengths=lengths, state=state, use_cache=use_cache)
+            if use_cache:
+                past_key_values.layers[layer_idx].set(new_state, num_new_tokens=hidden_states.shape[1])
+        hidden_states = restore(self.norm(rows))
+        if all_hidden_states is not None:
+            all_hidden_states.append(hidden_states)
+
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values if use_cache else None,
+            hidden_states=tuple(all_hidden_states) if all_hidden_states is not None else None,
+        )
+
+    @staticmethod
+    def _layout(grid, attention_mask, cu_seqlens) -> SequenceLayout | None:
+        batch, seq_len = grid
+        if cu_seqlens is not None:
+            if attention_mask is not None:
+                raise ValueError("pass either cu_seqlens (packed sequences) or attention_mask (padding), not both")
+            if batch != 1:
+                raise ValueError(f"packed sequences (cu_seqlens) need a batch of 1, got {batch}")
+            return SequenceLayout.from_cu_seqlens(cu_seqlens, total=seq_len)
+        if attention_mask is None:
+            return None
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] < seq_len:
+            raise ValueError(f"attention_mask must be a 2-D padding mask (B, T_past + T) with B={batch}, "
+                             f"T={seq_len}; got shape {tuple(attention_mask.shape)}")
+        return SequenceLayout.from_attention_mask(attention_mask[:, -seq_len:])
+
+
+class SelectiveRopeForCausalLMBase(SelectiveRopePreTrainedModel, GenerationMixin):
+    """Language-model head over a family's base model. Subclasses set ``config_class`` and ``model_class``."""
+
+    model_class: type[SelectiveRopeModelBase]
+    _tied_weights_keys = {"lm_head.weight": "model.embeddings.weight"}
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = self.model_class(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: SelectiveRopeCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        cu_seqlens: torch.LongTensor | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """``labels`` ``(B, T)`` (-100 = ignored) gives the shifted next-token loss through ``self.loss_function``,
+        which honours Trainer's ``num_items_in_batch``. ``logits_to_keep`` keeps only the last N positions."""
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            cu_seqlens=cu_seqlens,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+        )

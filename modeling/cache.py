@@ -1,0 +1,98 @@
+"""The decoding cache: one :class:`SelectiveRopeCacheLayer` per model layer, inside a transformers ``Cache``.
+
+A layer holds named tensors whose first dimension is the batch: the recurrent state, short-convolution histories and
+the Selective RoPE state (``rotary.phase``, ``rotary.phase_conv``). Beam search, ``num_return_sequences`` and batch
+selection act on every tensor alike, so a new family only chooses names.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class SelectiveRopeCacheLayer(CacheLayerMixin):
+    is_compileable = False
+    is_sliding = False
+    supports_early_init = False  # shapes are only known to the mixer, on its first call
+
+    def __init__(self):
+        super().__init__()
+        self.states: dict[str, torch.Tensor] = {}
+        self.seen_tokens = 0
+
+    def __repr__(self):
+        shapes = {name: tuple(t.shape) for name, t in self.states.items()}
+        return f"{self.__class__.__name__}(seen_tokens={self.seen_tokens}, states={shapes})"
+
+    # -- what the mixers use ---------------------------------------------------------------------------------------
+    def get(self, name: str) -> torch.Tensor | None:
+        return self.states.get(name)
+
+    def set(self, states: dict[str, torch.Tensor], num_new_tokens: int) -> None:
+        """Store the states after a forward over ``num_new_tokens`` columns (padding included)."""
+        self.states.update(states)
+        self.seen_tokens += num_new_tokens
+        self.is_initialized = True
+
+    # -- the transformers cache-layer interface -----------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise NotImplementedError("selective-rope layers keep named states; use `get`/`set`, not `update`")
+
+    def get_seq_length(self) -> int:
+        return self.seen_tokens
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen_tokens + query_length, 0
+
+    def reset(self) -> None:
+        self.states.clear()
+        self.seen_tokens = 0
+        self.is_initialized = False
+
+    def offload(self):
+        raise NotImplementedError("selective-rope caches cannot be offloaded")
+
+    def prefetch(self):
+        raise NotImplementedError("selective-rope caches cannot be offloaded")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise NotImplementedError("a recurrent state cannot be rolled back: `crop` is not supported")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map(lambda t: t[indices.to(t.device)])
+
+    def _map(self, fn) -> None:
+        self.states = {name: fn(t) for name, t in self.states.items()}
+
+
+class SelectiveRopeCache(Cache):
+    """Cache for every selective-rope family. Created by the model's ``forward`` when ``use_cache`` is set and none
+    is given (``generate`` relies on that), or up front: ``SelectiveRopeCache(model.config)``."""
+
+    def __init__(self, config=None, num_layers: int | None = None):
+        if num_layers is None:
+            if config is None:
+                raise ValueError("SelectiveRopeCache needs a config or num_layers")
+            num_layers = config.num_hidden_layers
+        super().__init__(layers=[SelectiveRopeCacheLayer() for _ in range(num_layers)])
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0
+
+    @property
+    def is_initialized(self) -> bool:
+        return all(layer.is_initialized for layer in self.layers)

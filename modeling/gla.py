@@ -1,0 +1,101 @@
+"""SelectiveRopeGLA: Gated Linear Attention (Yang et al., 2024) with Selective RoPE on q and k.
+
+Mixer, as flash-linear-attention's ``GatedLinearAttention`` (parameter names match it):
+
+    q, k, v  = proj(x)                        optional causal SiLU short convolutions
+    gk       = logsigmoid(W₂ W₁ x + b) / gate_logit_normalizer        (B, T, Hk, Dk), ≤ 0
+    q, k     = SelectiveRoPE(x, q, k)         last transform before the recurrence
+    S_t      = diag(exp(gk_t)) S_{t-1} + k_t v_tᵀ,   o_t = S_tᵀ q_t · Dk^-0.5
+    out      = o_proj(RMSNorm(o) ⊙ swish(g_proj(x)))
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..configuration.gla import SelectiveRopeGLAConfig
+from ..kernels.gla_torch import chunk_gla, recurrent_gla
+from .base import SelectiveRopeForCausalLMBase, SelectiveRopeModelBase, substate, with_prefix
+from .layers import RMSNorm, ShortConvolution
+from .rotary import SelectiveRotaryEmbedding
+
+
+class GatedLinearAttention(nn.Module):
+    def __init__(self, config: SelectiveRopeGLAConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_k_dim, self.head_v_dim = config.head_k_dim, config.head_v_dim
+        self.gate_logit_normalizer = config.gate_logit_normalizer
+        self.clamp_min = config.clamp_min
+        hidden, key_width, value_width = config.hidden_size, self.num_kv_heads * self.head_k_dim, \
+            self.num_kv_heads * self.head_v_dim
+
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_k_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, key_width, bias=False)
+        self.v_proj = nn.Linear(hidden, value_width, bias=False)
+        self.use_short_conv = config.use_short_conv
+        if self.use_short_conv:
+            self.q_conv1d = ShortConvolution(self.num_heads * self.head_k_dim, config.conv_size, activation="silu")
+            self.k_conv1d = ShortConvolution(key_width, config.conv_size, activation="silu")
+            self.v_conv1d = ShortConvolution(value_width, config.conv_size, activation="silu")
+        self.gk_proj = nn.Sequential(nn.Linear(hidden, config.gate_low_rank_dim, bias=False),
+                                     nn.Linear(config.gate_low_rank_dim, key_width, bias=True))
+        self.rotary = SelectiveRotaryEmbedding(config, self.num_heads, self.num_kv_heads, self.head_k_dim)
+        self.g_proj = (nn.Linear(hidden, self.num_heads * self.head_v_dim, bias=False)
+                       if config.use_output_gate else None)
+        self.g_norm = RMSNorm(self.head_v_dim, eps=config.norm_eps)
+        self.o_proj = nn.Linear(self.num_heads * self.head_v_dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor | None = None,
+                state: dict[str, torch.Tensor] | None = None, use_cache: bool = False):
+        """``x``: ``(B, T, D)`` right-padded rows -> ``(B, T, D)`` and the new state (empty unless ``use_cache``)."""
+        batch, seq_len, _ = x.shape
+        state = state or {}
+        new_state: dict[str, torch.Tensor] = {}
+
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.use_short_conv:
+            q, new_state["q_conv"] = self.q_conv1d(q, state.get("q_conv"), lengths)
+            k, new_state["k_conv"] = self.k_conv1d(k, state.get("k_conv"), lengths)
+            v, new_state["v_conv"] = self.v_conv1d(v, state.get("v_conv"), lengths)
+        q = q.view(batch, seq_len, self.num_heads, self.head_k_dim)
+        k = k.view(batch, seq_len, self.num_kv_heads, self.head_k_dim)
+        v = v.view(batch, seq_len, self.num_kv_heads, self.head_v_dim)
+        gk = F.logsigmoid(self.gk_proj(x).float()) / self.gate_logit_normalizer
+        if self.clamp_min is not None:
+            gk = gk.clamp_min(self.clamp_min)
+        gk = gk.view(batch, seq_len, self.num_kv_heads, self.head_k_dim)
+
+        q, k, rotary_state = self.rotary(x, q, k, substate(state, "rotary"), lengths)
+        new_state.update(with_prefix(rotary_state, "rotary"))
+
+        if lengths is not None:  # pads neither write to nor decay the recurrent state
+            valid = (torch.arange(seq_len, device=x.device) < lengths[:, None])[..., None, None]
+            k, gk = k * valid, gk * valid
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:  # GQA: each key/value head serves `groups` consecutive query heads
+            k, v, gk = (t.repeat_interleave(groups, dim=2) for t in (k, v, gk))
+
+        gla = recurrent_gla if seq_len == 1 else chunk_gla
+        o, recurrent_state = gla(q, k, v, gk, initial_state=state.get("recurrent"), output_final_state=use_cache)
+        if use_cache:
+            new_state["recurrent"] = recurrent_state
+
+        o = self.g_norm(o)  # (B, T, H, Dv)
+        o = o.reshape(batch, seq_len, self.num_heads * self.head_v_dim)
+        if self.g_proj is not None:
+            o = o * F.silu(self.g_proj(x))
+        return self.o_proj(o), (new_state if use_cache else {})
+
+
+class SelectiveRopeGLAModel(SelectiveRopeModelBase):
+    config_class = SelectiveRopeGLAConfig
+    mixer_class = GatedLinearAttention
+
+
+class SelectiveRopeGLAForCausalLM(SelectiveRopeForCausalLMBase):
+    config_class = SelectiveRopeGLAConfig
+    model_class = SelectiveRopeGLAModel

@@ -1,0 +1,68 @@
+"""Padding and packing, in one place.
+
+The mixers only ever see dense, right-padded rows ``(N, L, ...)`` plus the number of real tokens per row
+(``lengths``, or ``None`` when every row is full). Causal operators then never let a pad reach a real token; the
+mixers only have to keep pads out of their carried states. Two inputs map onto that form:
+
+- an ``attention_mask`` with padding anywhere (left padding from ``generate``): each row's real tokens are moved to
+  its front, in order (so pads neither advance the phase nor enter a convolution history);
+- packed sequences, ``(1, total)`` with ``cu_seqlens`` (flash-linear-attention's convention): one row per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SequenceLayout:
+    index: torch.Tensor  # (N, L): position of each row slot in the caller's flattened (B * T) token grid
+    lengths: torch.Tensor  # (N,): real tokens per row
+    grid: tuple[int, int]  # the caller's (B, T)
+
+    @classmethod
+    def from_attention_mask(cls, attention_mask: torch.Tensor) -> SequenceLayout | None:
+        """``attention_mask``: ``(B, T)`` with 1 for real tokens. ``None`` when nothing is padded."""
+        mask = attention_mask.bool()
+        if bool(mask.all()):
+            return None
+        batch, seq_len = mask.shape
+        order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)  # real tokens first, in order
+        offsets = torch.arange(batch, device=mask.device).unsqueeze(1) * seq_len
+        return cls(index=order + offsets, lengths=mask.sum(dim=1), grid=(batch, seq_len))
+
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, total: int) -> SequenceLayout:
+        """``cu_seqlens``: int offsets ``[0, l_1, l_1 + l_2, ..., total]`` of sequences packed in one row."""
+        cu_seqlens = cu_seqlens.long()
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total:
+            raise ValueError(f"cu_seqlens must be 1-D offsets starting at 0 and ending at the packed length {total}; "
+                             f"got {cu_seqlens.tolist()}")
+        lengths = cu_seqlens.diff()
+        if bool((lengths < 0).any()):
+            raise ValueError(f"cu_seqlens must be non-decreasing; got {cu_seqlens.tolist()}")
+        longest = max(int(lengths.max()), 1)
+        slots = torch.arange(longest, device=cu_seqlens.device)
+        # Pad slots point at a real token of the same row (or token 0): their content is never used.
+        index = cu_seqlens[:-1, None] + torch.minimum(slots, (lengths[:, None] - 1).clamp(min=0))
+        return cls(index=index.clamp(max=max(total - 1, 0)), lengths=lengths, grid=(1, total))
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """``(N, L)`` bool, True at real tokens."""
+        return torch.arange(self.index.shape[1], device=self.index.device) < self.lengths[:, None]
+
+    def to_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, T, ...)`` -> ``(N, L, ...)``."""
+        flat = x.reshape(-1, *x.shape[2:])
+        return flat[self.index]
+
+    def from_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """``(N, L, ...)`` -> ``(B, T, ...)``; positions that held no real token are zero."""
+        batch, seq_len = self.grid
+        valid = self.valid
+        out = rows.new_zeros(batch * seq_len, *rows.shape[2:])
+        out = out.index_put((self.index[valid],), rows[valid])
+        return out.view(batch, seq_len, *rows.shape[2:])

@@ -1,0 +1,220 @@
+"""The Selective RoPE module (SPEC §3), shared by every family.
+
+Per token ``t`` and key head ``h`` (frequency pairs ``i < R``):
+
+    u_t   = x_t split into Hk chunks, each L2-normalised
+    a_t   = P(u_t)                                  phase projection (low-rank / full-rank / scalar)
+    c_t   = act(conv(a)_t)                          causal depthwise convolution over time (optional)
+    c_t  += exp(b)                                  optional positive bias
+    c_t  *= sigmoid(G(u_t))                         optional phase gate
+    θ_t   = θ_0 + Σ_{s<=t} c_s                      float32, θ_0 = cached phase
+    q_t, k_t rotated by τ_i · θ_t                   GPT-NeoX halves of the rotary part
+
+``position_embedding="rope"`` is the same module with ``c_t ≡ 1`` (standard RoPE with inverse frequencies τ);
+``"nope"`` leaves q and k untouched. The rotation must be the last transform applied to q and k.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..configuration.position_embedding import SelectiveRopeConfigBase
+from ..kernels.conv_torch import causal_conv1d
+from ..kernels.rotary_torch import selective_rotary
+from .layers import ShortConvolution
+from .layout import SequenceLayout
+
+GATE_LOW_RANK = 16
+
+
+def rotary_temperature(kind: str, theta: float, rotary_dim: int, scale: float = 1.0, seed: int = 0) -> torch.Tensor:
+    """The per-frequency temperature τ (float32, length ``rotary_dim // 2``) for each ``temperature_type``."""
+    half = rotary_dim // 2
+    if kind == "rope":
+        exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float64)[:half] / rotary_dim
+        tau = theta ** (-exponent)
+    elif kind == "rfa":
+        angles = torch.linspace(0.0, theta * math.pi, half, dtype=torch.float64)
+        tau = torch.tan(angles / 2) / math.tan(theta * math.pi / 2)
+    else:
+        generator = torch.Generator().manual_seed(seed)
+        if kind == "gaussian":
+            omega = torch.randn(half, generator=generator, dtype=torch.float64)
+        elif kind == "uniform":
+            omega = torch.rand(half, generator=generator, dtype=torch.float64) * 2 - 1
+        elif kind == "laplace":
+            # Inverse-CDF sampling of Laplace(0, 1) from a uniform draw in (-1/2, 1/2).
+            centred = torch.rand(half, generator=generator, dtype=torch.float64).clamp(1e-12, 1 - 1e-12) - 0.5
+            omega = -torch.sign(centred) * torch.log1p(-2 * centred.abs())
+        else:
+            raise ValueError(f"unknown temperature_type {kind!r}")
+        tau = theta * omega
+    return (scale * tau).to(torch.float32)
+
+
+class PhaseProjection(nn.Module):
+    """``P``: per-key-head map from the normalised input chunk ``u`` (width ``Dc``) to ``R`` phase increments.
+
+    ``low_rank``: ``up_h @ down_h @ u_h``; ``full_rank``: a per-head block, weight-normalised
+    (``scale · w / ||w||`` per output row); ``scalar``: one value per head, shared by every frequency.
+    """
+
+    def __init__(self, kind: str, num_key_heads: int, chunk_dim: int, half: int, rank: int):
+        super().__init__()
+        self.kind, self.half = kind, half
+        if kind == "low_rank":
+            self.down = nn.Parameter(torch.empty(num_key_heads, rank, chunk_dim))
+            self.up = nn.Parameter(torch.empty(num_key_heads, half, rank))
+        elif kind == "full_rank":
+            self.weight = nn.Parameter(torch.empty(num_key_heads, half, chunk_dim))
+            self.scale = nn.Parameter(torch.empty(num_key_heads, half))
+        elif kind == "scalar":
+            self.weight = nn.Parameter(torch.empty(num_key_heads, 1, chunk_dim))
+        else:
+            raise ValueError(f"unknown phase_proj {kind!r}")
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        # u has unit norm, so N(0, 1) rows give a ~ N(0, 1): phase steps of the same order as RoPE's +1 per token.
+        if self.kind == "low_rank":
+            nn.init.normal_(self.down)
+            nn.init.normal_(self.up, std=self.up.shape[-1] ** -0.5)
+        elif self.kind == "full_rank":
+            nn.init.normal_(self.weight)
+            self.scale.copy_(self.weight.norm(dim=-1))  # weight norm starts as the plain weight (Salimans & Kingma)
+        else:
+            nn.init.normal_(self.weight)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        """``u``: ``(B, T, Hk, Dc)`` float32 -> ``(B, T, Hk, R)`` float32."""
+        if self.kind == "low_rank":
+            low = torch.einsum("bthd,hrd->bthr", u, self.down.float())
+            return torch.einsum("bthr,hfr->bthf", low, self.up.float())
+        if self.kind == "full_rank":
+            weight = self.scale.float().unsqueeze(-1) * F.normalize(self.weight.float(), dim=-1)
+            return torch.einsum("bthd,hfd->bthf", u, weight)
+        a = torch.einsum("bthd,hfd->bthf", u, self.weight.float())  # (B, T, Hk, 1)
+        return a.expand(*a.shape[:-1], self.half)
+
+
+class SelectiveRotaryEmbedding(nn.Module):
+    """Rotates q and k by an input-dependent (``selective_rope``), fixed (``rope``) or no (``nope``) phase.
+
+    Args:
+        config: any family config (inherits :class:`SelectiveRopeConfigBase`).
+        num_query_heads / num_key_heads: ``Hq`` and ``Hk`` (phases are per key head; ``Hq % Hk == 0``).
+        head_dim: ``Dh`` of q and k.
+
+    ``forward(x, q, k, state=None, lengths=None, cu_seqlens=None) -> (q, k, state)`` where ``x`` is the mixer input
+    ``(B, T, D)``, ``q`` is ``(B, T, Hq, Dh)``, ``k`` is ``(B, T, Hk, Dh)`` and ``state`` is a dict with the cached
+    ``phase`` ``(B, Hk, R)`` and ``phase_conv`` history ``(B, K-1, Hk*R)``, both float32.
+    """
+
+    def __init__(self, config: SelectiveRopeConfigBase, num_query_heads: int, num_key_heads: int, head_dim: int):
+        super().__init__()
+        if num_query_heads % num_key_heads:
+            raise ValueError(f"num_query_heads ({num_query_heads}) must be a multiple of num_key_heads ({num_key_heads})")
+        self.mode = config.position_embedding
+        self.num_key_heads = num_key_heads
+        self.rotary_dim = int(head_dim * config.partial_rotary_factor)
+        self.half = self.rotary_dim // 2
+        self.temperature_config = (config.temperature_type, config.temperature_theta, config.temperature_max,
+                                   config.temperature_seed)
+        if self.mode == "nope":
+            return
+        # A parameter (not a buffer) so it is saved, loaded and kept in float32 by `_keep_in_fp32_modules_strict`;
+        # the converter writes a source model's own inverse frequencies into it.
+        self.temperature = nn.Parameter(self.initial_temperature(), requires_grad=config.temperature_trainable)
+        if self.mode == "rope":
+            return
+
+        hidden_size = config.hidden_size
+        self.chunk_dim = hidden_size // num_key_heads
+        self.phase_proj = PhaseProjection(config.phase_proj, num_key_heads, self.chunk_dim, self.half,
+                                          config.phase_proj_rank)
+        self.phase_conv = (ShortConvolution(num_key_heads * self.half, config.phase_conv_size,
+                                            activation=config.phase_conv_activation)
+                           if config.phase_conv_size > 0 else None)
+        self.phase_bias = nn.Parameter(torch.zeros(num_key_heads, self.half)) if config.phase_bias else None
+        self.phase_gate_proj = self._build_gate(config, hidden_size) if config.phase_gate else None
+        self.gate_type = config.phase_gate_type
+
+    def _build_gate(self, config: SelectiveRopeConfigBase, hidden_size: int) -> nn.Module:
+        if config.phase_gate_type == "head":
+            return nn.Linear(hidden_size, self.num_key_heads, bias=True)
+        width = self.num_key_heads * (self.half if config.phase_gate_type == "channel" else 1)
+        return nn.Sequential(nn.Linear(hidden_size, GATE_LOW_RANK, bias=False), nn.Linear(GATE_LOW_RANK, width, bias=True))
+
+    def initial_temperature(self) -> torch.Tensor:
+        kind, theta, scale, seed = self.temperature_config
+        return rotary_temperature(kind, theta, self.rotary_dim, scale, seed)
+
+    def phase_increment(self, x: torch.Tensor, valid: torch.Tensor | None,
+                        conv_state: torch.Tensor | None, lengths: torch.Tensor | None):
+        """``c_t`` of shape ``(B, T, Hk, R)`` float32 (zero at padding) and the new convolution history."""
+        batch, seq_len, _ = x.shape
+        if self.mode == "rope":
+            ones = x.new_ones(batch, seq_len, 1, 1, dtype=torch.float32)
+            return (ones if valid is None else ones * valid[..., None, None]), None
+
+        u = F.normalize(x.float().view(batch, seq_len, self.num_key_heads, self.chunk_dim), dim=-1)
+        a = self.phase_proj(u)  # (B, T, Hk, R)
+        if valid is not None:
+            a = a * valid[..., None, None]  # pads never enter the convolution history
+        new_conv_state = None
+        if self.phase_conv is not None:
+            flat, new_conv_state = self.phase_conv(a.reshape(batch, seq_len, -1), conv_state, lengths,
+                                                   dtype=torch.float32)
+            a = flat.view(batch, seq_len, self.num_key_heads, self.half)
+        if self.phase_bias is not None:
+            a = a + self.phase_bias.float().exp()
+        if self.phase_gate_proj is not None:
+            a = a * torch.sigmoid(self._gate(u))
+        if valid is not None:
+            a = a * valid[..., None, None]  # pads never advance the phase
+        return a, new_conv_state
+
+    def _gate(self, u: torch.Tensor) -> torch.Tensor:
+        """``G(u)`` in float32, shaped to broadcast against ``(B, T, Hk, R)``."""
+        batch, seq_len = u.shape[:2]
+        flat = u.flatten(2)  # (B, T, D)
+        modules = self.phase_gate_proj if isinstance(self.phase_gate_proj, nn.Sequential) else [self.phase_gate_proj]
+        for linear in modules:
+            bias = None if linear.bias is None else linear.bias.float()
+            flat = F.linear(flat, linear.weight.float(), bias)
+        return flat.view(batch, seq_len, self.num_key_heads, -1)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        state: dict[str, torch.Tensor] | None = None,
+        lengths: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        if self.mode == "nope":
+            return q, k, {}
+        if cu_seqlens is not None:
+            return self._forward_packed(x, q, k, state, cu_seqlens)
+        state = state or {}
+        seq_len = x.shape[1]
+        valid = None if lengths is None else torch.arange(seq_len, device=x.device) < lengths[:, None]  # (B, T)
+        increment, conv_state = self.phase_increment(x, valid, state.get("phase_conv"), lengths)
+        q, k, phase = selective_rotary(q, k, increment, self.temperature, state.get("phase"))
+        new_state = {"phase": phase}
+        if conv_state is not None:
+            new_state["phase_conv"] = conv_state
+        return q, k, new_state
+
+    def _forward_packed(self, x, q, k, state, cu_seqlens):
+        """Packed sequences ``(1, total, ...)``: each sequence restarts phase and convolution; state is per sequence."""
+        layout = SequenceLayout.from_cu_seqlens(cu_seqlens, total=x.shape[1])
+        q_rows, k_rows, new_state = self.forward(layout.to_rows(x), layout.to_rows(q), layout.to_rows(k),
+                                                 state=state, lengths=layout.lengths)
+        return layout.from_rows(q_rows), layout.from_rows(k_rows), new_state

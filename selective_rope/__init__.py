@@ -1,0 +1,34 @@
+"""selective-rope: Selective RoPE for GLA, Gated DeltaNet and FoX as Hugging Face Transformers models.
+
+Importing the package registers the configs and models with ``AutoConfig``, ``AutoModel`` and
+``AutoModelForCausalLM``. It never imports triton or flash-linear-attention.
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .configuration import SelectiveRopeConfigBase, SelectiveRopeGLAConfig
+from .modeling import (
+    SelectiveRopeCache,
+    SelectiveRopeGLAForCausalLM,
+    SelectiveRopeGLAModel,
+    SelectiveRotaryEmbedding,
+)
+
+__version__ = "0.1.0"
+
+_FAMILIES = [
+    (SelectiveRopeGLAConfig, SelectiveRopeGLAModel, SelectiveRopeGLAForCausalLM),
+]
+for _config, _model, _lm in _FAMILIES:
+    AutoConfig.register(_config.model_type, _config, exist_ok=True)
+    AutoModel.register(_config, _model, exist_ok=True)
+    AutoModelForCausalLM.register(_config, _lm, exist_ok=True)
+
+__all__ = [
+    "SelectiveRopeCache",
+    "SelectiveRopeConfigBase",
+    "SelectiveRopeGLAConfig",
+    "SelectiveRopeGLAForCausalLM",
+    "SelectiveRopeGLAModel",
+    "SelectiveRotaryEmbedding",
+]

@@ -1,0 +1,255 @@
+"""The model-level suite every family runs (parametrised by the `family` fixture, see families.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from selective_rope import SelectiveRopeCache
+
+TOL = dict(atol=1e-4, rtol=1e-4)  # SPEC §6: fp32 max abs difference <= 1e-4
+
+
+def build(family, **overrides):
+    config = family.config_class(**{**family.tiny, **overrides})
+    model = family.lm_class(config).eval()
+    with torch.no_grad():  # non-trivial norm weights, gate biases and phase biases
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("bias"):
+                param.add_(0.2 * torch.randn_like(param))
+    return model
+
+
+def zero_phase_projections(model):
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".rotary.phase_proj." in name:
+                param.zero_()
+
+
+def tokens(family, batch, length, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, family.tiny["vocab_size"], (batch, length), generator=generator)
+
+
+# -- SPEC §3 identities through the whole model ---------------------------------------------------------------------
+
+def test_unit_phase_is_rope(family):
+    selective = build(family, phase_gate=False, phase_bias=True)
+    zero_phase_projections(selective)
+    with torch.no_grad():
+        for name, param in selective.named_parameters():
+            if name.endswith("rotary.phase_bias"):
+                param.zero_()  # exp(0) = 1 per token: the RoPE increment
+    rope = family.lm_class(family.config_class(**{**family.tiny, "position_embedding": "rope"})).eval()
+    missing, unexpected = rope.load_state_dict(selective.state_dict(), strict=False)
+    assert not missing and all(".rotary.phase_" in name for name in unexpected)
+    ids = tokens(family, 2, 12)
+    torch.testing.assert_close(selective(ids).logits, rope(ids).logits, atol=1e-6, rtol=1e-6)
+    # ...and RoPE really rotates: it differs from NoPE.
+    nope = family.lm_class(family.config_class(**{**family.tiny, "position_embedding": "nope"})).eval()
+    nope.load_state_dict(rope.state_dict(), strict=False)
+    assert (nope(ids).logits - rope(ids).logits).abs().max() > 1e-3
+
+
+def test_zero_phase_is_nope(family):
+    selective = build(family, phase_bias=False, phase_gate_type="channel")
+    zero_phase_projections(selective)
+    nope = family.lm_class(family.config_class(**{**family.tiny, "position_embedding": "nope"})).eval()
+    missing, unexpected = nope.load_state_dict(selective.state_dict(), strict=False)
+    assert not missing and all(".rotary." in name for name in unexpected)
+    ids = tokens(family, 2, 12)
+    torch.testing.assert_close(selective(ids).logits, nope(ids).logits, atol=1e-6, rtol=1e-6)
+
+
+# -- caching and generation -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("position_embedding", ["selective_rope", "rope", "nope"])
+def test_cached_decoding_matches_full_forward(family, position_embedding):
+    model = build(family, position_embedding=position_embedding, phase_bias=True, phase_conv_activation="silu")
+    ids = tokens(family, 2, 21)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        out = model(ids[:, :13], use_cache=True)
+        assert isinstance(out.past_key_values, SelectiveRopeCache)
+        steps = [out.logits]
+        cache = out.past_key_values
+        for t in range(13, 21):
+            out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            steps.append(out.logits)
+    assert cache.get_seq_length() == 21
+    torch.testing.assert_close(torch.cat(steps, 1), full, **TOL)
+
+
+def test_chunked_prefill_matches_full_forward(family):
+    """Several multi-token calls in a row (a chunked prefill) continue the state exactly."""
+    model = build(family)
+    ids = tokens(family, 2, 150)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        first = model(ids[:, :70], use_cache=True)
+        second = model(ids[:, 70:], past_key_values=first.past_key_values, use_cache=True)
+    torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), full, **TOL)
+
+
+def _generate(model, ids, **kwargs):
+    kwargs = dict(max_new_tokens=6, return_dict_in_generate=True, output_logits=True, output_scores=True,
+                  pad_token_id=0, **kwargs)
+    return model.generate(ids, **kwargs)
+
+
+def test_generate_with_and_without_cache(family):
+    model = build(family)
+    ids = tokens(family, 2, 7)
+    cached = _generate(model, ids, do_sample=False, use_cache=True)
+    uncached = _generate(model, ids, do_sample=False, use_cache=False)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    torch.testing.assert_close(torch.stack(cached.logits), torch.stack(uncached.logits), **TOL)
+
+
+def test_sampling_and_num_return_sequences(family):
+    model = build(family)
+    ids = tokens(family, 2, 5)
+    torch.manual_seed(7)
+    cached = _generate(model, ids, do_sample=True, top_k=20, num_return_sequences=3, use_cache=True)
+    torch.manual_seed(7)
+    uncached = _generate(model, ids, do_sample=True, top_k=20, num_return_sequences=3, use_cache=False)
+    assert cached.sequences.shape == (6, 11)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    torch.testing.assert_close(torch.stack(cached.logits), torch.stack(uncached.logits), **TOL)
+    assert torch.equal(cached.sequences[0, :5], ids[0]) and torch.equal(cached.sequences[3, :5], ids[1])
+
+
+def test_beam_search_agrees_with_uncached(family):
+    model = build(family)
+    ids = tokens(family, 2, 6)
+    kwargs = dict(num_beams=3, num_return_sequences=2, do_sample=False)
+    cached = _generate(model, ids, use_cache=True, **kwargs)
+    uncached = _generate(model, ids, use_cache=False, **kwargs)
+    assert cached.sequences.shape[0] == 4
+    assert torch.equal(cached.sequences, uncached.sequences)
+    torch.testing.assert_close(cached.sequences_scores, uncached.sequences_scores, **TOL)
+
+
+def test_left_padded_batch_equals_rows_alone(family):
+    model = build(family)
+    rows = [tokens(family, 1, n, seed=n)[0] for n in (9, 4, 6)]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
+    with torch.no_grad():
+        batch_logits = model(ids, attention_mask=mask).logits
+    batch_out = _generate(model, ids, attention_mask=mask, do_sample=False)
+    for i, r in enumerate(rows):
+        with torch.no_grad():
+            alone = model(r[None]).logits[0]
+        torch.testing.assert_close(batch_logits[i, width - len(r):], alone, **TOL)
+        alone_out = _generate(model, r[None], do_sample=False)
+        assert torch.equal(batch_out.sequences[i, width:], alone_out.sequences[0, len(r):])
+        torch.testing.assert_close(torch.stack(batch_out.logits)[:, i], torch.stack(alone_out.logits)[:, 0], **TOL)
+
+
+def test_padding_inside_a_row_is_skipped(family):
+    """A mask with holes: the real tokens behave as the same sequence without the holes."""
+    model = build(family)
+    ids = tokens(family, 1, 10)
+    mask = torch.tensor([[1, 1, 0, 1, 0, 0, 1, 1, 1, 0]])
+    with torch.no_grad():
+        holey = model(ids, attention_mask=mask).logits[0, mask[0].bool()]
+        dense = model(ids[:, mask[0].bool()]).logits[0]
+    torch.testing.assert_close(holey, dense, **TOL)
+
+
+def test_packed_sequences_equal_separate(family):
+    model = build(family)
+    seqs = [tokens(family, 1, n, seed=n) for n in (5, 1, 12, 3)]
+    cu_seqlens = torch.tensor([0, 5, 6, 18, 21], dtype=torch.int32)
+    with torch.no_grad():
+        packed = model(torch.cat(seqs, 1), cu_seqlens=cu_seqlens, use_cache=True)
+        for i, seq in enumerate(seqs):
+            alone = model(seq, use_cache=True)
+            span = slice(int(cu_seqlens[i]), int(cu_seqlens[i + 1]))
+            torch.testing.assert_close(packed.logits[:, span], alone.logits, **TOL)
+            for packed_layer, alone_layer in zip(packed.past_key_values.layers, alone.past_key_values.layers):
+                for name, state in alone_layer.states.items():
+                    torch.testing.assert_close(packed_layer.states[name][i], state[0], **TOL)
+
+
+def test_loss_and_logits_to_keep(family):
+    model = build(family)
+    ids = tokens(family, 2, 8)
+    out = model(ids, labels=ids)
+    manual = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, out.logits.shape[-1]),
+                                               ids[:, 1:].reshape(-1))
+    torch.testing.assert_close(out.loss, manual)
+    out.loss.backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if p.requires_grad), "unused parameters"
+    torch.testing.assert_close(model(ids, logits_to_keep=3).logits, out.logits[:, -3:].detach(), **TOL)
+
+
+def test_bad_inputs_are_refused(family):
+    model = build(family)
+    ids = tokens(family, 2, 4)
+    with pytest.raises(ValueError, match="exactly one"):
+        model(None)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        model(ids[:1], cu_seqlens=torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match="batch of 1"):
+        model(ids, cu_seqlens=torch.tensor([0, 4]))
+    with pytest.raises(TypeError, match="SelectiveRopeCache"):
+        from transformers import DynamicCache
+        model(ids, past_key_values=DynamicCache())
+    with pytest.raises(ValueError, match="padding mask"):
+        model(ids, attention_mask=torch.ones(2, 4, 4))
+
+
+# -- IO and registration ------------------------------------------------------------------------------------------------
+
+def test_save_load_round_trip(family, tmp_path):
+    model = build(family, temperature_type="gaussian", temperature_theta=0.7, temperature_trainable=True,
+                  phase_bias=True)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("rotary.temperature"):
+                param.mul_(1.5)  # a trained temperature is saved, not recomputed from the config
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists() and not list(tmp_path.glob("*.bin"))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is family.lm_class
+    original, reloaded = model.state_dict(), loaded.state_dict()
+    assert original.keys() == reloaded.keys()
+    for name in original:
+        assert torch.equal(original[name], reloaded[name]), name
+    ids = tokens(family, 2, 9)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+def test_bf16_loading_keeps_phase_math_in_float32(family, tmp_path):
+    model = build(family, phase_bias=True)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    for name, param in loaded.named_parameters():
+        fp32 = name.endswith("rotary.temperature") or name.endswith("rotary.phase_bias")
+        assert param.dtype == (torch.float32 if fp32 else torch.bfloat16), name
+    ids = tokens(family, 2, 9)
+    with torch.no_grad():
+        out = loaded(ids, use_cache=True)
+        reference = model(ids).logits
+    assert out.logits.dtype == torch.bfloat16
+    for layer in out.past_key_values.layers:
+        assert layer.states["rotary.phase"].dtype == torch.float32
+    # bf16 weights and activations (a sanity bound: the tiny test model has large, 0.2-std weights).
+    error = (out.logits.float() - reference).abs()
+    assert error.mean() <= 0.06 * reference.abs().mean() and error.max() <= 0.15 * reference.abs().max()
+
+
+def test_auto_classes(family):
+    config = AutoConfig.for_model(family.config_class.model_type, **family.tiny)
+    assert type(config) is family.config_class
+    assert type(AutoModel.from_config(config)) is family.model_class
+    assert type(AutoModelForCausalLM.from_config(config)) is family.lm_class
+    assert family.config_class.model_type.startswith("selective_rope_")

@@ -1,0 +1,224 @@
+"""The Selective RoPE module against a deliberately simple per-token reference written here."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from selective_rope import SelectiveRopeGLAConfig
+from selective_rope.modeling.rotary import SelectiveRotaryEmbedding, rotary_temperature
+
+HIDDEN = 16
+
+
+def make_rotary(num_query_heads=4, num_key_heads=2, head_dim=8, **options) -> SelectiveRotaryEmbedding:
+    config = SelectiveRopeGLAConfig(hidden_size=HIDDEN, num_heads=num_query_heads, num_kv_heads=num_key_heads,
+                                    expand_k=num_query_heads * head_dim / HIDDEN, **options)
+    module = SelectiveRotaryEmbedding(config, num_query_heads, num_key_heads, head_dim).double()
+    with torch.no_grad():  # make every parameter matter (the default gate bias and phase bias are zero)
+        for name, param in module.named_parameters():
+            if name != "temperature":
+                param.add_(0.3 * torch.randn_like(param))
+    return module
+
+
+@torch.no_grad()
+def reference(module, x, q, k, phase0=None, history0=None):
+    """Token by token, head by head, pair by pair, in float64, straight from SPEC §3."""
+    batch, seq_len, hidden = x.shape
+    hk, half, hq = module.num_key_heads, module.half, q.shape[2]
+    chunk = hidden // hk
+    tau = module.temperature.detach().double()
+    q_out, k_out = q.clone(), k.clone()
+    phases = torch.zeros(batch, hk, half, dtype=torch.float64)
+    for b in range(batch):
+        phase = torch.zeros(hk, half, dtype=torch.float64) if phase0 is None else phase0[b].clone()
+        conv = module.phase_conv if module.mode == "selective_rope" else None
+        ksize = conv.weight.shape[-1] if conv is not None else 1
+        history = [] if history0 is None else [history0[b, j].view(hk, half) for j in range(ksize - 1)]
+        history = [torch.zeros(hk, half, dtype=torch.float64)] * (ksize - 1 - len(history)) + history
+        for t in range(seq_len):
+            if module.mode == "rope":
+                c = torch.ones(hk, half, dtype=torch.float64)
+            else:
+                u = [x[b, t, h * chunk:(h + 1) * chunk] / x[b, t, h * chunk:(h + 1) * chunk].norm() for h in range(hk)]
+                a = torch.zeros(hk, half, dtype=torch.float64)
+                proj = module.phase_proj
+                for h in range(hk):
+                    if proj.kind == "low_rank":
+                        a[h] = proj.up[h] @ (proj.down[h] @ u[h])
+                    elif proj.kind == "full_rank":
+                        for i in range(half):
+                            a[h, i] = proj.scale[h, i] * (proj.weight[h, i] @ u[h]) / proj.weight[h, i].norm()
+                    else:
+                        a[h] = proj.weight[h, 0] @ u[h]
+                if conv is not None:
+                    window = history[len(history) - (ksize - 1):] + [a] if ksize > 1 else [a]
+                    w = conv.weight.view(hk, half, ksize)
+                    c = sum(w[..., j] * window[j] for j in range(ksize))
+                    if conv.activation == "silu":
+                        c = c * torch.sigmoid(c)
+                    history.append(a)
+                else:
+                    c = a
+                if module.phase_bias is not None:
+                    c = c + module.phase_bias.exp()
+                gate = module.phase_gate_proj
+                if gate is not None:
+                    flat = torch.cat(u)
+                    if isinstance(gate, torch.nn.Linear):
+                        g = (gate.weight @ flat + gate.bias).view(hk, 1)
+                    else:
+                        g = (gate[1].weight @ (gate[0].weight @ flat) + gate[1].bias).view(hk, -1)
+                    c = c * torch.sigmoid(g)
+            phase = phase + c
+            for head in range(hq):
+                angle = tau * phase[head // (hq // hk)]
+                for i in range(half):
+                    x1, x2 = q[b, t, head, i], q[b, t, head, i + half]
+                    q_out[b, t, head, i] = x1 * math.cos(angle[i]) - x2 * math.sin(angle[i])
+                    q_out[b, t, head, i + half] = x1 * math.sin(angle[i]) + x2 * math.cos(angle[i])
+            for head in range(hk):
+                angle = tau * phase[head]
+                for i in range(half):
+                    x1, x2 = k[b, t, head, i], k[b, t, head, i + half]
+                    k_out[b, t, head, i] = x1 * math.cos(angle[i]) - x2 * math.sin(angle[i])
+                    k_out[b, t, head, i + half] = x1 * math.sin(angle[i]) + x2 * math.cos(angle[i])
+        phases[b] = phase
+    return q_out, k_out, phases
+
+
+OPTION_GRID = [
+    dict(),
+    dict(phase_proj="full_rank"),
+    dict(phase_proj="scalar", phase_gate_type="low_rank"),
+    dict(phase_gate_type="channel", phase_bias=True),
+    dict(phase_gate=False, phase_bias=True, phase_conv_size=0),
+    dict(phase_conv_size=2, phase_conv_activation="silu", phase_proj="full_rank", phase_gate_type="channel"),
+    dict(phase_proj_rank=3, phase_conv_activation="silu"),
+    dict(temperature_type="rfa", temperature_theta=0.9),
+    dict(temperature_type="gaussian", temperature_theta=0.5, temperature_max=2.0, temperature_seed=3),
+    dict(temperature_type="laplace", temperature_theta=0.3, phase_proj="scalar"),
+    dict(temperature_type="uniform", temperature_theta=1.5, phase_bias=True),
+    dict(partial_rotary_factor=0.5),
+    dict(partial_rotary_factor=0.5, phase_proj="full_rank", phase_gate_type="low_rank", phase_bias=True),
+    dict(position_embedding="rope"),
+    dict(position_embedding="rope", partial_rotary_factor=0.5, temperature_theta=100.0),
+]
+HEADS = [(4, 2), (2, 2), (4, 1)]
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"hq{h[0]}-hk{h[1]}")
+@pytest.mark.parametrize("options", OPTION_GRID, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+def test_module_matches_per_token_reference(options, heads):
+    module = make_rotary(*heads, **options)
+    x = torch.randn(2, 7, HIDDEN, dtype=torch.float64)
+    q = torch.randn(2, 7, heads[0], 8, dtype=torch.float64)
+    k = torch.randn(2, 7, heads[1], 8, dtype=torch.float64)
+    q_rot, k_rot, state = module(x, q, k)
+    q_ref, k_ref, phase_ref = reference(module, x, q, k)
+    torch.testing.assert_close(q_rot, q_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_rot, k_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state["phase"].double(), phase_ref, atol=1e-5, rtol=1e-5)
+    assert state["phase"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("options", [dict(), dict(phase_conv_size=3, phase_conv_activation="silu", phase_bias=True),
+                                     dict(position_embedding="rope"), dict(phase_gate_type="channel")])
+def test_state_continues_across_calls(options):
+    """Two calls with the state in between equal one call; a random initial phase is honoured."""
+    module = make_rotary(**options)
+    x, q, k = torch.randn(2, 9, HIDDEN).double(), torch.randn(2, 9, 4, 8).double(), torch.randn(2, 9, 2, 8).double()
+    q_full, k_full, state_full = module(x, q, k)
+    q1, k1, state = module(x[:, :4], q[:, :4], k[:, :4])
+    q2, k2, state = module(x[:, 4:5], q[:, 4:5], k[:, 4:5], state=state)  # a decode step
+    q3, k3, state = module(x[:, 5:], q[:, 5:], k[:, 5:], state=state)
+    torch.testing.assert_close(torch.cat([q1, q2, q3], 1), q_full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([k1, k2, k3], 1), k_full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state["phase"], state_full["phase"])
+
+    phase0 = torch.randn(2, 2, module.half, dtype=torch.float32) * 10
+    history0 = torch.randn(2, max(options.get("phase_conv_size", 4) - 1, 0), 2 * module.half)
+    state0 = {"phase": phase0, "phase_conv": history0}
+    q_off, k_off, _ = module(x, q, k, state=state0)
+    q_ref, k_ref, _ = reference(module, x, q, k, phase0.double(), history0.double())
+    torch.testing.assert_close(q_off, q_ref, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(k_off, k_ref, atol=1e-4, rtol=1e-5)
+
+
+def test_padding_neither_advances_phase_nor_enters_history():
+    """Right-padded rows (`lengths`) give each row its unpadded result and a final state taken at its real end."""
+    module = make_rotary(phase_conv_size=3, phase_bias=True)
+    x, q, k = torch.randn(2, 6, HIDDEN).double(), torch.randn(2, 6, 4, 8).double(), torch.randn(2, 6, 2, 8).double()
+    lengths = torch.tensor([6, 2])
+    q_pad, k_pad, state = module(x, q, k, lengths=lengths)
+    q_short, k_short, state_short = module(x[1:, :2], q[1:, :2], k[1:, :2])
+    tol = dict(atol=1e-5, rtol=1e-5)  # the phase is float32 whatever the input dtype
+    torch.testing.assert_close(q_pad[1, :2], q_short[0], **tol)
+    torch.testing.assert_close(k_pad[1, :2], k_short[0], **tol)
+    torch.testing.assert_close(state["phase"][1], state_short["phase"][0], **tol)
+    torch.testing.assert_close(state["phase_conv"][1], state_short["phase_conv"][0], **tol)
+
+
+def test_packed_sequences_restart_phase_and_convolution():
+    module = make_rotary(phase_conv_size=4, phase_conv_activation="silu")
+    lengths = [3, 1, 5]
+    xs = [torch.randn(1, n, HIDDEN).double() for n in lengths]
+    qs = [torch.randn(1, n, 4, 8).double() for n in lengths]
+    ks = [torch.randn(1, n, 2, 8).double() for n in lengths]
+    cu_seqlens = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
+    q_packed, k_packed, state = module(torch.cat(xs, 1), torch.cat(qs, 1), torch.cat(ks, 1), cu_seqlens=cu_seqlens)
+    for i, (x, q, k) in enumerate(zip(xs, qs, ks)):
+        q_alone, k_alone, state_alone = module(x, q, k)
+        span = slice(int(cu_seqlens[i]), int(cu_seqlens[i + 1]))
+        torch.testing.assert_close(q_packed[:, span], q_alone, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(k_packed[:, span], k_alone, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(state["phase"][i], state_alone["phase"][0], atol=1e-5, rtol=1e-5)
+
+
+def test_identities_at_module_level():
+    """Zeroed projection + bias exp(0) and no gate = RoPE; zeroed projection, no bias = NoPE."""
+    x, q, k = torch.randn(2, 5, HIDDEN).double(), torch.randn(2, 5, 4, 8).double(), torch.randn(2, 5, 2, 8).double()
+    selective = make_rotary(phase_gate=False, phase_bias=True)
+    with torch.no_grad():
+        selective.phase_proj.up.zero_()
+        selective.phase_bias.zero_()
+    rope = make_rotary(position_embedding="rope")
+    for got, want in zip(selective(x, q, k)[:2], rope(x, q, k)[:2]):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+    nope_like = make_rotary(phase_bias=False, phase_gate_type="channel")
+    with torch.no_grad():
+        nope_like.phase_proj.up.zero_()
+    q_rot, k_rot, _ = nope_like(x, q, k)
+    torch.testing.assert_close(q_rot, q, atol=0, rtol=0)
+    torch.testing.assert_close(k_rot, k, atol=0, rtol=0)
+
+
+def test_phase_math_is_float32_for_bf16_inputs():
+    module = make_rotary(phase_bias=True).to(torch.bfloat16)
+    module.temperature.data = module.temperature.data.float()
+    x = torch.randn(1, 300, HIDDEN, dtype=torch.bfloat16)
+    q, k = torch.randn(1, 300, 4, 8, dtype=torch.bfloat16), torch.randn(1, 300, 2, 8, dtype=torch.bfloat16)
+    q_rot, k_rot, state = module(x, q, k)
+    assert q_rot.dtype == k_rot.dtype == torch.bfloat16 and state["phase"].dtype == torch.float32
+    # A bf16 running sum would stall near 256 with ~1-sized steps; the float32 one matches a float64 sum.
+    ref = make_rotary(phase_bias=True).double()
+    ref.load_state_dict({n: p.double() for n, p in module.state_dict().items()})
+    _, _, state_ref = ref(x.double(), q.double(), k.double())
+    torch.testing.assert_close(state["phase"], state_ref["phase"], atol=1e-2, rtol=1e-3)
+
+
+def test_temperature_schedules():
+    rope = rotary_temperature("rope", 10000.0, 8)
+    torch.testing.assert_close(rope, 1.0 / (10000.0 ** (torch.arange(0, 8, 2).float() / 8)))
+    rfa = rotary_temperature("rfa", 0.5, 8, scale=2.0)
+    x = torch.linspace(0, 0.5 * math.pi, 4, dtype=torch.float64)
+    torch.testing.assert_close(rfa, (2.0 * torch.tan(x / 2) / math.tan(0.5 * math.pi / 2)).float())
+    assert rfa[0] == 0 and torch.isclose(rfa[-1], torch.tensor(2.0))
+    for kind in ("gaussian", "laplace", "uniform"):
+        a, b = rotary_temperature(kind, 0.5, 64, seed=1), rotary_temperature(kind, 0.5, 64, seed=1)
+        assert torch.equal(a, b) and not torch.equal(a, rotary_temperature(kind, 0.5, 64, seed=2))
+    assert rotary_temperature("uniform", 0.5, 256).abs().max() <= 0.5
