@@ -1,7 +1,7 @@
 """Pure-PyTorch Gated Linear Attention (GLA): the CPU backend of the GLA op.
 
 Layout follows flash-linear-attention (fla): every sequence tensor is ``[B, T, H, D]``.
-Per batch ``b`` and head ``h`` the op runs the recurrence
+Per batch and head the op runs the recurrence
 
     S_t = diag(exp(gk_t)) S_{t-1} + k_t v_tᵀ        S: (K, V), gk_t <= 0 (log decay per key dim)
     o_t = S_tᵀ (q_t * scale)
@@ -11,25 +11,25 @@ final state in float32.
 
 ``recurrent_gla`` is the plain per-token loop (decoding, where T is usually 1).
 
-``chunk_gla`` is chunk-parallel (prefill and training). Design, with ``b`` the cumulative sum
-of ``gk`` inside a chunk (``b <= 0`` and non-increasing along time, per key dim):
+``chunk_gla`` is chunk-parallel (prefill and training):
 
-* Intra-chunk work is batched over all chunks at once. The attention weight
-  ``A[t, s] = sum_d q_td k_sd exp(b_td - b_sd)`` (s <= t) is built from 16-token sub-chunks:
-  - off-diagonal blocks (target sub-chunk i > source sub-chunk j) use the reference
-    ``r_i`` = ``b`` just before sub-chunk i starts:
-    ``A_ij = (q_i * exp(b_i - r_i)) @ (k_j * exp(r_i - b_j))ᵀ``. Time only moves forward
-    from j to r_i to i, so both exponents are <= 0;
-  - diagonal blocks use the pairwise (16 x 16 x K) form ``exp(b_t - b_s)``, with s > t
-    masked to -inf *before* the exp.
-* Inter-chunk: a short Python loop over chunks carries the state,
-  ``S_next = exp(b_last) * S + (k * exp(b_last - b))ᵀ @ v``, and every chunk then reads
-  its start state through ``(q * exp(b)) @ S_start`` in one batched matmul.
+* Inside each chunk (all chunks at once) the causal part is built bottom-up as a binary tree.
+  Neighbouring blocks of ``n`` tokens are merged into blocks of ``2n``: every token of the
+  first block reaches every token of the second through the boundary between them,
+  ``(q_t * decay(boundary -> t)) @ (k_s * decay(s -> boundary))ᵀ @ v_s``, which is one small
+  matmul per pair of blocks. The decays are per-block running products of ``exp(gk)``,
+  extended at each merge by the other block's total decay. After ``log2(C)`` merges they are
+  ``decay(chunk start -> t)`` and ``decay(t -> chunk end)``.
+* Between chunks, a short Python loop carries the (K, V) state,
+  ``S_next = decay(chunk) * S + (k * decay(t -> chunk end))ᵀ @ v``, and every chunk reads its
+  start state with ``(q * decay(chunk start -> t)) @ S_start`` in one batched matmul.
 
-Why it is stable: no exponent is ever positive, so no ``exp`` can overflow, however strong the
-decay (e.g. gk = -30 per step). A factor may underflow to 0, but each factor bounds the true
-product ``exp(b_t - b_s)`` from above, so what is lost is smaller still. Masked positions are
-removed before the exp, so autograd never sees ``inf`` either (no NaN gradients).
+Why it is stable: every decay is a product of factors ``exp(gk) <= 1``; nothing is ever divided
+by a decay and no exponent is ever positive (the only ``exp`` is of ``gk`` itself), so nothing
+can overflow however strong the decay (gk = -30 per step, or even -inf). A product may
+underflow to 0, but then the true weight is smaller still. It is also cheap on a CPU: one
+``exp`` per input element (an ``exp`` costs about ten multiplies), and the tree needs only
+``log2(C)`` levels of elementwise work.
 
 Any T works: the end is padded with q = k = v = 0 and gk = 0 (no decay, nothing written),
 which leaves the outputs and the final state unchanged, and the output is sliced back.
@@ -40,8 +40,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-SUB_CHUNK = 16  # tokens per sub-chunk; the pairwise (diagonal-block) form is only used at this size
 
+# Float32 elements per (B, H, tokens, D) temporary of one segment (512 KiB). Longer inputs are run as
+# consecutive segments (carrying the state), so the temporaries stay small: on the CPU they are then
+# recycled by the allocator and stay in cache, instead of being freshly mapped (page faults) every call.
+SEGMENT_ELEMENTS = 2**17
 
 
 def chunk_gla(
@@ -63,28 +66,52 @@ def chunk_gla(
         scale: query scale; defaults to K ** -0.5.
         initial_state: (B, H, K, V) state before the first token, any float dtype (used as float32).
         output_final_state: also return the state after the last token.
-        chunk_size: tokens per chunk, a multiple of SUB_CHUNK (16).
+        chunk_size: tokens per chunk, a power of two.
 
     Returns:
         o: (B, T, H, V) in q.dtype, and the final state (B, H, K, V) in float32, or None.
     """
-    if chunk_size % SUB_CHUNK:
-        raise ValueError(f"chunk_size must be a multiple of {SUB_CHUNK}, got {chunk_size}")
+    if chunk_size < 1 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
     B, T, H, K = q.shape
-    out_dtype = q.dtype
     scale = K**-0.5 if scale is None else scale
+    state = None if initial_state is None else initial_state.float()
+
+    tokens_per_segment = max(1, SEGMENT_ELEMENTS // (B * H * max(K, v.shape[-1]) * chunk_size)) * chunk_size
+    outputs = []
+    for start in range(0, T, tokens_per_segment):
+        part = slice(start, start + tokens_per_segment)
+        o, state = _chunk_gla_segment(q[:, part], k[:, part], v[:, part], gk[:, part], scale, state, chunk_size)
+        outputs.append(o)
+    o = torch.cat(outputs, dim=1)  # (B, T, H, V)
+    return o.to(q.dtype), state if output_final_state else None
+
+
+def _chunk_gla_segment(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gk: torch.Tensor,
+    scale: float,
+    state: torch.Tensor | None,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunk_gla` on one segment: (B, T, H, *) inputs, float32 (B, H, K, V) state in and out.
+
+    Returns the float32 output (B, T, H, V) and the state after the segment.
+    """
+    T = q.shape[1]
+    chunk_size = min(chunk_size, 1 << (T - 1).bit_length())  # a short input needs no longer chunk
 
     # (B, T, H, D) -> (B, H, N, C, D), float32, zero-padded to a whole number of chunks
     q, k, v, gk = (_to_chunks(x, chunk_size) for x in (q, k, v, gk))
     q = q * scale
-    b = gk.cumsum(-2)  # (B, H, N, C, K): decay from the chunk start, <= 0 and non-increasing
 
-    o = _intra_chunk(q, k, v, b)  # (B, H, N, C, V)
-    start_states, final_state = _chunk_states(k, v, b, initial_state)  # (B, H, N, K, V), (B, H, K, V)
-    o = o + (q * b.exp()) @ start_states  # what each chunk reads from the state it starts with
+    o, decay_in, decay_out = _intra_chunk(q, k, v, gk.exp())  # (B, H, N, C, V), 2 x (B, H, N, C, K)
+    start_states, state = _chunk_states(k, v, decay_in, decay_out, state)  # (B, H, N, K, V), (B, H, K, V)
+    o = o + (q * decay_in) @ start_states  # what each chunk reads from the state it starts with
 
-    o = o.flatten(2, 3)[:, :, :T].transpose(1, 2)  # (B, H, N*C, V) -> (B, T, H, V)
-    return o.to(out_dtype), final_state if output_final_state else None
+    return o.flatten(2, 3)[:, :, :T].transpose(1, 2), state  # (B, H, N*C, V) -> (B, T, H, V)
 
 
 def _to_chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -92,78 +119,98 @@ def _to_chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
     B, T, H, D = x.shape
     n_chunks = -(-T // chunk_size)
     x = x.float().transpose(1, 2)  # (B, H, T, D)
-    # zero q/k/v write and read nothing; zero gk means "no decay", so padding changes nothing
+    # zero q/k/v read and write nothing; zero gk means "no decay", so the padding changes nothing
     x = F.pad(x, (0, 0, 0, n_chunks * chunk_size - T))  # (B, H, N*C, D)
     return x.view(B, H, n_chunks, chunk_size, D)
 
 
-def _intra_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Causal attention inside each chunk, A[t, s] = sum_d q_td k_sd exp(b_td - b_sd) for s <= t.
+def _intra_chunk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Causal GLA inside each chunk, by merging neighbouring blocks of 1, 2, 4, ... tokens.
 
-    q, k, b: (..., C, K); v: (..., C, V). Returns A @ v: (..., C, V).
+    q, k: (..., C, K); v: (..., C, V); g = exp(gk): (..., C, K).
+    Returns:
+        o: (..., C, V), the output from the tokens of the same chunk;
+        decay_in: (..., C, K), decay from the chunk start to t, t included (= exp(b_t), b = cumsum gk);
+        decay_out: (..., C, K), decay from t to the chunk end, t excluded (= exp(b_last - b_t)).
     """
-    *batch, C, K = q.shape
-    n_sub = C // SUB_CHUNK
-    # (..., C, K) -> (..., S, c, K): S sub-chunks of c tokens
-    qs, ks, bs = (x.view(*batch, n_sub, SUB_CHUNK, K) for x in (q, k, b))
-
-    a_diag = _diagonal_blocks(qs, ks, bs)  # (..., S, c, c)
-    a_off = _off_diagonal_blocks(qs, ks, bs)  # (..., S_i, S_j, c, c), zero unless j < i
-    on_diagonal = torch.eye(n_sub, dtype=torch.bool, device=q.device)[:, :, None, None]
-    a = torch.where(on_diagonal, a_diag.unsqueeze(-3), a_off)  # (..., S_i, S_j, c, c)
-    a = a.transpose(-3, -2).reshape(*batch, C, C)  # (..., S_i, c, S_j, c) -> (..., C, C)
-    return a @ v
+    chunk_size = q.shape[-2]
+    # blocks of one token: o_t = (q_t . k_t) v_t, decay into t is g_t, out of t is 1
+    o = (q * k).sum(-1, keepdim=True) * v
+    decay_in, decay_out = g, torch.ones_like(g)
+    size = 1
+    while size < chunk_size:
+        o, decay_in, decay_out = _merge_blocks(q, k, v, o, decay_in, decay_out, size)
+        size *= 2
+    return o, decay_in, decay_out
 
 
-def _diagonal_blocks(qs: torch.Tensor, ks: torch.Tensor, bs: torch.Tensor) -> torch.Tensor:
-    """Pairwise form inside each sub-chunk. qs, ks, bs: (..., S, c, K) -> (..., S, c_t, c_s)."""
-    c = qs.shape[-2]
-    causal = torch.ones(c, c, dtype=torch.bool, device=qs.device).tril()[:, :, None]  # (c_t, c_s, 1)
-    log_decay = bs.unsqueeze(-2) - bs.unsqueeze(-3)  # (..., S, c_t, c_s, K): b_t - b_s
-    # s > t would give a positive exponent: mask it before the exp, not after
-    decay = torch.where(causal, log_decay, float("-inf")).exp()
-    # (..., S, c_t, c_s, K) @ (..., S, c_t, K, 1) -> (..., S, c_t, c_s)
-    return ((decay * ks.unsqueeze(-3)) @ qs.unsqueeze(-1)).squeeze(-1)
+def _merge_blocks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    decay_in: torch.Tensor,
+    decay_out: torch.Tensor,
+    size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Merge each pair of neighbouring blocks of `size` tokens (first, second) into one block.
 
-
-def _off_diagonal_blocks(qs: torch.Tensor, ks: torch.Tensor, bs: torch.Tensor) -> torch.Tensor:
-    """Blocks from an earlier source sub-chunk j to a later target sub-chunk i.
-
-    qs, ks, bs: (..., S, c, K) -> (..., S_i, S_j, c_t, c_s), zero where j >= i.
+    All tensors are (..., C, D); o, decay_in and decay_out hold per-block values on entry and
+    per-merged-block values on return (see `_intra_chunk`).
     """
-    n_sub = qs.shape[-3]
-    # r_i: b just before sub-chunk i starts (0 at the chunk start); (..., S, K)
-    ref = torch.cat([torch.zeros_like(bs[..., :1, -1, :]), bs[..., :-1, -1, :]], dim=-2)
-    q_dec = qs * (bs - ref.unsqueeze(-2)).exp()  # (..., S_i, c, K): decay r_i -> t, exponent <= 0
-    # (..., S_i, 1, 1, K) - (..., 1, S_j, c, K) -> (..., S_i, S_j, c, K): decay s -> r_i
-    log_decay = ref[..., :, None, None, :] - bs.unsqueeze(-4)
-    earlier = torch.ones(n_sub, n_sub, dtype=torch.bool, device=qs.device).tril(-1)[:, :, None, None]
-    # only j < i has a non-positive exponent; the rest is masked before the exp
-    k_dec = ks.unsqueeze(-4) * torch.where(earlier, log_decay, float("-inf")).exp()  # (..., S_i, S_j, c, K)
-    # (..., S_i, 1, c_t, K) @ (..., S_i, S_j, K, c_s) -> (..., S_i, S_j, c_t, c_s)
-    return q_dec.unsqueeze(-3) @ k_dec.transpose(-1, -2)
+
+    def halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # (..., C, D) -> 2 x (..., M, size, D): the first and second block of each pair
+        return x.unflatten(-2, (-1, 2, size)).unbind(-3)
+
+    def join(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        # 2 x (..., M, size, D) -> (..., C, D)
+        return torch.stack([first, second], dim=-3).flatten(-4, -2)
+
+    (_, q2), (k1, _), (v1, _) = halves(q), halves(k), halves(v)
+    (o1, o2), (in1, in2), (out1, out2) = halves(o), halves(decay_in), halves(decay_out)
+
+    # first -> second through the boundary between them: (..., M, size, size)
+    scores = _small_matmul(q2 * in2, (k1 * out1).transpose(-1, -2))
+    o = join(o1, o2 + _small_matmul(scores, v1))
+
+    # extend the decays over the merged block with the other block's total decay
+    decay_in = join(in1, in2 * in1[..., -1:, :])
+    decay_out = join(out1 * in2[..., -1:, :], out2)
+    return o, decay_in, decay_out
+
+
+def _small_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b. For 1- or 2-row blocks a broadcast multiply-sum beats the CPU batched matmul."""
+    if a.shape[-2] <= 2:
+        return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
+    return a @ b
 
 
 def _chunk_states(
-    k: torch.Tensor, v: torch.Tensor, b: torch.Tensor, initial_state: torch.Tensor | None
+    k: torch.Tensor,
+    v: torch.Tensor,
+    decay_in: torch.Tensor,
+    decay_out: torch.Tensor,
+    initial_state: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """State at the start of every chunk, and after the last one.
 
-    k, b: (B, H, N, C, K); v: (B, H, N, C, V); initial_state: (B, H, K, V) or None.
-    Returns (B, H, N, K, V) start states and the (B, H, K, V) final state, float32.
+    k, decay_in, decay_out: (B, H, N, C, K); v: (B, H, N, C, V); initial_state: float32 (B, H, K, V) or None.
+    Returns the (B, H, N, K, V) start states and the (B, H, K, V) final state, float32.
     """
     B, H, N, C, K = k.shape
-    b_last = b[..., -1, :]  # (B, H, N, K): decay over the whole chunk
-    # what each chunk adds to the state, decayed to the chunk end (exponent <= 0), all chunks at once
-    k_dec = k * (b_last.unsqueeze(-2) - b).exp()  # (B, H, N, C, K)
-    updates = k_dec.transpose(-1, -2) @ v  # (B, H, N, K, V)
-    chunk_decay = b_last.exp().unsqueeze(-1)  # (B, H, N, K, 1)
+    # what each chunk adds to the state, decayed to the chunk end; all chunks at once
+    updates = (k * decay_out).transpose(-1, -2) @ v  # (B, H, N, K, V)
+    chunk_decay = decay_in[..., -1, :, None]  # (B, H, N, K, 1): decay over the whole chunk
 
-    state = k.new_zeros(B, H, K, v.shape[-1]) if initial_state is None else initial_state.float()
+    state = k.new_zeros(B, H, K, v.shape[-1]) if initial_state is None else initial_state
     starts = []
-    for n in range(N):  # only this small (K x V) recurrence is sequential
+    for decay, update in zip(chunk_decay.unbind(2), updates.unbind(2)):  # only this is sequential
         starts.append(state)
-        state = chunk_decay[:, :, n] * state + updates[:, :, n]
+        state = decay * state + update
     return torch.stack(starts, dim=2), state
 
 

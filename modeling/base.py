@@ -131,7 +131,8 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache is None:  # in training the final states would only be thrown away
+            use_cache = self.config.use_cache and not self.training
         if self.gradient_checkpointing and self.training and use_cache:
             logger.warning_once("use_cache=True is incompatible with gradient checkpointing; setting use_cache=False")
             use_cache = False

@@ -1,0 +1,42 @@
+"""The main job (a very short run) and the command line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from selective_rope import SelectiveRopeGLAForCausalLM
+from selective_rope.cli import main
+from selective_rope.demo import BOS, MODULUS, progressions, run_demo
+
+
+def test_progressions_are_arithmetic():
+    ids = progressions(5, 10, torch.Generator().manual_seed(0))
+    assert (ids[:, 0] == BOS).all()
+    steps = (ids[:, 2:] - ids[:, 1:-1]) % MODULUS
+    assert (steps == steps[:, :1]).all() and (steps > 0).all()
+
+
+def test_demo_trains_saves_reloads_and_generates(tmp_path, capsys):
+    result = run_demo(str(tmp_path / "out"), seconds=30, max_steps=3, seed=0)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert isinstance(reloaded, SelectiveRopeGLAForCausalLM)
+    assert len(result["generated"]) == 6 and 0.0 <= result["accuracy"] <= 1.0
+    assert "reloaded as SelectiveRopeGLAForCausalLM" in capsys.readouterr().out
+
+
+def test_cli_rejects_bad_arguments():
+    with pytest.raises(SystemExit, match="positive"):
+        main(["demo", "--seconds", "0"])
+    with pytest.raises(SystemExit):
+        main(["no-such-command"])
+
+
+def test_module_entry_point_help():
+    result = subprocess.run([sys.executable, "-m", "selective_rope", "demo", "--help"], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0 and "arithmetic" in result.stdout

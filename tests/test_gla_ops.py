@@ -1,0 +1,169 @@
+"""The pure-PyTorch GLA ops against flash-linear-attention's per-token reference.
+
+The oracle, ``fla.ops.gla.naive.naive_recurrent_gla``, runs the recurrence token by token in float32
+(it casts its inputs to float32 itself, like our ops do), so the tolerances below are float32-level.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)  # fla warns that Triton does not run on the CPU
+    naive_recurrent_gla = pytest.importorskip("fla.ops.gla.naive").naive_recurrent_gla
+
+from selective_rope.kernels.gla_torch import chunk_gla, recurrent_gla
+
+B, H, K, V = 2, 2, 16, 8
+FP32_TOL = dict(rtol=1e-5, atol=1e-5)  # float32 math, different summation order
+GRAD_TOL = dict(rtol=1e-4, atol=1e-4)  # gradients sum over the whole sequence
+
+
+def make_inputs(seq_len: int, key_dim: int = K, value_dim: int = V, dtype=torch.float32, gk=None):
+    """Random q, k, v (B, T, H, D), a log decay gk <= 0 and an initial state (B, H, K, V)."""
+    q = torch.randn(B, seq_len, H, key_dim, dtype=dtype)
+    k = torch.randn(B, seq_len, H, key_dim, dtype=dtype)
+    v = torch.randn(B, seq_len, H, value_dim, dtype=dtype)
+    if gk is None:  # decays from about exp(-3) to about 1
+        gk = F.logsigmoid(torch.randn(B, seq_len, H, key_dim, dtype=dtype) + 2)
+    h0 = torch.randn(B, H, key_dim, value_dim, dtype=dtype)
+    return q, k, v, gk.to(dtype), h0
+
+
+def mixed_strong_decay(seq_len: int) -> torch.Tensor:
+    """gk in [-40, -5] on half of the key dims, in [-1e-3, 0] (almost no decay) on the others."""
+    strong = -5 - 35 * torch.rand(B, seq_len, H, K)
+    weak = -1e-3 * torch.rand(B, seq_len, H, K)
+    return torch.where(torch.arange(K) % 2 == 0, strong, weak)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 32])
+@pytest.mark.parametrize("seq_len", [1, 5, 16, 64, 100, 130])
+@pytest.mark.parametrize("with_h0", [False, True], ids=["no_h0", "h0"])
+def test_chunk_matches_naive(seq_len, chunk_size, with_h0):
+    q, k, v, gk, h0 = make_inputs(seq_len)
+    h0 = h0 if with_h0 else None
+    o, ht = chunk_gla(q, k, v, gk, initial_state=h0, output_final_state=True, chunk_size=chunk_size)
+    o_ref, ht_ref = naive_recurrent_gla(q, k, v, gk, initial_state=h0, output_final_state=True)
+    assert o.shape == (B, seq_len, H, V) and ht.shape == (B, H, K, V)
+    torch.testing.assert_close(o, o_ref, **FP32_TOL)
+    torch.testing.assert_close(ht, ht_ref, **FP32_TOL)
+
+
+def test_chunk_default_chunk_size_and_no_final_state():
+    q, k, v, gk, h0 = make_inputs(200)
+    o, ht = chunk_gla(q, k, v, gk, initial_state=h0)  # chunk_size=64: 3 full chunks and a partial one
+    assert ht is None
+    torch.testing.assert_close(o, naive_recurrent_gla(q, k, v, gk, initial_state=h0)[0], **FP32_TOL)
+
+
+def test_chunk_rejects_bad_chunk_size():
+    q, k, v, gk, _ = make_inputs(8)
+    with pytest.raises(ValueError, match="power of two"):
+        chunk_gla(q, k, v, gk, chunk_size=24)
+
+
+def _grads(op, q, k, v, gk, h0, do, dht):
+    """Gradients of <o, do> + <final state, dht> w.r.t. q, k, v, gk and h0."""
+    leaves = [x.detach().requires_grad_() for x in (q, k, v, gk, h0)]
+    o, ht = op(*leaves)
+    ((o * do).sum() + (ht * dht).sum()).backward()
+    return [x.grad for x in leaves]
+
+
+@pytest.mark.parametrize(
+    "seq_len,gk_kind",
+    [(5, "normal"), (64, "normal"), (100, "normal"), (70, "strong")],
+)
+def test_chunk_gradients_match_naive(seq_len, gk_kind):
+    gk = mixed_strong_decay(seq_len) if gk_kind == "strong" else None
+    q, k, v, gk, h0 = make_inputs(seq_len, gk=gk)
+    do, dht = torch.randn(B, seq_len, H, V), torch.randn(B, H, K, V)
+
+    def chunk(*args):
+        return chunk_gla(*args[:4], initial_state=args[4], output_final_state=True, chunk_size=16)
+
+    def naive(*args):
+        return naive_recurrent_gla(*args[:4], initial_state=args[4], output_final_state=True)
+
+    grads = _grads(chunk, q, k, v, gk, h0, do, dht)
+    grads_ref = _grads(naive, q, k, v, gk, h0, do, dht)
+    for name, grad, grad_ref in zip(["dq", "dk", "dv", "dgk", "dh0"], grads, grads_ref):
+        assert torch.isfinite(grad).all(), name
+        torch.testing.assert_close(grad, grad_ref, **GRAD_TOL, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("seq_len", [1, 7, 33])
+@pytest.mark.parametrize("with_h0", [False, True], ids=["no_h0", "h0"])
+def test_recurrent_matches_naive(seq_len, with_h0):
+    q, k, v, gk, h0 = make_inputs(seq_len)
+    h0 = h0 if with_h0 else None
+    o, ht = recurrent_gla(q, k, v, gk, initial_state=h0, output_final_state=True)
+    o_ref, ht_ref = naive_recurrent_gla(q, k, v, gk, initial_state=h0, output_final_state=True)
+    torch.testing.assert_close(o, o_ref, **FP32_TOL)
+    torch.testing.assert_close(ht, ht_ref, **FP32_TOL)
+    assert recurrent_gla(q, k, v, gk, initial_state=h0)[1] is None
+
+
+@pytest.mark.parametrize("op", [chunk_gla, recurrent_gla], ids=["chunk", "recurrent"])
+def test_explicit_scale(op):
+    # naive fixes scale = K ** -0.5, so a scale s equals naive on q * s / K ** -0.5
+    q, k, v, gk, h0 = make_inputs(40)
+    o, ht = op(q, k, v, gk, scale=0.3, initial_state=h0, output_final_state=True)
+    o_ref, ht_ref = naive_recurrent_gla(q * 0.3 * K**0.5, k, v, gk, initial_state=h0, output_final_state=True)
+    torch.testing.assert_close(o, o_ref, **FP32_TOL)
+    torch.testing.assert_close(ht, ht_ref, **FP32_TOL)
+
+
+@pytest.mark.parametrize("seq_len", [2, 17, 65, 130])
+def test_prefill_then_decode_matches_full_run(seq_len):
+    q, k, v, gk, h0 = make_inputs(seq_len)
+    o_ref, ht_ref = naive_recurrent_gla(q, k, v, gk, initial_state=h0, output_final_state=True)
+
+    o_prefill, state = chunk_gla(q[:, :-1], k[:, :-1], v[:, :-1], gk[:, :-1], initial_state=h0,
+                                 output_final_state=True, chunk_size=16)
+    o_last, ht = recurrent_gla(q[:, -1:], k[:, -1:], v[:, -1:], gk[:, -1:], initial_state=state,
+                               output_final_state=True)
+    torch.testing.assert_close(o_prefill, o_ref[:, :-1], **FP32_TOL)
+    torch.testing.assert_close(o_last, o_ref[:, -1:], **FP32_TOL)
+    torch.testing.assert_close(ht, ht_ref, **FP32_TOL)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_chunk_strong_decay_is_finite_and_exact(chunk_size):
+    # float64 inputs; both ops compute in float32, so the tolerance stays float32-level
+    q, k, v, gk, h0 = make_inputs(150, dtype=torch.float64, gk=mixed_strong_decay(150))
+    o, ht = chunk_gla(q, k, v, gk, initial_state=h0, output_final_state=True, chunk_size=chunk_size)
+    o_ref, ht_ref = naive_recurrent_gla(q, k, v, gk, initial_state=h0, output_final_state=True)
+    assert o.dtype == torch.float64 and torch.isfinite(o).all() and torch.isfinite(ht).all()
+    torch.testing.assert_close(o, o_ref, **FP32_TOL)
+    torch.testing.assert_close(ht, ht_ref, **FP32_TOL)
+
+
+def test_chunk_uniform_strong_decay_forgets_everything_but_the_current_token():
+    # gk = -30 on every dim: exp(-30) ~ 1e-13, so o_t = (q_t . k_t) scale v_t up to ~1e-13
+    q, k, v, _, h0 = make_inputs(130)
+    gk = torch.full((B, 130, H, K), -30.0)
+    o, ht = chunk_gla(q, k, v, gk, initial_state=h0, output_final_state=True)
+    expected = (q * k).sum(-1, keepdim=True) * K**-0.5 * v
+    torch.testing.assert_close(o, expected, **FP32_TOL)
+    torch.testing.assert_close(ht, k[:, -1, :, :, None] * v[:, -1, :, None, :], **FP32_TOL)
+
+
+@pytest.mark.parametrize("op", [chunk_gla, recurrent_gla], ids=["chunk", "recurrent"])
+def test_bf16_inputs(op):
+    q, k, v, gk, h0 = make_inputs(70, dtype=torch.bfloat16)
+    o, ht = op(q, k, v, gk, initial_state=h0, output_final_state=True)
+    assert o.dtype == torch.bfloat16 and ht.dtype == torch.float32
+    # the same bf16 values in float32: the math is float32 either way, only o is rounded to bf16
+    o32, ht32 = op(*(x.float() for x in (q, k, v, gk)), initial_state=h0.float(), output_final_state=True)
+    torch.testing.assert_close(o.float(), o32, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(o, o32.to(torch.bfloat16), rtol=0, atol=0)
+    torch.testing.assert_close(ht, ht32, **FP32_TOL)
+    o_ref, ht_ref = naive_recurrent_gla(q, k, v, gk, initial_state=h0, output_final_state=True)
+    torch.testing.assert_close(o.float(), o_ref.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(ht, ht_ref, **FP32_TOL)
