@@ -213,17 +213,21 @@ def timed_rounds(fns: dict[str, Callable[[], object]], rounds: int, calls: int =
     if round_estimate:
         calls = max(calls, min(50, int(min_round_s / round_estimate) + 1))
     times = {name: [] for name in names}
+    faults = {name: 0 for name in names}
     busy_per_round, redo_left, r = [], QUIET.max_redo, 0
     while r < rounds:
         shift = r % len(names)
         order = names[shift:] + names[:shift]
         probe = LoadProbe()
         this_round = {name: [] for name in names}
+        round_faults = {}
         for name in order:
+            faults_before = minor_faults()
             for _ in range(calls):
                 start = time.perf_counter()
                 fns[name]()
                 this_round[name].append(time.perf_counter() - start)
+            round_faults[name] = minor_faults() - faults_before
         busy = probe.others_cores()
         if busy is not None and busy > BUSY_THRESHOLD:
             if redo_left > 0:
@@ -235,9 +239,22 @@ def timed_rounds(fns: dict[str, Callable[[], object]], rounds: int, calls: int =
         busy_per_round.append(None if busy is None else round(busy, 2))
         for name in names:
             times[name].extend(this_round[name])
+            faults[name] += round_faults[name]
         r += 1
+    # minor page faults per call: fresh memory pages the allocator had to map (large temporaries freed to the OS
+    # and mapped again on every call show up here)
     return {name: {**summarize(times[name]), "rounds": rounds, "calls_per_round": calls,
+                   "minor_page_faults_per_call": round(faults[name] / max(1, len(times[name])), 1),
                    "others_cores_per_round": busy_per_round} for name in names}
+
+
+def minor_faults() -> int:
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    except (ImportError, OSError):
+        return 0
 
 
 def summarize(times: list[float]) -> dict:
@@ -450,7 +467,8 @@ def profile_overhead(T: int, calls: int = 3, top: int = 12) -> dict:
                     sel.get(op, (0, 0))[1] - nope.get(op, (0, 0))[1]) for op in set(sel) | set(nope)),
                   key=lambda r: -r[1])[:top]
     total = {name: sum(ms for ms, _ in ops.values()) for name, ops in per_variant.items()}
-    log(f"  profiled self-CPU per forward: nope {total['nope']:.1f} ms, selective_rope {total['selective_rope']:.1f} ms")
+    log(f"  profiled self-CPU per forward: nope {total['nope']:.1f} ms, "
+        f"selective_rope {total['selective_rope']:.1f} ms")
     log("  extra self-CPU ms per forward (selective_rope - nope), top ops:")
     for op, ms, extra_calls in diff:
         log(f"    {op:32s} {ms:+8.2f} ms  ({extra_calls:+d} calls)")
@@ -490,11 +508,13 @@ def print_table(results: dict) -> None:
     op = results["gla_op"]
     log(f"2. GLA op forward, B={op['shape']['B']} H={op['shape']['H']} K=V={op['shape']['K']} fp32: "
         f"chunk_gla vs naive_recurrent_gla ({op['rounds']} interleaved rounds)")
-    log(f"   {'T':>6} | {'chunk ms':>10} | {'naive ms':>10} | {'speed-up':>9} | {'max|diff|':>9}")
+    log(f"   {'T':>6} | {'chunk ms':>10} | {'chunk min':>9} | {'naive ms':>10} | {'speed-up':>9} | {'max|diff|':>9} | "
+        f"{'chunk page faults/call':>22}")
     for row in op["rows"]:
         log(f"   {row['seq_len']:>6} | {row['chunk_gla']['median_s'] * 1e3:>10.2f} | "
+            f"{row['chunk_gla']['min_s'] * 1e3:>9.2f} | "
             f"{row['naive_recurrent_gla']['median_s'] * 1e3:>10.1f} | {row['speedup']:>8.1f}x | "
-            f"{row['max_abs_err_vs_naive']:>9.1e}")
+            f"{row['max_abs_err_vs_naive']:>9.1e} | {row['chunk_gla']['minor_page_faults_per_call']:>22.0f}")
 
     dec = results["decode"]
     log(f"3. Decode (selective_rope, median of {dec['steps']} single-token steps per context, contexts interleaved)")
