@@ -60,8 +60,9 @@ class SelectiveRopePreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["SelectiveRopeDecoderBlock"]
-    # The temperature and the phase bias stay float32 even when the model loads in bf16/fp16.
-    _keep_in_fp32_modules_strict = ["temperature", "phase_bias"]
+    # The Selective RoPE module (temperature, phase projection, convolution, bias, gate: a few thousand
+    # parameters per layer) stays float32 when the model loads in bf16/fp16, so the whole phase path is float32.
+    _keep_in_fp32_modules_strict = ["rotary"]
     _is_stateful = True  # recurrent state: no assisted generation, no cache cropping
     _supports_attention_backends = False
 

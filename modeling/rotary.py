@@ -142,7 +142,6 @@ class SelectiveRotaryEmbedding(nn.Module):
                            if config.phase_conv_size > 0 else None)
         self.phase_bias = nn.Parameter(torch.zeros(num_key_heads, self.half)) if config.phase_bias else None
         self.phase_gate_proj = self._build_gate(config, hidden_size) if config.phase_gate else None
-        self.gate_type = config.phase_gate_type
 
     def _build_gate(self, config: SelectiveRopeConfigBase, hidden_size: int) -> nn.Module:
         if config.phase_gate_type == "head":
@@ -180,14 +179,15 @@ class SelectiveRotaryEmbedding(nn.Module):
         return a, new_conv_state
 
     def _gate(self, u: torch.Tensor) -> torch.Tensor:
-        """``G(u)`` in float32, shaped to broadcast against ``(B, T, Hk, R)``."""
+        """``G(u)`` as float32, shaped to broadcast against ``(B, T, Hk, R)``.
+
+        The module is called (not its weights read) so hooks and adapters on it take effect; its parameters are
+        float32 unless the user cast the model by hand, hence the cast to the weights' dtype.
+        """
         batch, seq_len = u.shape[:2]
-        flat = u.flatten(2)  # (B, T, D)
-        modules = self.phase_gate_proj if isinstance(self.phase_gate_proj, nn.Sequential) else [self.phase_gate_proj]
-        for linear in modules:
-            bias = None if linear.bias is None else linear.bias.float()
-            flat = F.linear(flat, linear.weight.float(), bias)
-        return flat.view(batch, seq_len, self.num_key_heads, -1)
+        weight_dtype = next(self.phase_gate_proj.parameters()).dtype
+        gate = self.phase_gate_proj(u.flatten(2).to(weight_dtype)).float()  # (B, T, Hk) or (B, T, Hk * R)
+        return gate.view(batch, seq_len, self.num_key_heads, -1)
 
     def forward(
         self,
