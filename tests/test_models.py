@@ -188,6 +188,23 @@ def test_loss_and_logits_to_keep(family):
     out.loss.backward()
     assert all(p.grad is not None for n, p in model.named_parameters() if p.requires_grad), "unused parameters"
     torch.testing.assert_close(model(ids, logits_to_keep=3).logits, out.logits[:, -3:].detach(), **TOL)
+    as_tuple = model(ids, labels=ids, return_dict=False)
+    assert isinstance(as_tuple, tuple)
+    torch.testing.assert_close(as_tuple[0], out.loss)
+
+
+def test_hidden_states_follow_the_callers_layout(family):
+    model = build(family)
+    ids = tokens(family, 2, 6)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        out = model.model(ids, attention_mask=mask, output_hidden_states=True)
+        alone = model.model(ids[:1, 2:], output_hidden_states=True)
+    assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+    torch.testing.assert_close(out.hidden_states[-1], out.last_hidden_state)
+    for padded, single in zip(out.hidden_states, alone.hidden_states):
+        torch.testing.assert_close(padded[0, 2:], single[0], **TOL)
+    assert out.last_hidden_state[0, :2].abs().max() == 0  # nothing is computed at pads
 
 
 def test_bad_inputs_are_refused(family):
