@@ -108,6 +108,20 @@ def test_generate_with_and_without_cache(family):
     torch.testing.assert_close(torch.stack(cached.logits), torch.stack(uncached.logits), **TOL)
 
 
+def test_generate_continues_from_a_returned_cache_and_from_embeddings(family):
+    model = build(family)
+    ids = tokens(family, 2, 7)
+    reference = model.generate(ids, max_new_tokens=7, do_sample=False, pad_token_id=0)
+    first = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    assert first.past_key_values.get_seq_length() == 10  # the last sampled token is not fed yet
+    resumed = model.generate(first.sequences, past_key_values=first.past_key_values, max_new_tokens=3,
+                             do_sample=False, pad_token_id=0)
+    assert torch.equal(resumed, reference)
+    from_embeddings = model.generate(inputs_embeds=model.get_input_embeddings()(ids), max_new_tokens=4,
+                                     do_sample=False, pad_token_id=0)
+    assert torch.equal(from_embeddings, reference[:, 7:11])
+
+
 def test_sampling_and_num_return_sequences(family):
     model = build(family)
     ids = tokens(family, 2, 5)
