@@ -148,6 +148,7 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
         rows = hidden_states if layout is None else layout.to_rows(hidden_states)  # (N, L, D)
         lengths = None if layout is None else layout.lengths
         restore = (lambda x: x) if layout is None else layout.from_rows
+        self._check_cache_batch(past_key_values, rows.shape[0])
 
         all_hidden_states = [] if output_hidden_states else None
         for layer_idx, block in enumerate(self.layers):
@@ -166,6 +167,14 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
             past_key_values=past_key_values if use_cache else None,
             hidden_states=tuple(all_hidden_states) if all_hidden_states is not None else None,
         )
+
+    @staticmethod
+    def _check_cache_batch(cache: SelectiveRopeCache | None, rows: int) -> None:
+        states = cache.layers[0].states if cache is not None and len(cache.layers) else {}
+        cached_rows = next(iter(states.values())).shape[0] if states else rows
+        if cached_rows != rows:
+            raise ValueError(f"past_key_values holds {cached_rows} sequences but the input has {rows} "
+                             "(with cu_seqlens, one per packed sequence)")
 
     @staticmethod
     def _layout(grid, attention_mask, cu_seqlens) -> SequenceLayout | None:

@@ -235,6 +235,9 @@ def test_bad_inputs_are_refused(family):
         model(ids, past_key_values=DynamicCache())
     with pytest.raises(ValueError, match="padding mask"):
         model(ids, attention_mask=torch.ones(2, 4, 4))
+    cache = model(ids, use_cache=True).past_key_values
+    with pytest.raises(ValueError, match="holds 2 sequences but the input has 1"):
+        model(ids[:1, :1], past_key_values=cache, use_cache=True)
 
 
 # -- IO and registration ------------------------------------------------------------------------------------------------
