@@ -286,3 +286,16 @@ def test_auto_classes(family):
     assert type(AutoModel.from_config(config)) is family.model_class
     assert type(AutoModelForCausalLM.from_config(config)) is family.lm_class
     assert family.config_class.model_type.startswith("selective_rope_")
+
+
+def test_activation_checkpointing_gives_the_same_gradients(family):
+    model = build(family).train()
+    ids = tokens(family, 2, 10)
+    params = [p for p in model.parameters() if p.requires_grad]
+    model(ids, labels=ids).loss.backward()
+    plain = [p.grad.clone() for p in params]
+    model.zero_grad()
+    model.gradient_checkpointing_enable()
+    model(ids, labels=ids).loss.backward()
+    for p, g in zip(params, plain):
+        torch.testing.assert_close(p.grad, g)
