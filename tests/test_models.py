@@ -295,7 +295,7 @@ def test_activation_checkpointing_gives_the_same_gradients(family):
     model(ids, labels=ids).loss.backward()
     plain = [p.grad.clone() for p in params]
     model.zero_grad()
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     model(ids, labels=ids).loss.backward()
     for p, g in zip(params, plain):
         torch.testing.assert_close(p.grad, g)
