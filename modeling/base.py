@@ -74,13 +74,7 @@ class SelectiveRopePreTrainedModel(PreTrainedModel):
             if getattr(module, "phase_bias", None) is not None:
                 init.zeros_(module.phase_bias)
         elif isinstance(module, PhaseProjection):
-            if module.kind == "low_rank":
-                init.normal_(module.down)
-                init.normal_(module.up, std=module.up.shape[-1] ** -0.5)
-            else:
-                init.normal_(module.weight)
-                if module.kind == "full_rank":
-                    init.copy_(module.scale, module.weight.norm(dim=-1))
+            module.reset_parameters()
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:

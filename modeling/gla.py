@@ -19,6 +19,7 @@ from ..configuration.gla import SelectiveRopeGLAConfig
 from ..kernels.gla_torch import chunk_gla, recurrent_gla
 from .base import SelectiveRopeForCausalLMBase, SelectiveRopeModelBase, substate, with_prefix
 from .layers import RMSNorm, ShortConvolution
+from .layout import valid_mask
 from .rotary import SelectiveRotaryEmbedding
 
 
@@ -73,7 +74,7 @@ class GatedLinearAttention(nn.Module):
         new_state.update(with_prefix(rotary_state, "rotary"))
 
         if lengths is not None:  # pads neither write to nor decay the recurrent state
-            valid = (torch.arange(seq_len, device=x.device) < lengths[:, None])[..., None, None]
+            valid = valid_mask(lengths, seq_len)[..., None, None]
             k, gk = k * valid, gk * valid
         groups = self.num_heads // self.num_kv_heads
         if groups > 1:  # GQA: each key/value head serves `groups` consecutive query heads

@@ -16,6 +16,11 @@ from dataclasses import dataclass
 import torch
 
 
+def valid_mask(lengths: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """``(N, seq_len)`` bool, True at the first ``lengths[n]`` positions of each right-padded row."""
+    return torch.arange(seq_len, device=lengths.device) < lengths[:, None]
+
+
 @dataclass
 class SequenceLayout:
     index: torch.Tensor  # (N, L): position of each row slot in the caller's flattened (B * T) token grid
@@ -52,7 +57,7 @@ class SequenceLayout:
     @property
     def valid(self) -> torch.Tensor:
         """``(N, L)`` bool, True at real tokens."""
-        return torch.arange(self.index.shape[1], device=self.index.device) < self.lengths[:, None]
+        return valid_mask(self.lengths, self.index.shape[1])
 
     def to_rows(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, T, ...)`` -> ``(N, L, ...)``."""

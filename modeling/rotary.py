@@ -21,12 +21,12 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import initialization as init
 
 from ..configuration.position_embedding import SelectiveRopeConfigBase
-from ..kernels.conv_torch import causal_conv1d
 from ..kernels.rotary_torch import selective_rotary
 from .layers import ShortConvolution
-from .layout import SequenceLayout
+from .layout import SequenceLayout, valid_mask
 
 GATE_LOW_RANK = 16
 
@@ -81,14 +81,14 @@ class PhaseProjection(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         # u has unit norm, so N(0, 1) rows give a ~ N(0, 1): phase steps of the same order as RoPE's +1 per token.
+        # transformers' init functions skip tensors already loaded from a checkpoint (this also runs in _init_weights).
         if self.kind == "low_rank":
-            nn.init.normal_(self.down)
-            nn.init.normal_(self.up, std=self.up.shape[-1] ** -0.5)
-        elif self.kind == "full_rank":
-            nn.init.normal_(self.weight)
-            self.scale.copy_(self.weight.norm(dim=-1))  # weight norm starts as the plain weight (Salimans & Kingma)
-        else:
-            nn.init.normal_(self.weight)
+            init.normal_(self.down)
+            init.normal_(self.up, std=self.up.shape[-1] ** -0.5)
+            return
+        init.normal_(self.weight)
+        if self.kind == "full_rank":  # weight norm starts as the plain weight (Salimans & Kingma)
+            init.copy_(self.scale, self.weight.norm(dim=-1))
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         """``u``: ``(B, T, Hk, Dc)`` float32 -> ``(B, T, Hk, R)`` float32."""
@@ -204,7 +204,7 @@ class SelectiveRotaryEmbedding(nn.Module):
             return self._forward_packed(x, q, k, state, cu_seqlens)
         state = state or {}
         seq_len = x.shape[1]
-        valid = None if lengths is None else torch.arange(seq_len, device=x.device) < lengths[:, None]  # (B, T)
+        valid = None if lengths is None else valid_mask(lengths, seq_len)  # (B, T)
         increment, conv_state = self.phase_increment(x, valid, state.get("phase_conv"), lengths)
         q, k, phase = selective_rotary(q, k, increment, self.temperature, state.get("phase"))
         new_state = {"phase": phase}
