@@ -1,0 +1,381 @@
+"""Pure-PyTorch forgetting attention (FoX): the CPU / any-device backend of the FoX attention op.
+
+Layout follows flash-linear-attention (fla): every sequence tensor is ``[B, T, H, D]``.
+Forgetting attention is causal softmax attention whose logits carry the log forget gates
+accumulated between the key and the query:
+
+    o_i = Σ_{τ <= p_i} softmax_τ(scale q_i·k_τ + Σ_{s=τ+1..p_i} log f_s) v_τ
+
+The queries are the last ``Tq`` positions of the key timeline, ``p_i = Tk - Tq + i``: one call
+covers a full forward (``Tq == Tk``), a chunked prefill continuing a cache and single-token
+decoding (``Tq == 1``). With ``c`` the cumulative sum of the log forget gates, the bias is
+``c_{p_i} - c_τ``. Softmax math is float32 whatever the input dtype; the output comes back in
+``q.dtype``.
+
+How it is computed:
+
+* Queries are processed in blocks of ``block_size`` rows, each against the keys up to its last
+  position only, so the largest temporaries are a few of one block's ``(B, Hq, rows, keys)``
+  float32 tiles, never ``Tq x Tk`` for all heads.
+* Inference (no autograd needed): each block is one ``scaled_dot_product_attention`` call with a
+  float mask holding bias and masking. PyTorch's CPU flash kernel then tiles the keys itself and
+  reads grouped key/value heads directly (``enable_gqa``). On 2 CPU cores it ran within ±10% of
+  the explicit blockwise forward below (about 5% less CPU time on one core), and on other devices
+  SDPA picks a fused kernel.
+* Autograd: `_ForgettingAttention`, a FlashAttention-style blockwise forward and backward in
+  plain torch ops. The forward saves only its inputs and output; the backward recomputes each
+  block's probabilities. Key and value heads are used grouped, ``(B * Hk, G * rows, D)`` against
+  ``(B * Hk, keys, D)``, never repeated to the query heads. (SDPA cannot serve here: with a mask
+  that needs a gradient it falls back to its math path, which repeats k/v to the query heads and
+  keeps every block's probabilities for the backward, i.e. the full ``Tq x Tk`` matrix again.)
+* Plain causal attention over a whole sequence (no gate, no padding, ``Tq == Tk``) is a single
+  ``scaled_dot_product_attention(is_causal=True)``: the flash kernel is memory-bounded in both
+  directions and equals Llama's eager attention to float32 rounding.
+
+Every per-block tile is a view into scratch buffers allocated once per call (`_Scratch`). Fresh
+tensors grow by a few keys from one block to the next, so each is slightly larger than the one
+just freed, and glibc's allocator kept taking new memory from the OS: a forward + backward at
+T = 16384 (B=1, Hq=4) built that way grew the process by 3.6 GiB while ~30 MiB were live. With the
+scratch buffers it grows by ~80 MiB, inputs, outputs and gradients included.
+
+Why the bias is accurate at long context: a float32 running sum of the gates reaches -1e4 within
+16k tokens, where one ulp is ~1e-3, and ``c_p - c_τ`` of two such values loses those digits even
+for neighbouring tokens, exactly where the weights are largest. Here the cumulative sum is
+float64 and, per block starting at key position ``a``, the bias is assembled from float32
+differences that never cancel:
+
+* keys before the block (``τ < a``): ``(c_{p_i} - c_a) + (c_a - c_τ)``; both terms are <= 0, so
+  their float32 sum is accurate to a couple of ulps *of the bias itself*;
+* keys inside the block: ``c_{p_i} - c_τ`` directly from float64 (a small ``rows x rows`` tile).
+
+The gradient of the gates goes the same way: ``∂L/∂bias`` is summed into a float64 ``∂L/∂c``
+(``+`` at the query's position, ``-`` at the key's), and autograd takes it back through the
+float64 cumulative sum.
+
+Masking uses the most negative float32 instead of ``-inf``: a query with no visible key at all
+(left padding) then gets a finite uniform softmax instead of NaN, and its output is set to zero
+afterwards (so its gradients are zero, not NaN). Where a query has any visible key, masked keys
+get a weight of exactly 0, as with ``-inf``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+# Float32 elements of one block's (B, Hq, rows, Tk) tile, which sets the default block size (1 Mi elements
+# = 4 MiB). Measured on CPU (B=1, Hq=4, D=16, T=1024..16384, forward and forward + backward): 2 and 4 MiB
+# tiles were fastest, within ~15% of each other; at T=1024, 8 MiB tiles were up to 1.6x and 16 MiB ones up
+# to 5x slower (they no longer stay in the caches).
+BLOCK_ELEMENTS = 2**20
+MIN_BLOCK_SIZE = 16  # rows; below this the per-block Python overhead dominates
+
+# The mask value: exp(MASKED - max) is exactly 0 next to any real logit, and a row of only MASKED stays finite.
+MASKED = torch.finfo(torch.float32).min
+
+# scaled_dot_product_attention takes grouped key/value heads (enable_gqa) from torch 2.5 on
+_SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def forgetting_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_fgate: torch.Tensor | None = None,
+    scale: float | None = None,
+    key_valid: torch.Tensor | None = None,
+    block_size: int | None = None,
+) -> torch.Tensor:
+    """Causal softmax attention with a forget gate (FoX), blockwise and memory-bounded.
+
+    Args:
+        q: (B, Tq, Hq, D) queries, the last Tq positions of the key timeline (query i sits at key
+            position Tk - Tq + i).
+        k: (B, Tk, Hk, D) keys, Hq % Hk == 0 (query head h reads key head h // (Hq // Hk)), Tq <= Tk.
+        v: (B, Tk, Hk, Dv) values.
+        log_fgate: (B, Tk, Hq) log forget gate (<= 0, finite) at every key position, or None for plain
+            causal softmax attention.
+        scale: logit scale; defaults to D ** -0.5.
+        key_valid: (B, Tk) bool, False marks padding slots of the key timeline (anywhere). Invalid
+            keys are never attended and their log forget gate counts as 0. A query that sees no valid
+            key at all gets a zero output.
+        block_size: query rows per block; by default as many as keep one block's (B, Hq, rows, Tk)
+            float32 tile within ``BLOCK_ELEMENTS`` (at least ``MIN_BLOCK_SIZE``).
+
+    Returns:
+        o: (B, Tq, Hq, Dv) in q.dtype, contiguous. Differentiable (first order) in q, k, v and log_fgate.
+    """
+    _check_shapes(q, k, v, log_fgate, key_valid, block_size)
+    B, Tq, Hq, D = q.shape
+    Tk, Dv = k.shape[1], v.shape[-1]
+    scale = D**-0.5 if scale is None else scale
+    out_dtype = q.dtype
+    if Tq == 0:
+        return q.new_zeros(B, 0, Hq, Dv)
+
+    # (B, T, H, D) -> (B, H, T, D) float32: heads first, the layout both paths want
+    q, k, v = (x.float().transpose(1, 2) for x in (q, k, v))
+
+    if log_fgate is None and key_valid is None and Tq == Tk:
+        o = _sdpa(q, k, v, is_causal=True, scale=scale)
+        return o.transpose(1, 2).to(out_dtype).contiguous()
+
+    cum = None  # (B, Hq, Tk) float64 cumulative log forget gate
+    if log_fgate is not None:
+        if key_valid is not None:  # a padding slot forgets nothing: its gate is 1
+            log_fgate = log_fgate.masked_fill(~key_valid.unsqueeze(-1), 0.0)
+        # float64 where the device has it (MPS does not): see the module docstring for why
+        acc_dtype = torch.float32 if log_fgate.device.type == "mps" else torch.float64
+        cum = log_fgate.to(acc_dtype).cumsum(1).transpose(1, 2).contiguous()
+
+    if block_size is None:
+        block_size = max(MIN_BLOCK_SIZE, BLOCK_ELEMENTS // (B * Hq * Tk))
+    block_size = min(block_size, Tq)
+
+    needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, cum))
+    if needs_grad:
+        o = _ForgettingAttention.apply(q, k, v, cum, key_valid, scale, block_size)
+    else:
+        o = _attention_inference(q, k, v, cum, key_valid, scale, block_size)
+
+    if key_valid is not None:  # queries that see no valid key (e.g. left padding) output zeros
+        sees_a_key = key_valid.cumsum(1)[:, Tk - Tq :] > 0  # (B, Tq)
+        o = o.masked_fill(~sees_a_key[:, None, :, None], 0.0)
+    return o.transpose(1, 2).to(out_dtype).contiguous()  # (B, Tq, Hq, Dv), as fla returns it
+
+
+def _check_shapes(q, k, v, log_fgate, key_valid, block_size) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        shapes = ", ".join(str(tuple(x.shape)) for x in (q, k, v))
+        raise ValueError(f"q, k, v must be (B, T, H, D), got {shapes}")
+    B, Tq, Hq, D = q.shape
+    _, Tk, Hk, _ = k.shape
+    if k.shape[0] != B or k.shape[-1] != D or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"mismatched q, k, v shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if Hk == 0 or Hq % Hk:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hk})")
+    if Tq > Tk:
+        raise ValueError(f"more queries ({Tq}) than keys ({Tk}): queries are the last Tq key positions")
+    if log_fgate is not None and log_fgate.shape != (B, Tk, Hq):
+        raise ValueError(f"log_fgate must be (B, Tk, Hq) = {(B, Tk, Hq)}, got {tuple(log_fgate.shape)}")
+    if key_valid is not None and (key_valid.shape != (B, Tk) or key_valid.dtype != torch.bool):
+        raise ValueError(f"key_valid must be a bool (B, Tk) = {(B, Tk)} tensor, got {key_valid.dtype} "
+                         f"{tuple(key_valid.shape)}")
+    if block_size is not None and block_size < 1:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+
+
+def _blocks(Tq: int, Tk: int, block_size: int):
+    """Yield (start, stop, first, end) per query block: rows [start, stop) of q, which sit at key positions
+    [first, end); the block reads the keys [0, end)."""
+    offset = Tk - Tq
+    for start in range(0, Tq, block_size):
+        stop = min(Tq, start + block_size)
+        yield start, stop, offset + start, offset + stop
+
+
+class _Scratch:
+    """Buffers allocated once per call; every block's tiles are views into them (see the module docstring).
+
+    tiles: names of flat float32 buffers of ``tile_elements`` each; `tile` views the front of one as any
+    shape. key_part: the key half of the bias, (B, Hq, Tk) with a gate, (B, 1, Tk) with padding only;
+    future: (block, block) bool, True above the diagonal (its top-left square serves a shorter last block).
+    """
+
+    def __init__(self, ref: torch.Tensor, tiles: tuple[str, ...], tile_elements: int, B: int, Hq: int,
+                 Tk: int, block_size: int, gated: bool, padded: bool) -> None:
+        self.flat = {name: ref.new_empty(tile_elements) for name in tiles}
+        self.key_part = ref.new_empty(B, Hq if gated else 1, Tk) if gated or padded else None
+        self.future = torch.ones(block_size, block_size, dtype=torch.bool, device=ref.device).triu(1)
+
+    def tile(self, name: str, *shape: int) -> torch.Tensor:
+        return self.flat[name][: math.prod(shape)].view(shape)
+
+
+def _write_block_bias(
+    bias: torch.Tensor,
+    scratch: _Scratch,
+    cum: torch.Tensor | None,
+    key_valid: torch.Tensor | None,
+    first: int,
+) -> torch.Tensor:
+    """Write one query block's additive float32 logit bias, masking included, into ``bias`` and return it.
+
+    bias: (B | 1, Hq | 1, rows, E) target, E = first + rows (the keys up to the block's last query);
+    a gate needs (B, Hq, ...), padding (B, ...). cum: (B, Hq, Tk) float64 cumulative log forget gate or
+    None; key_valid: (B, Tk) bool or None; first: key position of the block's first query.
+    Visible keys (τ <= p_i and valid) get ``c_{p_i} - c_τ`` (0 without a gate), the others ``MASKED``.
+    """
+    rows = bias.shape[-2]
+    end = first + rows
+    past, own = bias[..., :first], bias[..., first:]  # keys before the block, the block's own keys
+
+    # keys before the block: (c_p - c_first) + (c_first - c_τ), both <= 0, so no cancellation. Padding
+    # is masked in the key half (first values, not rows x first): MASKED + (c_p - c_first) is MASKED.
+    if cum is None and key_valid is None:
+        past.zero_()
+    else:
+        key_part = scratch.key_part[..., :first]  # (B, Hq | 1, first)
+        if cum is None:
+            key_part.zero_()
+        else:
+            ref = cum[..., first : first + 1]  # c at the block's first query
+            torch.sub(ref, cum[..., :first], out=key_part)  # float64 -> float32
+        if key_valid is not None:
+            key_part.masked_fill_(~key_valid[:, None, :first], MASKED)
+        if cum is None:
+            past.copy_(key_part.unsqueeze(-2).expand_as(past))
+        else:
+            query_part = (cum[..., first:end] - ref).float()  # (B, Hq, rows)
+            torch.add(query_part.unsqueeze(-1), key_part.unsqueeze(-2), out=past)
+
+    # the block's own keys: c_p - c_τ straight from float64, the future masked
+    if cum is None:
+        own.zero_()
+    else:
+        torch.sub(cum[..., first:end, None], cum[..., None, first:end], out=own)
+    own.masked_fill_(scratch.future[:rows, :rows], MASKED)
+    if key_valid is not None:
+        own.masked_fill_(~key_valid[:, None, None, first:end], MASKED)
+    return bias
+
+
+def _attention_inference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cum: torch.Tensor | None,
+    key_valid: torch.Tensor | None,
+    scale: float,
+    block_size: int,
+) -> torch.Tensor:
+    """Blockwise scaled_dot_product_attention (no autograd).
+
+    q: (B, Hq, Tq, D); k: (B, Hk, Tk, D); v: (B, Hk, Tk, Dv), float32; cum: (B, Hq, Tk) float64 or None;
+    key_valid: (B, Tk) bool or None. Returns (B, Hq, Tq, Dv) float32.
+    """
+    B, Hq, Tq, _ = q.shape
+    Tk, Dv = k.shape[2], v.shape[-1]
+    # without a gate one mask serves every head, and without padding every sequence too
+    mask_batch = B if cum is not None or key_valid is not None else 1
+    mask_heads = Hq if cum is not None else 1
+    scratch = _Scratch(q, ("bias",), mask_batch * mask_heads * block_size * Tk, B, Hq, Tk, block_size,
+                       gated=cum is not None, padded=key_valid is not None)
+    o = q.new_empty(B, Hq, Tq, Dv)
+    for start, stop, first, end in _blocks(Tq, Tk, block_size):
+        bias = scratch.tile("bias", mask_batch, mask_heads, stop - start, end)
+        _write_block_bias(bias, scratch, cum, key_valid, first)
+        q_block, k_block, v_block = q[:, :, start:stop], k[:, :, :end], v[:, :, :end]
+        o[:, :, start:stop] = _sdpa(q_block, k_block, v_block, attn_mask=bias, scale=scale)
+    return o
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """scaled_dot_product_attention on (B, H, T, D) tensors with Hq a multiple of Hk."""
+    Hq, Hk = q.shape[1], k.shape[1]
+    if Hq == Hk:
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    if _SDPA_HAS_GQA:  # reads key/value head h // G for query head h, without copies
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)
+    k, v = k.repeat_interleave(Hq // Hk, dim=1), v.repeat_interleave(Hq // Hk, dim=1)  # torch < 2.5
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+class _ForgettingAttention(torch.autograd.Function):
+    """Blockwise forgetting attention with a memory-bounded backward (FlashAttention-2 style, plain torch).
+
+    Inputs as `_attention_inference`; returns (B, Hq, Tq, Dv) float32. Saved for the backward: the
+    inputs and the output; the backward recomputes each block's probabilities.
+
+    Per block, with S = bias + scale q kᵀ, P = softmax(S), O = P v:
+        dP = dO vᵀ,   dS = P ∘ (dP - rowsum(dO ∘ O)),
+        dq = scale dS k,   dk += scale dSᵀ q,   dv += Pᵀ dO,
+        dc[p_i] += Σ_τ dS_iτ,   dc[τ] -= Σ_i dS_iτ     (bias = c_{p_i} - c_τ; masked entries have P = 0).
+    Key/value tensors are handled as (B * Hk, T, D): the G query heads of one key head form one
+    (G * rows, D) matrix, so the heads are grouped, never repeated.
+
+    P comes from ``torch.softmax`` (recomputed in the backward) rather than ``exp(S - lse)`` with a
+    saved log-sum-exp: ``Tensor.exp`` is 10-35x slower on logits far below the row maximum (masked
+    keys, strongly forgotten ones: results that underflow to subnormals or 0), which dominated the
+    whole op at 4096 tokens; the softmax kernel's exponential does not slow down there.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, cum, key_valid, scale, block_size):
+        B, Hq, Tq, _ = q.shape
+        Hk, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+        q = q * scale  # (B, Hq, Tq, D), a new tensor
+        k, v = k.reshape(B * Hk, Tk, -1), v.reshape(B * Hk, Tk, Dv)  # contiguous copies of the views
+        scratch = _Scratch(q, ("scores", "probs"), B * Hq * block_size * Tk, B, Hq, Tk, block_size,
+                           gated=cum is not None, padded=key_valid is not None)
+        o = q.new_empty(B, Hq, Tq, Dv)
+        for start, stop, first, end in _blocks(Tq, Tk, block_size):
+            probs = _block_probs(scratch, q, k, cum, key_valid, start, stop, first)  # (B * Hk, G * rows, E)
+            o[:, :, start:stop] = torch.bmm(probs, v[:, :end]).view(B, Hq, stop - start, Dv)
+        ctx.save_for_backward(q, k, v, cum, key_valid, o)
+        ctx.scale, ctx.block_size = scale, block_size
+        return o
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do):
+        q, k, v, cum, key_valid, o = ctx.saved_tensors  # q scaled; k, v (B * Hk, Tk, D | Dv)
+        B, Hq, Tq, D = q.shape
+        BHk, Tk, Dv = v.shape
+        G = Hq * B // BHk
+        scratch = _Scratch(q, ("scores", "probs", "grads"), B * Hq * ctx.block_size * Tk, B, Hq, Tk,
+                           ctx.block_size, gated=cum is not None, padded=key_valid is not None)
+        delta = (do * o).sum(-1)  # (B, Hq, Tq): rowsum(P ∘ dP) = rowsum(dO ∘ O)
+        dq = torch.empty_like(q)
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # summed over the blocks
+        dcum = None if cum is None else torch.zeros_like(cum)
+        col_sums = None if cum is None else q.new_empty(B, Hq, Tk)
+        for start, stop, first, end in _blocks(Tq, Tk, ctx.block_size):
+            rows = stop - start
+            probs = _block_probs(scratch, q, k, cum, key_valid, start, stop, first)  # (B * Hk, G * rows, E)
+            do_block = _grouped(do, start, stop, BHk)
+            d_scores = scratch.tile("grads", BHk, G * rows, end)
+            torch.bmm(do_block, v[:, :end].transpose(1, 2), out=d_scores)  # dP
+            d_scores.sub_(_grouped(delta.unsqueeze(-1), start, stop, BHk)).mul_(probs)  # dS
+            dq[:, :, start:stop] = torch.bmm(d_scores, k[:, :end]).view(B, Hq, rows, D)
+            dk[:, :end].baddbmm_(d_scores.transpose(1, 2), _grouped(q, start, stop, BHk))
+            dv[:, :end].baddbmm_(probs.transpose(1, 2), do_block)
+            if dcum is not None:
+                d_bias = d_scores.view(B, Hq, rows, end)
+                dcum[..., first:end] += d_bias.sum(-1)
+                dcum[..., :end] -= torch.sum(d_bias, dim=-2, out=col_sums[..., :end])
+        dq.mul_(ctx.scale)
+        return dq, dk.view(B, -1, Tk, D), dv.view(B, -1, Tk, Dv), dcum, None, None, None
+
+
+def _block_probs(
+    scratch: _Scratch,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cum: torch.Tensor | None,
+    key_valid: torch.Tensor | None,
+    start: int,
+    stop: int,
+    first: int,
+) -> torch.Tensor:
+    """P = softmax(bias + q kᵀ) for one query block, on grouped heads, in the "probs" tile.
+
+    q: (B, Hq, Tq, D) already scaled; k: (B * Hk, Tk, D). Returns the (B * Hk, G * rows, E) tile:
+    query head h = hk * G + g reads key head hk, so the G query heads of one key head are one matrix.
+    """
+    B, Hq = q.shape[:2]
+    BHk = k.shape[0]
+    rows, end = stop - start, first + stop - start
+    scores = _write_block_bias(scratch.tile("scores", B, Hq, rows, end), scratch, cum, key_valid, first)
+    scores = scores.view(BHk, -1, end)  # (B * Hk, G * rows, E)
+    scores.baddbmm_(_grouped(q, start, stop, BHk), k[:, :end].transpose(1, 2))  # bias + q kᵀ, in place
+    return torch.softmax(scores, dim=-1, out=scratch.tile("probs", *scores.shape))
+
+
+def _grouped(x: torch.Tensor, start: int, stop: int, BHk: int) -> torch.Tensor:
+    """Rows [start, stop) of a (B, Hq, T, X) tensor as (B * Hk, G * rows, X): query head h = hk * G + g
+    becomes rows [g * rows, (g + 1) * rows) of matrix b * Hk + hk (a small copy)."""
+    return x[:, :, start:stop].reshape(BHk, -1, x.shape[-1])
