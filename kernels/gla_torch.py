@@ -46,7 +46,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
 # Float32 elements per (B, H, tokens, D) temporary of one segment (512 KiB). Longer inputs are run as
 # consecutive segments (carrying the state), so the temporaries stay small: on the CPU they are then
 # recycled by the allocator and stay in cache, instead of being freshly mapped (page faults) every call.

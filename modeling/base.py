@@ -2,7 +2,8 @@
 
 A family provides its config class and its mixer (``mixer_class``); the mixer maps
 ``(hidden_states (N, L, D), lengths, state) -> (output (N, L, D), new_state)`` over right-padded rows (see
-:mod:`.layout`) and keeps its decoding state in a flat dict of tensors (batch first).
+:mod:`.layout`) and keeps its decoding state in a flat dict of tensors (batch first). Its ``token_states`` names the
+entries that are per-token histories ``(N, T_seen, ...)`` (FoX's keys and values): only those can be cropped.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from transformers.utils.generic import can_return_tuple
 from .cache import SelectiveRopeCache
 from .layers import GatedMLP, RMSNorm, mlp_width
 from .layout import SequenceLayout
-from .rotary import PhaseProjection, SelectiveRotaryEmbedding
+from .rotary import SelectiveRotaryEmbedding
 
 logger = logging.get_logger(__name__)
 
@@ -43,8 +44,10 @@ class SelectiveRopeDecoderBlock(GradientCheckpointingLayer):
         self.attn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.attn = mixer_class(config, layer_idx)
         self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, mlp_width(config.hidden_size, config.hidden_ratio,
-                                                          config.intermediate_size))
+        # GLA/GDN size the MLP from hidden_ratio (flash-linear-attention's rule); FoX gives intermediate_size and
+        # mlp_bias as Llama does.
+        width = mlp_width(config.hidden_size, getattr(config, "hidden_ratio", None), config.intermediate_size)
+        self.mlp = GatedMLP(config.hidden_size, width, bias=getattr(config, "mlp_bias", False))
 
     def forward(self, hidden_states: torch.Tensor, lengths: torch.Tensor | None = None,
                 state: dict[str, torch.Tensor] | None = None, use_cache: bool = False):
@@ -63,7 +66,7 @@ class SelectiveRopePreTrainedModel(PreTrainedModel):
     # The Selective RoPE module (temperature, phase projection, convolution, bias, gate: a few thousand
     # parameters per layer) stays float32 when the model loads in bf16/fp16, so the whole phase path is float32.
     _keep_in_fp32_modules_strict = ["rotary"]
-    _is_stateful = True  # recurrent state: no assisted generation, no cache cropping
+    _is_stateful = True  # states that cannot be rolled back (recurrences, phases): no assisted generation
     _supports_attention_backends = False
 
     @torch.no_grad()
@@ -73,8 +76,8 @@ class SelectiveRopePreTrainedModel(PreTrainedModel):
             init.copy_(module.temperature, module.initial_temperature())
             if getattr(module, "phase_bias", None) is not None:
                 init.zeros_(module.phase_bias)
-        elif isinstance(module, PhaseProjection):
-            module.reset_parameters()
+        elif hasattr(module, "init_custom_parameters"):  # our modules with non-standard parameters
+            module.init_custom_parameters()
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -151,7 +154,8 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
             state = past_key_values.layers[layer_idx].states if past_key_values is not None else None
             rows, new_state = block(rows, lengths=lengths, state=state, use_cache=use_cache)
             if use_cache:
-                past_key_values.layers[layer_idx].set(new_state, num_new_tokens=hidden_states.shape[1])
+                past_key_values.layers[layer_idx].set(new_state, num_new_tokens=hidden_states.shape[1],
+                                                      token_states=block.attn.token_states)
         hidden_states = restore(self.norm(rows))
         if all_hidden_states is not None:
             all_hidden_states.append(hidden_states)

@@ -2,7 +2,10 @@
 
 A layer holds named tensors whose first dimension is the batch: the recurrent state, short-convolution histories and
 the Selective RoPE state (``rotary.phase``, ``rotary.phase_conv``). Beam search, ``num_return_sequences`` and batch
-selection act on every tensor alike, so a new family only chooses names.
+selection act on every tensor alike, so a new family only chooses names. Entries the mixer declares as
+``token_states`` (FoX's keys, values, log forget gates) are per-token histories ``(B, T_seen, ...)``: ``crop`` shortens
+them. Any other entry is a running state (a recurrence, a convolution history, a phase) that cannot be rolled back, so
+``crop`` refuses layers that hold one.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ class SelectiveRopeCacheLayer(CacheLayerMixin):
     def __init__(self):
         super().__init__()
         self.states: dict[str, torch.Tensor] = {}
+        self.token_states: frozenset[str] = frozenset()
         self.seen_tokens = 0
 
     def __repr__(self):
@@ -29,9 +33,11 @@ class SelectiveRopeCacheLayer(CacheLayerMixin):
     def get(self, name: str) -> torch.Tensor | None:
         return self.states.get(name)
 
-    def set(self, states: dict[str, torch.Tensor], num_new_tokens: int) -> None:
-        """Store the states after a forward over ``num_new_tokens`` columns (padding included)."""
+    def set(self, states: dict[str, torch.Tensor], num_new_tokens: int, token_states=()) -> None:
+        """Store the states after a forward over ``num_new_tokens`` columns (padding included); ``token_states``
+        names the per-token histories among them."""
         self.states.update(states)
+        self.token_states = frozenset(token_states)
         self.seen_tokens += num_new_tokens
         self.is_initialized = True
 
@@ -63,8 +69,19 @@ class SelectiveRopeCacheLayer(CacheLayerMixin):
         raise NotImplementedError("selective-rope caches cannot be offloaded")
 
     def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens (transformers 5 convention: a negative count)."""
         if tokens_to_remove > 0:
-            raise NotImplementedError("a recurrent state cannot be rolled back: `crop` is not supported")
+            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
+        if tokens_to_remove == 0 or not self.states:
+            return
+        running = sorted(set(self.states) - self.token_states)
+        if running:
+            raise NotImplementedError(f"this cache holds running states that cannot be rolled back "
+                                      f"({', '.join(running)}): crop needs a model whose whole state is per-token "
+                                      "(FoX with RoPE or NoPE and no key/value shift)")
+        removed = min(-tokens_to_remove, self.seen_tokens)
+        self._map(lambda t: t[:, : t.shape[1] - removed])
+        self.seen_tokens -= removed
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))

@@ -24,6 +24,8 @@ from .rotary import SelectiveRotaryEmbedding
 
 
 class GatedLinearAttention(nn.Module):
+    token_states: tuple[str, ...] = ()  # everything it caches is a running state
+
     def __init__(self, config: SelectiveRopeGLAConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx

@@ -76,10 +76,10 @@ class PhaseProjection(nn.Module):
             self.weight = nn.Parameter(torch.empty(num_key_heads, 1, chunk_dim))
         else:
             raise ValueError(f"unknown phase_proj {kind!r}")
-        self.reset_parameters()
+        self.init_custom_parameters()
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
+    def init_custom_parameters(self) -> None:
         # u has unit norm, so N(0, 1) rows give a ~ N(0, 1): phase steps of the same order as RoPE's +1 per token.
         # transformers' init functions skip tensors already loaded from a checkpoint (this also runs in _init_weights).
         if self.kind == "low_rank":
@@ -118,7 +118,8 @@ class SelectiveRotaryEmbedding(nn.Module):
     def __init__(self, config: SelectiveRopeConfigBase, num_query_heads: int, num_key_heads: int, head_dim: int):
         super().__init__()
         if num_query_heads % num_key_heads:
-            raise ValueError(f"num_query_heads ({num_query_heads}) must be a multiple of num_key_heads ({num_key_heads})")
+            raise ValueError(f"num_query_heads ({num_query_heads}) must be a multiple of "
+                             f"num_key_heads ({num_key_heads})")
         self.mode = config.position_embedding
         self.num_key_heads = num_key_heads
         self.rotary_dim = int(head_dim * config.partial_rotary_factor)
@@ -147,7 +148,8 @@ class SelectiveRotaryEmbedding(nn.Module):
         if config.phase_gate_type == "head":
             return nn.Linear(hidden_size, self.num_key_heads, bias=True)
         width = self.num_key_heads * (self.half if config.phase_gate_type == "channel" else 1)
-        return nn.Sequential(nn.Linear(hidden_size, GATE_LOW_RANK, bias=False), nn.Linear(GATE_LOW_RANK, width, bias=True))
+        return nn.Sequential(nn.Linear(hidden_size, GATE_LOW_RANK, bias=False),
+                             nn.Linear(GATE_LOW_RANK, width, bias=True))
 
     def initial_temperature(self) -> torch.Tensor:
         kind, theta, scale, seed = self.temperature_config

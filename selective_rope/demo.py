@@ -40,7 +40,7 @@ def train(model, seconds: float, max_steps: int, generator: torch.Generator, bat
     deadline = time.monotonic() + seconds
     progress = tqdm(range(max_steps), desc="training", unit="step")
     loss = None
-    for step in progress:
+    for _ in progress:
         ids = progressions(batch, length, generator)
         labels = ids.clone()
         labels[:, :3] = -100  # the step is unknown until two terms are seen
