@@ -1,1 +1,4 @@
-"""Retrofitting Selective RoPE onto existing checkpoints (SPEC §7). Not implemented yet: see the open issue."""
+"""Retrofitting Selective RoPE onto existing checkpoints (SPEC §7).
+
+So far: the Llama-family mapping onto SelectiveRopeFoX (:mod:`.llama`); the converter command is an open issue.
+"""

@@ -1,0 +1,77 @@
+"""Configuration of SelectiveRopeFoX (field names follow transformers' ``LlamaConfig``, so Llama-family checkpoints
+map onto it field by field)."""
+
+from __future__ import annotations
+
+from .position_embedding import SelectiveRopeConfigBase, _require
+
+
+class SelectiveRopeFoXConfig(SelectiveRopeConfigBase):
+    """Forgetting Transformer (softmax attention with a forget gate) with Selective RoPE: a superset of Llama.
+
+    Model fields (as in transformers' ``LlamaConfig``):
+        vocab_size, hidden_size, intermediate_size (SwiGLU MLP width), num_hidden_layers, num_attention_heads,
+        num_key_value_heads (GQA; defaults to num_attention_heads), head_dim (defaults to hidden_size //
+        num_attention_heads), hidden_act, rms_norm_eps, attention_bias (bias on q, k, v and o projections),
+        mlp_bias, tie_word_embeddings, initializer_range.
+    Additions:
+        attention_output_bias: bias on the output projection; ``None`` follows ``attention_bias`` (Qwen2 has biases on
+            q, k, v only: ``attention_bias=True, attention_output_bias=False``).
+        use_forget_gate: the FoX forget gate, ``log f_t = logsigmoid(W_f x_t + b_f)`` per query head, added to the
+            attention scores as ``Σ_{s=τ+1..t} log f_s``. ``False`` gives plain softmax attention.
+        FoX "Pro" options: qk_norm (per-head RMS norm of q and k, weights of size head_dim as in Qwen3, applied before
+            the rotation), use_output_gate (``o * sigmoid(W_g x)``), use_output_norm (per-head RMS norm of the
+            attention output), use_k_shift / use_v_shift (data-dependent token shift
+            ``k'_t = α_t k_{t-1} + (1 - α_t) k_t`` with ``α_t = sigmoid(W x_t)`` per key/value head).
+    The Selective RoPE fields are documented in :class:`SelectiveRopeConfigBase`; the phases are per key/value head.
+    """
+
+    model_type = "selective_rope_fox"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    attribute_map = {"norm_eps": "rms_norm_eps"}  # the name the shared block reads
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    attention_output_bias: bool | None = None
+    mlp_bias: bool = False
+    use_forget_gate: bool = True
+    qk_norm: bool = False
+    use_output_gate: bool = False
+    use_output_norm: bool = False
+    use_k_shift: bool = False
+    use_v_shift: bool = False
+    initializer_range: float = 0.02
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.attention_output_bias is None:
+            self.attention_output_bias = self.attention_bias
+        super().__post_init__(**kwargs)
+        self.validate_fox()
+        self.validate_position_embedding(head_dim=self.head_dim, num_key_heads=self.num_key_value_heads)
+
+    def validate_fox(self) -> None:
+        _require(self.num_attention_heads >= 1, "num_attention_heads", self.num_attention_heads, "must be >= 1")
+        _require(self.num_key_value_heads >= 1 and self.num_attention_heads % self.num_key_value_heads == 0,
+                 "num_key_value_heads", self.num_key_value_heads,
+                 f"num_attention_heads ({self.num_attention_heads}) must be a positive multiple of it")
+        _require(self.head_dim >= 1, "head_dim", self.head_dim, "must be >= 1")
+        _require(self.intermediate_size >= 1, "intermediate_size", self.intermediate_size, "must be >= 1")
+        _require(self.hidden_act in ("silu", "swish"), "hidden_act", self.hidden_act,
+                 "expected 'silu' or 'swish' (the SwiGLU MLP)")

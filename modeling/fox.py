@@ -1,0 +1,145 @@
+"""SelectiveRopeFoX: the Forgetting Transformer (Lin et al., 2025) with Selective RoPE, a superset of Llama.
+
+Mixer (parameter names follow transformers' Llama attention and flash-linear-attention's ``ForgettingAttention``):
+
+    q, k, v   = q_proj(x), k_proj(x), v_proj(x)               (B, T, H·D); GQA: Hk key/value heads
+    k, v      = α k_{t-1} + (1 - α) k_t, α = sigmoid(W x)       optional data-dependent token shift (FoX Pro)
+    q, k      = RMSNorm(q), RMSNorm(k) per head                 optional, weights of size D (as Qwen3)
+    log f_t   = logsigmoid(f_proj(x_t))                         per query head, optional forget gate
+    q, k      = SelectiveRoPE(x, q, k)                          last transform: the cache stores rotated keys
+    o_t       = Σ_τ softmax_τ(q_t·k_τ / √D + Σ_{s=τ+1..t} log f_s) v_τ
+    out       = o_proj(sigmoid(g_proj(x)) ⊙ RMSNorm(o))         optional output norm and gate (FoX Pro)
+
+With ``use_forget_gate=False``, ``position_embedding="rope"`` and no Pro option this is exactly Llama's attention, so a
+Llama / Mistral / Qwen2 / Qwen3 checkpoint maps onto it weight for weight (see ``conversion/``).
+
+The cache keeps the key timeline of each row: rotated keys, values, log forget gates and which slots hold real tokens
+(left padding leaves holes), plus the running shift and Selective RoPE states.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..configuration.fox import SelectiveRopeFoXConfig
+from ..kernels.forgetting_attention_torch import forgetting_attention
+from .base import SelectiveRopeForCausalLMBase, SelectiveRopeModelBase, substate, with_prefix
+from .layers import RMSNorm
+from .layout import valid_mask
+from .rotary import SelectiveRotaryEmbedding
+
+
+def last_real(x: torch.Tensor, lengths: torch.Tensor | None, previous: torch.Tensor | None) -> torch.Tensor:
+    """The last real token of each right-padded row of ``x`` ``(B, T, ...)``; ``previous`` (or zeros) for empty rows."""
+    if lengths is None:
+        return x[:, -1]
+    index = (lengths - 1).clamp(min=0)
+    last = x[torch.arange(x.shape[0], device=x.device), index]
+    fallback = torch.zeros_like(last) if previous is None else previous.to(last.dtype)
+    empty = (lengths == 0).view(-1, *([1] * (last.dim() - 1)))
+    return torch.where(empty, fallback, last)
+
+
+def token_shift(x: torch.Tensor, alpha: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
+    """``α_t x_{t-1} + (1 - α_t) x_t`` for ``x`` ``(B, T, H, D)`` and ``α`` ``(B, T, H)``; ``x_{-1}`` is ``previous``
+    ``(B, H, D)`` (zeros at a sequence start)."""
+    first = torch.zeros_like(x[:, :1]) if previous is None else previous.unsqueeze(1).to(x.dtype)
+    shifted = torch.cat([first, x[:, :-1]], dim=1)
+    alpha = alpha.to(x.dtype).unsqueeze(-1)
+    return alpha * shifted + (1 - alpha) * x
+
+
+class ForgettingAttention(nn.Module):
+    # The per-token key timeline; the cache can crop these (and nothing else).
+    token_states: tuple[str, ...] = ("key", "value", "log_fgate", "valid")
+
+    def __init__(self, config: SelectiveRopeFoXConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden, heads, kv_heads, head_dim = config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=config.attention_output_bias)
+        self.f_proj = nn.Linear(hidden, heads, bias=True) if config.use_forget_gate else None
+        self.k_shift_proj = nn.Linear(hidden, kv_heads, bias=False) if config.use_k_shift else None
+        self.v_shift_proj = nn.Linear(hidden, kv_heads, bias=False) if config.use_v_shift else None
+        self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
+        self.rotary = SelectiveRotaryEmbedding(config, heads, kv_heads, head_dim)
+        self.o_norm = RMSNorm(head_dim, eps=config.rms_norm_eps) if config.use_output_norm else None
+        self.g_proj = nn.Linear(hidden, heads * head_dim, bias=False) if config.use_output_gate else None
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor | None = None,
+                state: dict[str, torch.Tensor] | None = None, use_cache: bool = False):
+        """``x``: ``(B, T, D)`` right-padded rows -> ``(B, T, D)`` and the new state (empty unless ``use_cache``)."""
+        batch, seq_len, _ = x.shape
+        state = state or {}
+        new_state: dict[str, torch.Tensor] = {}
+        valid = valid_mask(lengths, seq_len) if lengths is not None else None  # (B, T)
+
+        q = self.q_proj(x).view(batch, seq_len, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim)
+        if self.k_shift_proj is not None:  # the shift state is the last unshifted key / value
+            new_state["k_shift"] = last_real(k, lengths, state.get("k_shift"))
+            k = token_shift(k, torch.sigmoid(self.k_shift_proj(x).float()), state.get("k_shift"))
+        if self.v_shift_proj is not None:
+            new_state["v_shift"] = last_real(v, lengths, state.get("v_shift"))
+            v = token_shift(v, torch.sigmoid(self.v_shift_proj(x).float()), state.get("v_shift"))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+
+        log_fgate = None
+        if self.f_proj is not None:
+            log_fgate = F.logsigmoid(self.f_proj(x).float())  # (B, T, Hq)
+            if valid is not None:
+                log_fgate = log_fgate * valid[..., None]
+
+        q, k, rotary_state = self.rotary(x, q, k, self._rotary_state(state), lengths)
+        if self.rotary.mode == "selective_rope":
+            new_state.update(with_prefix(rotary_state, "rotary"))
+
+        # The key timeline: cached slots followed by this call's tokens.
+        new_valid = valid if valid is not None else torch.ones(batch, seq_len, dtype=torch.bool, device=x.device)
+        if "key" in state:
+            k, v = torch.cat([state["key"], k], dim=1), torch.cat([state["value"], v], dim=1)
+            new_valid = torch.cat([state["valid"], new_valid], dim=1)
+            if log_fgate is not None:
+                log_fgate = torch.cat([state["log_fgate"], log_fgate], dim=1)
+        key_valid = None if bool(new_valid.all()) else new_valid
+        o = forgetting_attention(q, k, v, log_fgate, key_valid=key_valid)  # (B, T, Hq, D)
+        if use_cache:
+            new_state.update(key=k, value=v, valid=new_valid)
+            if log_fgate is not None:
+                new_state["log_fgate"] = log_fgate
+
+        if self.o_norm is not None:
+            o = self.o_norm(o)
+        o = o.reshape(batch, seq_len, self.num_heads * self.head_dim)
+        if self.g_proj is not None:
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o), (new_state if use_cache else {})
+
+    def _rotary_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.rotary.mode != "rope" or "valid" not in state:
+            return substate(state, "rotary")
+        # RoPE's phase is the number of real tokens so far: recomputed from the key timeline rather than cached,
+        # so that cropping the cache keeps it exact.
+        seen = state["valid"].sum(dim=1).float()  # (B,)
+        return {"phase": seen[:, None, None].expand(-1, self.num_kv_heads, self.rotary.half)}
+
+
+class SelectiveRopeFoXModel(SelectiveRopeModelBase):
+    config_class = SelectiveRopeFoXConfig
+    mixer_class = ForgettingAttention
+
+
+class SelectiveRopeFoXForCausalLM(SelectiveRopeForCausalLMBase):
+    config_class = SelectiveRopeFoXConfig
+    model_class = SelectiveRopeFoXModel

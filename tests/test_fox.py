@@ -1,0 +1,130 @@
+"""FoX-specific properties: the Llama-family identity, cache cropping, bounded attention memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from selective_rope import SelectiveRopeFoXConfig, SelectiveRopeFoXForCausalLM
+from selective_rope.conversion.llama import fox_config_from_llama, fox_key_from_llama, llama_inverse_frequencies
+
+from families import FAMILIES
+
+FOX = FAMILIES["fox"]
+SHAPE = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, pad_token_id=0)
+SOURCES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, dict(attention_bias=True, mlp_bias=True)),
+    "mistral": (MistralConfig, MistralForCausalLM, dict(tie_word_embeddings=True)),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict()),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(attention_bias=True)),
+}
+
+
+def as_fox(source):
+    """Our FoX model carrying ``source``'s weights (the mapping the converter uses)."""
+    fox = SelectiveRopeFoXForCausalLM(fox_config_from_llama(source.config)).eval()
+    state = {fox_key_from_llama(name): tensor for name, tensor in source.state_dict().items()}
+    for i in range(source.config.num_hidden_layers):
+        state[f"model.layers.{i}.attn.rotary.temperature"] = llama_inverse_frequencies(source.config)
+    missing, unexpected = fox.load_state_dict(state, strict=False)
+    assert not unexpected and not missing, (missing, unexpected)
+    return fox
+
+
+@pytest.mark.parametrize("architecture", sorted(SOURCES))
+def test_llama_family_identity(architecture):
+    config_class, model_class, extra = SOURCES[architecture]
+    source = model_class(config_class(**SHAPE, **extra)).eval()
+    with torch.no_grad():  # biases and norm weights that matter
+        for name, param in source.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.add_(0.3 * torch.randn_like(param))
+    fox = as_fox(source)
+    assert fox.config.use_forget_gate is False and fox.config.position_embedding == "rope"
+    ids = torch.randint(3, 61, (2, 19))
+    with torch.no_grad():
+        torch.testing.assert_close(fox(ids).logits, source(ids).logits, atol=1e-5, rtol=1e-5)
+    expected = source.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(fox.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0), expected)
+
+
+def test_unsupported_llama_sources_are_refused():
+    with pytest.raises(ValueError, match="unsupported RoPE type 'dynamic'"):
+        fox_config_from_llama(LlamaConfig(**SHAPE, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4,
+                                                                    "factor": 2.0}))
+    from transformers import GPT2Config
+    with pytest.raises(ValueError, match="unsupported source architecture 'gpt2'"):
+        fox_config_from_llama(GPT2Config())
+
+
+@pytest.mark.parametrize("position_embedding", ["rope", "nope"])
+def test_crop_rolls_the_attention_cache_back(position_embedding):
+    config = SelectiveRopeFoXConfig(**{**FOX.tiny, "position_embedding": position_embedding,
+                                       "use_k_shift": False, "use_v_shift": False})
+    model = SelectiveRopeFoXForCausalLM(config).eval()
+    ids = torch.randint(3, 61, (2, 12))
+    other = torch.randint(3, 61, (2, 3))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0  # left padding: holes in the key timeline survive the crop
+    with torch.no_grad():
+        cache = model(ids[:, :9], attention_mask=mask[:, :9], use_cache=True).past_key_values
+        for t in range(9, 12):
+            model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache, use_cache=True)
+        cache.crop(-3)
+        assert cache.get_seq_length() == 9
+        steps = [model(other[:, j:j + 1], attention_mask=mask[:, :10 + j], past_key_values=cache,
+                       use_cache=True).logits for j in range(3)]
+        full = model(torch.cat([ids[:, :9], other], 1), attention_mask=mask).logits[:, 9:]
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family_name,overrides", [("fox", {}), ("fox", {"position_embedding": "rope"}),
+                                                   ("gla", {}), ("gated_deltanet", {})])
+def test_crop_refuses_states_it_cannot_roll_back(family_name, overrides):
+    family = FAMILIES[family_name]
+    model = family.lm_class(family.config_class(**{**family.tiny, **overrides})).eval()
+    with torch.no_grad():
+        cache = model(torch.randint(3, 61, (1, 5)), use_cache=True).past_key_values
+    with pytest.raises(NotImplementedError, match="cannot be rolled back"):
+        cache.crop(-1)
+    with pytest.raises(ValueError, match="negative"):
+        cache.crop(2)
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any op produces."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("use_forget_gate", [True, False])
+def test_prefill_never_materialises_all_scores(use_forget_gate):
+    """A long prefill works on blocks of queries: no tensor holds the scores of every head for every pair."""
+    config = SelectiveRopeFoXConfig(**{**FOX.tiny, "num_hidden_layers": 1, "use_forget_gate": use_forget_gate})
+    model = SelectiveRopeFoXForCausalLM(config).eval()
+    length, heads = 2048, config.num_attention_heads
+    probe = LargestTensor()
+    with torch.no_grad(), probe:
+        model(torch.randint(3, 61, (1, length)), use_cache=False)
+    assert probe.numel <= length * length * heads // 4, probe.numel
