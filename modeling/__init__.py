@@ -1,16 +1,24 @@
 from .base import SelectiveRopeDecoderBlock, SelectiveRopeForCausalLMBase, SelectiveRopeModelBase
 from .cache import SelectiveRopeCache, SelectiveRopeCacheLayer
+from .fox import ForgettingAttention, SelectiveRopeFoXForCausalLM, SelectiveRopeFoXModel
+from .gated_deltanet import GatedDeltaNet, SelectiveRopeGatedDeltaNetForCausalLM, SelectiveRopeGatedDeltaNetModel
 from .gla import GatedLinearAttention, SelectiveRopeGLAForCausalLM, SelectiveRopeGLAModel
 from .rotary import SelectiveRotaryEmbedding, rotary_temperature
 
 __all__ = [
+    "ForgettingAttention",
+    "GatedDeltaNet",
     "GatedLinearAttention",
     "SelectiveRopeCache",
     "SelectiveRopeCacheLayer",
     "SelectiveRopeDecoderBlock",
+    "SelectiveRopeFoXForCausalLM",
+    "SelectiveRopeFoXModel",
     "SelectiveRopeForCausalLMBase",
     "SelectiveRopeGLAForCausalLM",
     "SelectiveRopeGLAModel",
+    "SelectiveRopeGatedDeltaNetForCausalLM",
+    "SelectiveRopeGatedDeltaNetModel",
     "SelectiveRopeModelBase",
     "SelectiveRotaryEmbedding",
     "rotary_temperature",

@@ -6,9 +6,18 @@ Importing the package registers the configs and models with ``AutoConfig``, ``Au
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from .configuration import SelectiveRopeConfigBase, SelectiveRopeGLAConfig
+from .configuration import (
+    SelectiveRopeConfigBase,
+    SelectiveRopeFoXConfig,
+    SelectiveRopeGatedDeltaNetConfig,
+    SelectiveRopeGLAConfig,
+)
 from .modeling import (
     SelectiveRopeCache,
+    SelectiveRopeFoXForCausalLM,
+    SelectiveRopeFoXModel,
+    SelectiveRopeGatedDeltaNetForCausalLM,
+    SelectiveRopeGatedDeltaNetModel,
     SelectiveRopeGLAForCausalLM,
     SelectiveRopeGLAModel,
     SelectiveRotaryEmbedding,
@@ -18,6 +27,8 @@ __version__ = "0.1.0"
 
 _FAMILIES = [
     (SelectiveRopeGLAConfig, SelectiveRopeGLAModel, SelectiveRopeGLAForCausalLM),
+    (SelectiveRopeGatedDeltaNetConfig, SelectiveRopeGatedDeltaNetModel, SelectiveRopeGatedDeltaNetForCausalLM),
+    (SelectiveRopeFoXConfig, SelectiveRopeFoXModel, SelectiveRopeFoXForCausalLM),
 ]
 for _config, _model, _lm in _FAMILIES:
     AutoConfig.register(_config.model_type, _config, exist_ok=True)
@@ -27,8 +38,14 @@ for _config, _model, _lm in _FAMILIES:
 __all__ = [
     "SelectiveRopeCache",
     "SelectiveRopeConfigBase",
+    "SelectiveRopeFoXConfig",
+    "SelectiveRopeFoXForCausalLM",
+    "SelectiveRopeFoXModel",
     "SelectiveRopeGLAConfig",
     "SelectiveRopeGLAForCausalLM",
     "SelectiveRopeGLAModel",
+    "SelectiveRopeGatedDeltaNetConfig",
+    "SelectiveRopeGatedDeltaNetForCausalLM",
+    "SelectiveRopeGatedDeltaNetModel",
     "SelectiveRotaryEmbedding",
 ]

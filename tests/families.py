@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from selective_rope import SelectiveRopeGLAConfig, SelectiveRopeGLAForCausalLM, SelectiveRopeGLAModel
+from selective_rope import (
+    SelectiveRopeFoXConfig,
+    SelectiveRopeFoXForCausalLM,
+    SelectiveRopeFoXModel,
+    SelectiveRopeGatedDeltaNetConfig,
+    SelectiveRopeGatedDeltaNetForCausalLM,
+    SelectiveRopeGatedDeltaNetModel,
+    SelectiveRopeGLAConfig,
+    SelectiveRopeGLAForCausalLM,
+    SelectiveRopeGLAModel,
+)
 
 
 @dataclass
@@ -17,14 +27,36 @@ class Family:
     tiny: dict = field(default_factory=dict)
 
 
+TOKENS = dict(vocab_size=61, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
 FAMILIES = {
     "gla": Family(
         "gla",
         SelectiveRopeGLAConfig,
         SelectiveRopeGLAModel,
         SelectiveRopeGLAForCausalLM,
-        tiny=dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_heads=4, num_kv_heads=2, expand_k=1.0,
-                  expand_v=1.0, use_short_conv=True, conv_size=3, intermediate_size=48, initializer_range=0.2, pad_token_id=0,
-                  bos_token_id=1, eos_token_id=2),
+        tiny=dict(**TOKENS, hidden_size=32, num_hidden_layers=2, num_heads=4, num_kv_heads=2, expand_k=1.0,
+                  expand_v=1.0, use_short_conv=True, conv_size=3, intermediate_size=48, initializer_range=0.2),
+    ),
+    "gated_deltanet": Family(
+        "gated_deltanet",
+        SelectiveRopeGatedDeltaNetConfig,
+        SelectiveRopeGatedDeltaNetModel,
+        SelectiveRopeGatedDeltaNetForCausalLM,
+        # Grouped value heads (2 query/key heads, 4 value heads), β in (0, 2).
+        tiny=dict(**TOKENS, hidden_size=32, num_hidden_layers=2, num_heads=2, num_v_heads=4, head_dim=8, expand_v=1.5,
+                  use_short_conv=True, conv_size=3, allow_neg_eigval=True, intermediate_size=48,
+                  initializer_range=0.2),
+    ),
+    "fox": Family(
+        "fox",
+        SelectiveRopeFoXConfig,
+        SelectiveRopeFoXModel,
+        SelectiveRopeFoXForCausalLM,
+        # GQA, explicit head_dim, biases and every FoX Pro option.
+        tiny=dict(**TOKENS, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=8, intermediate_size=48, attention_bias=True, mlp_bias=True, qk_norm=True,
+                  use_output_gate=True, use_output_norm=True, use_k_shift=True, use_v_shift=True,
+                  initializer_range=0.2),
     ),
 }

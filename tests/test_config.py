@@ -39,6 +39,11 @@ def test_temperature_theta_depends_on_type(family, kind, theta):
     family.config_class(**{**family.tiny, "temperature_type": kind, "temperature_theta": 0.5})  # valid
 
 
+def test_default_config_is_valid(family):
+    config = family.config_class()
+    assert config.position_embedding == "selective_rope"
+
+
 def test_valid_options_round_trip_through_dict(family):
     config = family.config_class(**{**family.tiny, "phase_proj": "full_rank", "phase_gate_type": "channel",
                                     "temperature_type": "laplace", "temperature_theta": 0.2, "phase_bias": True})
@@ -58,6 +63,37 @@ def test_invalid_gla_fields_are_refused(overrides, message):
         gla.config_class(**{**gla.tiny, **overrides})
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (dict(num_heads=2, num_v_heads=3), "num_v_heads"),
+    (dict(expand_v=0.3), "expand_v"),
+    (dict(output_gate_activation="relu"), "output_gate_activation"),
+    (dict(hidden_size=33), "hidden_size"),  # Selective RoPE splits the input into one chunk per head
+])
+def test_invalid_gated_deltanet_fields_are_refused(overrides, message):
+    gdn = FAMILIES["gated_deltanet"]
+    with pytest.raises(ValueError, match=message):
+        gdn.config_class(**{**gdn.tiny, **overrides})
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(num_attention_heads=4, num_key_value_heads=3), "num_key_value_heads"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(head_dim=7), "partial_rotary_factor"),  # the rotary part must be even
+])
+def test_invalid_fox_fields_are_refused(overrides, message):
+    fox = FAMILIES["fox"]
+    with pytest.raises(ValueError, match=message):
+        fox.config_class(**{**fox.tiny, **overrides})
+
+
+def test_fox_config_defaults_follow_llama():
+    fox = FAMILIES["fox"]
+    config = fox.config_class(hidden_size=64, num_attention_heads=4, rms_norm_eps=1e-5, attention_bias=True)
+    assert (config.num_key_value_heads, config.head_dim, config.attention_output_bias) == (4, 16, True)
+    assert config.norm_eps == 1e-5  # the shared block reads norm_eps
+    assert fox.config_class(**{**fox.tiny, "attention_output_bias": False}).attention_output_bias is False
+
+
 def test_import_needs_neither_triton_nor_fla():
     """`import selective_rope` works (and registers the Auto classes) where triton and fla cannot be imported."""
     code = """
@@ -69,7 +105,9 @@ class Block(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Block())
 import selective_rope
 from transformers import AutoConfig
-assert type(AutoConfig.for_model('selective_rope_gla')).__name__ == 'SelectiveRopeGLAConfig'
+for model_type, name in [('selective_rope_gla', 'GLA'), ('selective_rope_gated_deltanet', 'GatedDeltaNet'),
+                         ('selective_rope_fox', 'FoX')]:
+    assert type(AutoConfig.for_model(model_type)).__name__ == f'SelectiveRope{name}Config'
 assert not any(m.split('.')[0] == 'fla' for m in sys.modules)
 print('ok')
 """
