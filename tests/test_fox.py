@@ -118,12 +118,13 @@ class LargestTensor(TorchDispatchMode):
         return out
 
 
+@pytest.mark.parametrize("length", [2048, 16384])
 @pytest.mark.parametrize("use_forget_gate", [True, False])
-def test_prefill_never_materialises_all_scores(use_forget_gate):
+def test_prefill_never_materialises_all_scores(use_forget_gate, length):
     """A long prefill works on blocks of queries: no tensor holds the scores of every head for every pair."""
     config = SelectiveRopeFoXConfig(**{**FOX.tiny, "num_hidden_layers": 1, "use_forget_gate": use_forget_gate})
     model = SelectiveRopeFoXForCausalLM(config).eval()
-    length, heads = 2048, config.num_attention_heads
+    heads = config.num_attention_heads
     probe = LargestTensor()
     with torch.no_grad(), probe:
         model(torch.randint(3, 61, (1, length)), use_cache=False)
