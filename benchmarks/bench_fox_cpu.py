@@ -1,0 +1,366 @@
+"""CPU benchmark of SelectiveRopeFoX (the Forgetting Transformer: softmax attention with a forget gate).
+
+Measures, on the CPU, in float32 and under ``torch.inference_mode``:
+
+1. prefill time and peak memory of a small FoX language model at several sequence lengths. Every length runs in
+   a fresh Python process: it builds the model, runs a short warm-up forward, then measures the resident memory
+   (``VmRSS``) as the baseline, resets the process's peak (``echo 5 > /proc/self/clear_refs`` resets ``VmHWM``) and
+   runs the forward; the peak resident memory above the baseline (``VmHWM - VmRSS before``) is what the forward
+   needed. A full ``T x T`` float32 score matrix for all heads (what eager attention materialises per layer) is
+   reported next to it: the blockwise attention never builds one, so the peak grows about linearly in ``T``
+   (logits, activations, and with ``use_cache=True`` the cached keys and values), not quadratically. Prefill time
+   is measured in the same process after the memory runs; a second process per length measures the memory of a
+   ``use_cache=True`` forward.
+2. cached decoding latency (ms/token) after a short and a long context. Softmax attention reads every cached key
+   at each step, so decoding slows down with the context; the numbers are reported, with no flatness target.
+3. the prefill overhead of Selective RoPE (and of fixed RoPE) over NoPE for the same model (informal target
+   <= 1.15x).
+
+Timing and load watching are shared with the other benchmarks (``benchmarks/common.py``): medians over
+interleaved rounds after a warm-up, the script (and every child process) waits for a quiet machine and re-runs
+rounds that other processes disturbed; what it saw is recorded under ``contention`` in the JSON.
+
+Usage::
+
+    python benchmarks/bench_fox_cpu.py               # full run (a few minutes on a quiet 2-core machine)
+    python benchmarks/bench_fox_cpu.py --quick       # smoke run
+    python benchmarks/bench_fox_cpu.py --output benchmarks/results/fox_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from common import (
+    QUIET,
+    RESULTS_DIR,
+    add_common_arguments,
+    configure,
+    decode_contexts,
+    decode_result,
+    finish,
+    log,
+    num_parameters,
+    position_embedding_overhead,
+    print_decode,
+    print_footer,
+    print_header,
+    print_overhead,
+    profile_overhead,
+    random_ids,
+    run_sections,
+    source_provenance,
+    start_results,
+    target,
+    timed_rounds,
+    write_results,
+)
+
+from selective_rope import SelectiveRopeFoXConfig, SelectiveRopeFoXForCausalLM
+
+DEFAULT_OUTPUT = RESULTS_DIR / "fox_cpu.json"
+SOURCES = ["kernels/forgetting_attention_torch.py", "modeling/fox.py", "configuration/fox.py",
+           "benchmarks/bench_fox_cpu.py"]
+
+SEED = 0
+MODEL_CONFIG = {
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "intermediate_size": 768,  # the MLP width of the GLA / Gated DeltaNet benchmark models
+    "vocab_size": 1024,
+    "use_forget_gate": True,
+}
+
+TARGET_MEMORY_EXPONENT = 1.5  # peak memory ~ T^e between the two longest lengths: 1 is linear, 2 quadratic
+TARGET_ROPE_OVERHEAD = 1.15  # informal: (Selective) RoPE prefill at most 1.15x NoPE prefill
+WARMUP_LEN = 128  # the short forward run before the memory baseline (lazy initialisation of kernels, buffers)
+RESULT_MARKER = "BENCH_FOX_WORKER_RESULT "
+SOURCE_HASHES_AT_START: dict[str, str] = {}  # set by main()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# inputs
+# --------------------------------------------------------------------------------------------------------------------
+def build_model(position_embedding: str) -> SelectiveRopeFoXForCausalLM:
+    torch.manual_seed(SEED)
+    config = SelectiveRopeFoXConfig(position_embedding=position_embedding, **MODEL_CONFIG)
+    return SelectiveRopeFoXForCausalLM(config).eval()
+
+
+def rotary_inputs(T: int):
+    cfg = SelectiveRopeFoXConfig(**MODEL_CONFIG)
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(1, T, cfg.hidden_size, generator=generator)
+    q = torch.randn(1, T, cfg.num_attention_heads, cfg.head_dim, generator=generator)
+    k = torch.randn(1, T, cfg.num_key_value_heads, cfg.head_dim, generator=generator)
+    return x, q, k
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# process memory
+# --------------------------------------------------------------------------------------------------------------------
+def proc_status_kib() -> dict[str, int]:
+    """VmRSS (resident now) and VmHWM (peak resident) of this process, in KiB, from /proc/self/status."""
+    with open("/proc/self/status") as f:
+        text = f.read()
+    return {key: int(re.search(rf"^{key}:\s+(\d+)\s+kB", text, re.MULTILINE).group(1)) for key in ("VmRSS", "VmHWM")}
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current VmRSS (Linux >= 4.0); False if the kernel refused."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    status = proc_status_kib()
+    return status["VmHWM"] <= status["VmRSS"] + 64
+
+
+def ru_maxrss_kib() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+
+
+def cache_bytes(cache) -> int:
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        total += sum(t.numel() * t.element_size() for t in getattr(layer, "states", {}).values())
+    return total
+
+
+def measured_forward(model, ids: torch.Tensor, use_cache: bool) -> dict:
+    """One forward with its peak resident memory above the resident memory just before it."""
+    gc.collect()
+    before = proc_status_kib()["VmRSS"]
+    reset_ok = reset_peak_rss()
+    ru_before = ru_maxrss_kib()
+    start = time.perf_counter()
+    out = model(ids, use_cache=use_cache)
+    seconds = time.perf_counter() - start
+    status = proc_status_kib()
+    record = {"seconds": round(seconds, 4), "rss_before_mib": round(before / 1024, 1),
+              "rss_after_mib": round(status["VmRSS"] / 1024, 1),
+              "logits_mib": round(out.logits.numel() * out.logits.element_size() / 2**20, 1),
+              "cache_mib": round(cache_bytes(out.past_key_values) / 2**20, 1) if use_cache else 0.0}
+    if reset_ok:
+        record.update(method="VmHWM after clear_refs", peak_above_baseline_mib=round((status["VmHWM"] - before) / 1024,
+                                                                                     1))
+    else:  # the process-lifetime peak: valid as long as nothing before this forward peaked higher
+        peak = ru_maxrss_kib()
+        record.update(method="ru_maxrss (clear_refs unavailable)",
+                      peak_above_baseline_mib=round((peak - before) / 1024, 1),
+                      earlier_peak_may_hide_this_one=ru_before >= peak)
+    del out
+    gc.collect()
+    return record
+
+
+def prefill_worker(spec: dict) -> dict:
+    """Run in a fresh process: memory of ``calls`` forwards at ``seq_len`` (the first is the figure reported), then
+    ``repeats`` timed rounds (none when 0)."""
+    T, use_cache = spec["seq_len"], spec["use_cache"]
+    model = build_model("selective_rope")
+    ids = random_ids(T, MODEL_CONFIG["vocab_size"], seed=T)
+    result: dict = {"seq_len": T, "use_cache": use_cache, "pid": os.getpid()}
+    with torch.inference_mode():
+        model(random_ids(WARMUP_LEN, MODEL_CONFIG["vocab_size"], seed=1), use_cache=use_cache)
+        result["memory_calls"] = [measured_forward(model, ids, use_cache) for _ in range(spec["calls"])]
+        if spec["repeats"]:
+            result["timing"] = timed_rounds({"prefill": lambda: model(ids, use_cache=use_cache)},
+                                            rounds=spec["repeats"], warmup=0)["prefill"]
+    result["ru_maxrss_mib"] = round(ru_maxrss_kib() / 1024, 1)
+    result["quiet"] = QUIET.summary()
+    result["files_sha256_12"] = source_provenance(SOURCES)["files_sha256_12"]  # what this process imported
+    return result
+
+
+def run_worker(spec: dict, threads: int) -> dict:
+    """``prefill_worker(spec)`` in a fresh Python process (this script with ``--worker``)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec), "--threads", str(threads),
+           "--max-wait", str(QUIET.remaining_s()), "--max-redo", str(QUIET.max_redo)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARKER)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"worker {spec} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n"
+                           f"{proc.stderr[-4000:]}")
+    result = json.loads(lines[-1][len(RESULT_MARKER):])
+    QUIET.absorb(result.pop("quiet"))
+    # the worker imports the sources afresh: flag any that changed since the run started
+    changed = sorted(name for name, digest in result.pop("files_sha256_12").items()
+                     if SOURCE_HASHES_AT_START.get(name) != digest)
+    if changed:
+        result["sources_changed_since_start"] = changed
+        log(f"  WARNING: sources changed since the run started: {', '.join(changed)}")
+    return result
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 1. prefill time and peak memory
+# --------------------------------------------------------------------------------------------------------------------
+def bench_prefill_memory(lengths: list[int], repeats: dict[int, int], threads: int, memory_calls: int) -> dict:
+    cfg = SelectiveRopeFoXConfig(**MODEL_CONFIG)
+    heads = cfg.num_attention_heads
+    rows = []
+    for T in lengths:
+        no_cache = run_worker({"seq_len": T, "use_cache": False, "calls": memory_calls, "repeats": repeats[T]},
+                              threads)
+        with_cache = run_worker({"seq_len": T, "use_cache": True, "calls": 1, "repeats": 0}, threads)
+        timing = no_cache.pop("timing")
+        first, cached = no_cache["memory_calls"][0], with_cache["memory_calls"][0]
+        scores_mib = heads * T * T * 4 / 2**20  # one layer's (1, Hq, T, T) float32 scores
+        row = {"seq_len": T, "tokens_per_s": round(T / timing["median_s"], 1), **timing,
+               "peak_above_baseline_mib": first["peak_above_baseline_mib"],
+               "peak_above_baseline_mib_use_cache": cached["peak_above_baseline_mib"],
+               "full_score_matrix_all_heads_mib": round(scores_mib, 1),
+               "peak_over_full_score_matrix": round(first["peak_above_baseline_mib"] / scores_mib, 4),
+               "logits_mib": first["logits_mib"], "cache_mib": cached["cache_mib"],
+               "use_cache_false": no_cache, "use_cache_true": with_cache}
+        rows.append(row)
+        log(f"  prefill T={T:5d}: {timing['median_s'] * 1e3:9.1f} ms ({row['tokens_per_s']:7.0f} tokens/s) | peak "
+            f"+{row['peak_above_baseline_mib']:7.1f} MiB (use_cache=True "
+            f"+{row['peak_above_baseline_mib_use_cache']:.1f} MiB) | full T x T scores, all heads: "
+            f"{scores_mib:9.1f} MiB")
+    a, b = rows[-2], rows[-1]
+    exponent = math.log(b["peak_above_baseline_mib"] / a["peak_above_baseline_mib"]) / math.log(b["seq_len"] /
+                                                                                                  a["seq_len"])
+    exponent_cache = math.log(b["peak_above_baseline_mib_use_cache"] / a["peak_above_baseline_mib_use_cache"]) / \
+        math.log(b["seq_len"] / a["seq_len"])
+    log(f"  peak memory growth between T={a['seq_len']} and T={b['seq_len']}: ~T^{exponent:.2f} "
+        f"(use_cache=True: ~T^{exponent_cache:.2f}); a full score matrix grows as T^2")
+    return {"position_embedding": "selective_rope", "batch_size": 1, "timed_with_use_cache": False,
+            "fresh_process_per_length": True, "warmup_len_before_baseline": WARMUP_LEN,
+            "memory_calls_per_process": memory_calls,
+            "memory_figure": "first forward of a fresh process: VmHWM - VmRSS just before (reset with clear_refs)",
+            "full_score_matrix": "num_attention_heads * T * T * 4 bytes (float32, batch 1, one layer)",
+            "rows": rows, "growth_exponent_use_cache_false": round(exponent, 3),
+            "growth_exponent_use_cache_true": round(exponent_cache, 3),
+            "memory_target": target(exponent, TARGET_MEMORY_EXPONENT, higher_is_better=False)}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 2. decode latency vs context length
+# --------------------------------------------------------------------------------------------------------------------
+def bench_decode(contexts: list[int], steps: int, steps_per_round: int, warmup_steps: int) -> dict:
+    decoded = decode_contexts(build_model("selective_rope"), contexts, MODEL_CONFIG["vocab_size"], steps,
+                              steps_per_round, warmup_steps)
+    return decode_result(decoded, steps_per_round, warmup_steps, goal=None)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 3. position-embedding overhead
+# --------------------------------------------------------------------------------------------------------------------
+def bench_overhead(T: int, rounds: int) -> dict:
+    return position_embedding_overhead(build_model, T, MODEL_CONFIG["vocab_size"], rounds, rotary_inputs,
+                                       TARGET_ROPE_OVERHEAD, SEED, use_cache=True)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------------------------------------
+def print_table(results: dict) -> None:
+    cfg = results["model_config"]
+    line = print_header(
+        results, "FoX CPU benchmark",
+        f"model: hidden {cfg['hidden_size']}, layers {cfg['num_hidden_layers']}, heads {cfg['num_attention_heads']} "
+        f"(kv {cfg['num_key_value_heads']}), head dim {cfg['head_dim']}, MLP {cfg['intermediate_size']}, vocab "
+        f"{cfg['vocab_size']}, forget gate {cfg['use_forget_gate']}, {cfg['num_parameters']:,} params, fp32, batch 1")
+
+    pm = results["prefill_memory"]
+    log("1. Prefill time and peak memory (selective_rope; a fresh process per length; peak resident memory above the "
+        "baseline, use_cache=False, and use_cache=True in another process)")
+    log(f"   {'T':>6} | {'median ms':>10} | {'min ms':>9} | {'tokens/s':>8} | {'peak MiB':>8} | {'with cache':>10} | "
+        f"{'logits MiB':>10} | {'T x T scores MiB':>16}")
+    for row in pm["rows"]:
+        log(f"   {row['seq_len']:>6} | {row['median_s'] * 1e3:>10.1f} | {row['min_s'] * 1e3:>9.1f} | "
+            f"{row['tokens_per_s']:>8.0f} | {row['peak_above_baseline_mib']:>8.1f} | "
+            f"{row['peak_above_baseline_mib_use_cache']:>10.1f} | {row['logits_mib']:>10.1f} | "
+            f"{row['full_score_matrix_all_heads_mib']:>16.1f}")
+    log(f"   peak memory growth between the two longest lengths: ~T^{pm['growth_exponent_use_cache_false']:.2f} "
+        f"(use_cache=True ~T^{pm['growth_exponent_use_cache_true']:.2f})")
+
+    print_decode(results["decode"], 2)
+    print_overhead(results["overhead"], 3)
+    print_footer(results, line)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_arguments(parser, DEFAULT_OUTPUT)
+    parser.add_argument("--profile", action="store_true",
+                        help="always profile the Selective RoPE overhead (done anyway when its target is missed)")
+    parser.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)  # internal: one length
+    args = parser.parse_args(argv)
+    threads = configure(args, SEED)
+
+    if args.worker is not None:
+        print(RESULT_MARKER + json.dumps(prefill_worker(json.loads(args.worker))), flush=True)
+        return 0
+
+    if args.quick:
+        plan = {"prefill_lengths": [512, 1024, 2048], "prefill_repeats": {512: 3, 1024: 3, 2048: 2},
+                "memory_calls": 1, "decode_contexts": [256, 4096], "decode_steps": 8, "decode_steps_per_round": 4,
+                "decode_warmup": 2, "overhead_len": 1024, "overhead_rounds": 3}
+    else:
+        plan = {"prefill_lengths": [1024, 4096, 16384], "prefill_repeats": {1024: 7, 4096: 5, 16384: 3},
+                "memory_calls": 2, "decode_contexts": [256, 4096], "decode_steps": 32, "decode_steps_per_round": 8,
+                "decode_warmup": 4, "overhead_len": 2048, "overhead_rounds": 25}
+
+    start_all = time.perf_counter()
+    results = start_results("bench_fox_cpu", args, threads, SOURCES, plan)
+    SOURCE_HASHES_AT_START.update(results["source"]["files_sha256_12"])
+    probe = build_model("selective_rope")
+    results["model_config"] = {**MODEL_CONFIG, "position_embedding": "selective_rope (sections 1-2); all three in 3",
+                               "num_parameters": num_parameters(probe), "dtype": "float32", "seed": SEED,
+                               "full_config": probe.config.to_diff_dict()}
+    del probe
+
+    log(f"[bench_fox_cpu] mode={results['mode']} threads={torch.get_num_threads()} "
+        f"load avg={results['device']['load_average_start']}")
+    sections = [
+        ("prefill_memory", "1. prefill time and peak memory (a fresh process per length)",
+         lambda: bench_prefill_memory(plan["prefill_lengths"], plan["prefill_repeats"], threads,
+                                      plan["memory_calls"])),
+        ("decode", "2. decode latency",
+         lambda: bench_decode(plan["decode_contexts"], plan["decode_steps"], plan["decode_steps_per_round"],
+                              plan["decode_warmup"])),
+        ("overhead", "3. position-embedding overhead",
+         lambda: bench_overhead(plan["overhead_len"], plan["overhead_rounds"])),
+    ]
+    contention = run_sections(results, sections)
+
+    lengths = plan["prefill_lengths"]
+    results["targets"] = {
+        f"peak memory growth exponent, T={lengths[-2]} -> {lengths[-1]}": results["prefill_memory"]["memory_target"],
+        f"selective_rope / nope prefill time at T={plan['overhead_len']} (informal)":
+            results["overhead"]["selective_rope_over_nope"],
+        f"rope / nope prefill time at T={plan['overhead_len']} (informal)": results["overhead"]["rope_over_nope"],
+    }
+    results["all_targets_met"] = all(t["met"] for t in results["targets"].values())
+    if args.profile or not results["overhead"]["selective_rope_over_nope"]["met"]:
+        log("profiling the Selective RoPE overhead (torch.profiler)")
+        results["overhead"]["profile"] = profile_overhead(build_model, plan["overhead_len"],
+                                                          MODEL_CONFIG["vocab_size"], rotary_inputs, use_cache=True)
+    finish(results, contention, start_all)
+    print_table(results)
+    write_results(args.output, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
