@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 
+from .demo import FAMILIES
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="selective-rope",
                                      description="Selective RoPE models for Hugging Face Transformers.")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="train a tiny SelectiveRopeGLA on CPU, save, reload and generate",
-                               description="Train a tiny SelectiveRopeGLA on a synthetic task (continuing "
-                               "arithmetic progressions), save it, reload it with AutoModelForCausalLM and generate.")
+    demo = commands.add_parser("demo", help="train a tiny model on CPU, save, reload and generate",
+                               description="Train a tiny selective-rope model (SelectiveRopeGLA by default) on a "
+                               "synthetic task (continuing arithmetic progressions), save it, reload it with "
+                               "AutoModelForCausalLM and generate.")
+    demo.add_argument("--family", choices=FAMILIES, default="gla", help="model family (default gla)")
     demo.add_argument("--output-dir", default="demo_output", help="where the trained model is saved")
     demo.add_argument("--seconds", type=float, default=60.0, help="training time budget (default 60)")
     demo.add_argument("--max-steps", type=int, default=2000, help="upper bound on training steps")
@@ -26,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("selective-rope demo: --seconds and --max-steps must be positive")
         from .demo import run_demo
 
-        run_demo(args.output_dir, args.seconds, args.max_steps, args.seed)
+        run_demo(args.output_dir, args.seconds, args.max_steps, args.seed, args.family)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""The main job: train a tiny SelectiveRopeGLA on CPU, save it, reload it through AutoModelForCausalLM, generate.
+"""The main job: train a tiny selective-rope model on CPU (SelectiveRopeGLA unless another family is asked for),
+save it, reload it through AutoModelForCausalLM, generate.
 
 Task (synthetic, built here): arithmetic progressions modulo ``MODULUS``. Each sequence starts at a random value
 with a random step, ``a, a+d, a+2d, ...``; the model must infer ``d`` from the prompt and continue the sequence.
@@ -24,14 +25,22 @@ def progressions(batch: int, length: int, generator: torch.Generator) -> torch.T
     return torch.cat([torch.full((batch, 1), BOS), terms], dim=1)
 
 
-def demo_config():
-    from . import SelectiveRopeGLAConfig
+FAMILIES = ("gla", "gated_deltanet", "fox")
 
-    return SelectiveRopeGLAConfig(
-        vocab_size=MODULUS + 2, hidden_size=64, num_hidden_layers=2, num_heads=2, expand_k=1.0, expand_v=1.0,
-        use_short_conv=True, intermediate_size=128, bos_token_id=BOS, eos_token_id=None, pad_token_id=PAD,
-        phase_bias=True, initializer_range=0.05,
-    )
+
+def demo_config(family: str = "gla"):
+    """A 2-layer, ~0.1 M-parameter model of ``family`` for the demo task."""
+    from . import SelectiveRopeFoXConfig, SelectiveRopeGatedDeltaNetConfig, SelectiveRopeGLAConfig
+
+    common = dict(vocab_size=MODULUS + 2, hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                  bos_token_id=BOS, eos_token_id=None, pad_token_id=PAD, phase_bias=True, initializer_range=0.05)
+    if family == "gla":
+        return SelectiveRopeGLAConfig(**common, num_heads=2, expand_k=1.0, expand_v=1.0, use_short_conv=True)
+    if family == "gated_deltanet":
+        return SelectiveRopeGatedDeltaNetConfig(**common, num_heads=2, head_dim=32, expand_v=1.0, use_short_conv=True)
+    if family == "fox":
+        return SelectiveRopeFoXConfig(**common, num_attention_heads=2, num_key_value_heads=2)
+    raise ValueError(f"unknown family {family!r}; expected one of {list(FAMILIES)}")
 
 
 def train(model, seconds: float, max_steps: int, generator: torch.Generator, batch: int = 32, length: int = 24):
@@ -72,15 +81,14 @@ def continuation_accuracy(model, generator: torch.Generator, prompts: int = 64, 
     return (out[:, width:] == expected).float().mean().item()
 
 
-def run_demo(output_dir: str = "demo_output", seconds: float = 60.0, max_steps: int = 2000, seed: int = 0) -> dict:
+def run_demo(output_dir: str = "demo_output", seconds: float = 60.0, max_steps: int = 2000, seed: int = 0,
+             family: str = "gla") -> dict:
     from transformers import AutoModelForCausalLM
-
-    from . import SelectiveRopeGLAForCausalLM
 
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
-    model = SelectiveRopeGLAForCausalLM(demo_config())
-    print(f"SelectiveRopeGLA: {sum(p.numel() for p in model.parameters()):,} parameters; "
+    model = AutoModelForCausalLM.from_config(demo_config(family))
+    print(f"{type(model).__name__}: {sum(p.numel() for p in model.parameters()):,} parameters; "
           f"task: continue arithmetic progressions mod {MODULUS}")
     print(f"accuracy before training: {continuation_accuracy(model.eval(), generator):.1%}")
     final_loss = train(model, seconds, max_steps, generator)

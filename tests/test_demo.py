@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from selective_rope import SelectiveRopeGLAForCausalLM
 from selective_rope.cli import main
-from selective_rope.demo import BOS, MODULUS, progressions, run_demo
+from selective_rope.demo import BOS, FAMILIES, MODULUS, demo_config, progressions, run_demo
 
 
 def test_progressions_are_arithmetic():
@@ -21,12 +21,17 @@ def test_progressions_are_arithmetic():
     assert (steps == steps[:, :1]).all() and (steps > 0).all()
 
 
-def test_demo_trains_saves_reloads_and_generates(tmp_path, capsys):
-    result = run_demo(str(tmp_path / "out"), seconds=30, max_steps=3, seed=0)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_demo_trains_saves_reloads_and_generates(tmp_path, capsys, family):
+    result = run_demo(str(tmp_path / "out"), seconds=30, max_steps=3, seed=0, family=family)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
-    assert isinstance(reloaded, SelectiveRopeGLAForCausalLM)
+    assert reloaded.config.model_type == f"selective_rope_{family}"
     assert len(result["generated"]) == 6 and 0.0 <= result["accuracy"] <= 1.0
-    assert "reloaded as SelectiveRopeGLAForCausalLM" in capsys.readouterr().out
+    assert f"reloaded as {type(reloaded).__name__}" in capsys.readouterr().out
+
+
+def test_demo_default_family_is_gla():
+    assert isinstance(AutoModelForCausalLM.from_config(demo_config()), SelectiveRopeGLAForCausalLM)
 
 
 def test_cli_rejects_bad_arguments():
@@ -34,6 +39,8 @@ def test_cli_rejects_bad_arguments():
         main(["demo", "--seconds", "0"])
     with pytest.raises(SystemExit):
         main(["no-such-command"])
+    with pytest.raises(SystemExit):
+        main(["demo", "--family", "mamba"])
 
 
 def test_module_entry_point_help():
