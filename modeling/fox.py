@@ -31,6 +31,42 @@ from .layout import valid_mask
 from .rotary import SelectiveRotaryEmbedding
 
 
+def append_tokens(cached: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    """``cat([cached, new], dim=1)`` for the per-token cache, without copying the whole timeline every step.
+
+    When not recording gradients, the timeline ``(B, T, ...)`` is kept as the front of a buffer ``(B, capacity, ...)``
+    (grown by doubling): ``new`` is written in place after it and the longer front is returned, so decoding copies
+    O(1) tokens per step instead of O(T). The room is read from the strides, not from ``Tensor._base``, which
+    ``torch.inference_mode`` does not keep. A cached tensor without room (fresh from beam reordering or
+    ``batch_select_indices``) is copied into a new buffer once; ``crop`` slices the front, and the freed slots are
+    then overwritten. Like every cache update this mutates the cache: branch from a ``copy.deepcopy`` of it.
+    """
+    if cached is None:
+        return new
+    batch, length, *inner = cached.shape
+    extra = new.shape[1]
+    if torch.is_grad_enabled():  # training through a cache: keep autograd's view of every tensor intact
+        return torch.cat([cached, new], dim=1)
+    if cached.shape[0] and _room(cached) >= length + extra:
+        buffer = cached.as_strided((batch, _room(cached), *inner), cached.stride())
+    else:
+        buffer = cached.new_empty(batch, max(2 * (length + extra), 64), *inner)
+        buffer[:, :length].copy_(cached)
+    buffer[:, length:length + extra].copy_(new)
+    return buffer[:, :length + extra]
+
+
+def _room(cached: torch.Tensor) -> int:
+    """The time capacity of the buffer whose front ``cached`` is (its own length if it is not such a front)."""
+    token = cached[0, 0].numel()
+    contiguous_tokens = cached[0, 0].is_contiguous() and cached.stride(1) == token and cached.storage_offset() == 0
+    if not contiguous_tokens or cached.stride(0) % token:
+        return cached.shape[1]
+    capacity = cached.stride(0) // token
+    fits = cached.untyped_storage().nbytes() >= cached.shape[0] * capacity * token * cached.element_size()
+    return capacity if fits else cached.shape[1]
+
+
 def last_real(x: torch.Tensor, lengths: torch.Tensor | None, previous: torch.Tensor | None) -> torch.Tensor:
     """The last real token of each right-padded row of ``x`` ``(B, T, ...)``; ``previous`` (or zeros) for empty rows."""
     if lengths is None:
@@ -108,10 +144,10 @@ class ForgettingAttention(nn.Module):
         # The key timeline: cached slots followed by this call's tokens.
         new_valid = valid if valid is not None else torch.ones(batch, seq_len, dtype=torch.bool, device=x.device)
         if "key" in state:
-            k, v = torch.cat([state["key"], k], dim=1), torch.cat([state["value"], v], dim=1)
-            new_valid = torch.cat([state["valid"], new_valid], dim=1)
+            k, v = append_tokens(state["key"], k), append_tokens(state["value"], v)
+            new_valid = append_tokens(state["valid"], new_valid)
             if log_fgate is not None:
-                log_fgate = torch.cat([state["log_fgate"], log_fgate], dim=1)
+                log_fgate = append_tokens(state["log_fgate"], log_fgate)
         key_valid = None if bool(new_valid.all()) else new_valid
         o = forgetting_attention(q, k, v, log_fgate, key_valid=key_valid)  # (B, T, Hq, D)
         if use_cache:
