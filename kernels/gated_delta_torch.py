@@ -56,9 +56,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Float32 elements per (B, H, tokens, D) or (B, H, tokens, C) temporary of one segment (1 MiB). Longer inputs
-# are run as consecutive segments (carrying the state), so the temporaries stay small: on the CPU they are then
-# recycled by the allocator and stay in cache, instead of being freshly mapped (page faults) every call.
+from .segments import check_chunk_size, segment_slices
+
+# Float32 elements per (B, H, tokens, D) or (B, H, tokens, C) temporary of one segment (1 MiB); see
+# kernels/segments.py.
 SEGMENT_ELEMENTS = 2**18
 
 # Log decays are clamped here: exp(-1e4) is 0 in float32, and -inf would give inf - inf = nan in a difference.
@@ -91,17 +92,13 @@ def chunk_gated_delta_rule(
     Returns:
         o: (B, T, H, V) in v.dtype, and the final state (B, H, K, V) in float32, or None.
     """
-    if chunk_size < 1 or chunk_size & (chunk_size - 1):
-        raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
+    check_chunk_size(chunk_size)
     B, T, H, K = q.shape
     scale = K**-0.5 if scale is None else scale
     state = None if initial_state is None else initial_state.float().reshape(B * H, K, v.shape[-1])
 
-    elements_per_chunk = B * H * chunk_size * max(K, v.shape[-1])
-    tokens_per_segment = chunk_size * max(1, SEGMENT_ELEMENTS // elements_per_chunk)  # whole chunks
     outputs = []
-    for start in range(0, T, tokens_per_segment):
-        part = slice(start, start + tokens_per_segment)
+    for part in segment_slices(T, chunk_size, B * H * chunk_size * max(K, v.shape[-1]), SEGMENT_ELEMENTS):
         o, state = _chunk_segment(
             q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], scale, state, chunk_size
         )

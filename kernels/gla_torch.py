@@ -46,9 +46,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Float32 elements per (B, H, tokens, D) temporary of one segment (512 KiB). Longer inputs are run as
-# consecutive segments (carrying the state), so the temporaries stay small: on the CPU they are then
-# recycled by the allocator and stay in cache, instead of being freshly mapped (page faults) every call.
+from .segments import check_chunk_size, segment_slices
+
+# Float32 elements per (B, H, tokens, D) temporary of one segment (512 KiB); see kernels/segments.py.
 SEGMENT_ELEMENTS = 2**17
 
 
@@ -76,17 +76,13 @@ def chunk_gla(
     Returns:
         o: (B, T, H, V) in q.dtype, and the final state (B, H, K, V) in float32, or None.
     """
-    if chunk_size < 1 or chunk_size & (chunk_size - 1):
-        raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
+    check_chunk_size(chunk_size)
     B, T, H, K = q.shape
     scale = K**-0.5 if scale is None else scale
     state = None if initial_state is None else initial_state.float()
 
-    elements_per_chunk = B * H * chunk_size * max(K, v.shape[-1])
-    tokens_per_segment = chunk_size * max(1, SEGMENT_ELEMENTS // elements_per_chunk)  # whole chunks
     outputs = []
-    for start in range(0, T, tokens_per_segment):
-        part = slice(start, start + tokens_per_segment)
+    for part in segment_slices(T, chunk_size, B * H * chunk_size * max(K, v.shape[-1]), SEGMENT_ELEMENTS):
         o, state = _chunk_gla_segment(q[:, part], k[:, part], v[:, part], gk[:, part], scale, state, chunk_size)
         outputs.append(o)
     o = torch.cat(outputs, dim=1)  # (B, T, H, V)

@@ -123,10 +123,12 @@ class ForgettingAttention(nn.Module):
         k = self.k_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim)
         if self.k_shift_proj is not None:  # the shift state is the last unshifted key / value
-            new_state["k_shift"] = last_real(k, lengths, state.get("k_shift"))
+            if use_cache:
+                new_state["k_shift"] = last_real(k, lengths, state.get("k_shift"))
             k = token_shift(k, torch.sigmoid(self.k_shift_proj(x).float()), state.get("k_shift"))
         if self.v_shift_proj is not None:
-            new_state["v_shift"] = last_real(v, lengths, state.get("v_shift"))
+            if use_cache:
+                new_state["v_shift"] = last_real(v, lengths, state.get("v_shift"))
             v = token_shift(v, torch.sigmoid(self.v_shift_proj(x).float()), state.get("v_shift"))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)

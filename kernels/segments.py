@@ -1,0 +1,20 @@
+"""Long inputs as consecutive segments of whole chunks, shared by the chunked torch ops (GLA, gated delta rule).
+
+A chunked op run on a long input at once allocates (B, H, T, D) temporaries that the CPU allocator maps freshly on
+every call (page faults); run segment by segment, carrying the state, the temporaries stay small, are recycled and
+stay in cache.
+"""
+
+from __future__ import annotations
+
+
+def check_chunk_size(chunk_size: int) -> None:
+    if chunk_size < 1 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
+
+
+def segment_slices(seq_len: int, chunk_size: int, elements_per_chunk: int, segment_elements: int) -> list[slice]:
+    """Time slices covering ``[0, seq_len)``, each a whole number of chunks (at least one) whose temporaries hold
+    about ``segment_elements`` elements, given ``elements_per_chunk`` for one chunk."""
+    tokens = chunk_size * max(1, segment_elements // elements_per_chunk)
+    return [slice(start, start + tokens) for start in range(0, seq_len, tokens)]
