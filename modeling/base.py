@@ -8,6 +8,9 @@ entries that are per-token histories ``(N, T_seen, ...)`` (FoX's keys and values
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
@@ -20,6 +23,8 @@ from transformers.utils.generic import can_return_tuple
 from .cache import SelectiveRopeCache
 from .layers import GatedMLP, RMSNorm, mlp_width
 from .layout import SequenceLayout
+from .model_card import render_model_card, template_texts
+from .remote_code import bundle_auto_map, write_code_bundle
 from .rotary import SelectiveRotaryEmbedding
 
 logger = logging.get_logger(__name__)
@@ -84,6 +89,29 @@ class SelectiveRopePreTrainedModel(PreTrainedModel):
         # generate() must not build a DynamicCache for us: our forward creates a SelectiveRopeCache.
         return False
 
+    def _auto_classes(self) -> tuple[type, type]:
+        """(base model class, causal-LM class) of this family."""
+        raise NotImplementedError
+
+    def save_pretrained(self, save_directory: str | os.PathLike, *args, is_main_process: bool = True, **kwargs):
+        """transformers' ``save_pretrained``, plus the modeling code as flat files and the ``auto_map`` naming
+        AutoConfig, AutoModel and AutoModelForCausalLM, so the directory also loads with ``trust_remote_code=True``
+        where ``selective_rope`` is not installed. The code is written first so ``push_to_hub=True`` uploads it."""
+        base_class, lm_class = self._auto_classes()
+        self.config.auto_map = bundle_auto_map(lm_class, type(self.config), base_class)
+        if is_main_process:
+            os.makedirs(save_directory, exist_ok=True)
+            write_code_bundle(save_directory, type(self).__module__, extra_files=template_texts())
+        return super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
+
+    def model_card(self, repo_id: str = "path/to/model", **card_info):
+        """This model's card (a ``huggingface_hub.ModelCard``) from its family's template in ``model_cards/``.
+
+        ``card_info``: ``model_name``, ``license`` (default ``apache-2.0``), ``base_model``, ``base_model_relation``,
+        ``provenance`` (markdown for "How it was made"). Save it with ``card.save(directory + "/README.md")``.
+        """
+        return render_model_card(self.config, repo_id=repo_id, num_parameters=self.num_parameters(), **card_info)
+
 
 class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
     """Embeddings -> blocks -> final norm. Subclasses set ``config_class`` and ``mixer_class``."""
@@ -102,6 +130,11 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embeddings
+
+    def _auto_classes(self) -> tuple[type, type]:
+        # Naming convention of every family module: SelectiveRopeXModel next to SelectiveRopeXForCausalLM.
+        lm_name = type(self).__name__.removesuffix("Model") + "ForCausalLM"
+        return type(self), getattr(sys.modules[type(self).__module__], lm_name)
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embeddings = value
@@ -202,6 +235,9 @@ class SelectiveRopeForCausalLMBase(SelectiveRopePreTrainedModel, GenerationMixin
         self.model = self.model_class(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def _auto_classes(self) -> tuple[type, type]:
+        return self.model_class, type(self)
 
     @can_return_tuple
     def forward(
