@@ -26,6 +26,15 @@ NOT_ADAPTED = ("rotary", "gk_proj", "a_proj", "b_proj", "f_proj", "k_shift_proj"
                "lm_head")
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: intra-op threads only wait for each other on a shared 2-core machine (about 10x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _model(family):
     torch.manual_seed(0)
     return family.lm_class(family.config_class(**family.tiny))
