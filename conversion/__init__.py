@@ -1,4 +1,11 @@
-"""Retrofitting Selective RoPE onto existing checkpoints (SPEC §7).
+"""Retrofitting Selective RoPE onto existing checkpoints (SPEC §7): ``selective-rope convert`` and its Python API.
 
-So far: the Llama-family mapping onto SelectiveRopeFoX (:mod:`.llama`); the converter command is an open issue.
+- :func:`convert` / :class:`RetrofitOptions` (:mod:`.convert`, :mod:`.retrofit`): the command's engine.
+- :mod:`.llama`: transformers Llama / Mistral / Qwen2 / Qwen3 onto SelectiveRopeFoX.
+- :mod:`.fla`: flash-linear-attention GLA / Gated DeltaNet / Forgetting Transformer onto our families.
 """
+
+from .convert import SUPPORTED_SOURCES, ConversionError, ConversionReport, convert
+from .retrofit import RetrofitOptions
+
+__all__ = ["SUPPORTED_SOURCES", "ConversionError", "ConversionReport", "RetrofitOptions", "convert"]

@@ -3,7 +3,10 @@
 SelectiveRopeFoX with ``use_forget_gate=False``, ``position_embedding="rope"`` and no FoX Pro option computes exactly
 what these models compute (SPEC §4), so a source maps onto it weight for weight: :func:`fox_config_from_llama` maps
 the config, :func:`fox_key_from_llama` the parameter names, and the source's own inverse frequencies become each
-layer's ``rotary.temperature`` (:func:`llama_inverse_frequencies`).
+layer's ``rotary.temperature`` (:func:`llama_rope`). RoPE scaling types that only change the frequencies (``linear``,
+``llama3``) are exact through the temperature; ``yarn`` also multiplies cos and sin by an attention factor ``s``,
+which equals scaling the rotated q and k by ``s``: :func:`fold_attention_scaling` folds it into the q/k projections
+(or into Qwen3's q/k norms, which come after them).
 """
 
 from __future__ import annotations
@@ -13,11 +16,25 @@ import re
 import torch
 from transformers import PreTrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from transformers.models.mistral.modeling_mistral import MistralRotaryEmbedding
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+from transformers.utils import logging
 
 from ..configuration.fox import SelectiveRopeFoXConfig
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED_ROPE_TYPES = ("default",)
+logger = logging.get_logger(__name__)
+
+ROTARY_EMBEDDINGS = {
+    "llama": LlamaRotaryEmbedding,
+    "mistral": MistralRotaryEmbedding,
+    "qwen2": Qwen2RotaryEmbedding,
+    "qwen3": Qwen3RotaryEmbedding,
+}
+LLAMA_FAMILY = tuple(ROTARY_EMBEDDINGS)
+# Position-independent frequency rules only: `dynamic` rescales with the running length and `longrope` switches
+# frequency sets at a length threshold, neither of which is a fixed temperature.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 _KEY_RENAMES = [  # (source pattern, our name), applied in order to each parameter name
     (r"^model\.embed_tokens\.", "model.embeddings."),
@@ -27,19 +44,35 @@ _KEY_RENAMES = [  # (source pattern, our name), applied in order to each paramet
 ]
 
 
-def _check_source(source: PreTrainedConfig) -> str:
+def check_llama_source(source: PreTrainedConfig) -> str:
+    """The source's RoPE type; ``ValueError`` naming what is supported for anything else."""
     if source.model_type not in LLAMA_FAMILY:
         raise ValueError(f"unsupported source architecture {source.model_type!r}; supported: {list(LLAMA_FAMILY)}")
     rope_type = (source.rope_parameters or {}).get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"unsupported RoPE type {rope_type!r}; supported: {list(SUPPORTED_ROPE_TYPES)}")
+        raise ValueError(f"unsupported RoPE type {rope_type!r} in the {source.model_type} source; supported: "
+                         f"{list(SUPPORTED_ROPE_TYPES)}")
+    if getattr(source, "layer_types", None) and any(t != "full_attention" for t in source.layer_types):
+        raise ValueError(f"unsupported source: sliding-window layers {sorted(set(source.layer_types))}; only "
+                         "full-attention layers map onto FoX")
+    if source.model_type == "mistral" and getattr(source, "sliding_window", None):
+        logger.warning(f"the source attends within a sliding window of {source.sliding_window} tokens and FoX to the "
+                       "whole context: outputs agree on sequences up to that length")
     return rope_type
+
+
+def llama_rope(source: PreTrainedConfig) -> tuple[torch.Tensor, float]:
+    """The source's own inverse frequencies (float32) and attention scaling, from transformers' RoPE functions."""
+    check_llama_source(source)
+    rotary = ROTARY_EMBEDDINGS[source.model_type](source)
+    return rotary.inv_freq.float(), float(rotary.attention_scaling)
 
 
 def fox_config_from_llama(source: PreTrainedConfig, **overrides) -> SelectiveRopeFoXConfig:
     """The SelectiveRopeFoX config that reproduces ``source`` (plain RoPE, no forget gate), with ``overrides``."""
-    _check_source(source)
+    check_llama_source(source)
     head_dim = getattr(source, "head_dim", None) or source.hidden_size // source.num_attention_heads
+    inv_freq, _ = llama_rope(source)
     qkv_bias = getattr(source, "attention_bias", source.model_type == "qwen2")  # Qwen2: q/k/v biases, none on o
     fields = dict(
         vocab_size=source.vocab_size,
@@ -62,9 +95,9 @@ def fox_config_from_llama(source: PreTrainedConfig, **overrides) -> SelectiveRop
         eos_token_id=source.eos_token_id,
         position_embedding="rope",
         use_forget_gate=False,
-        temperature_type="rope",
+        temperature_type="rope",  # the checkpoint's temperature holds the source's own frequencies
         temperature_theta=float(source.rope_parameters["rope_theta"]),
-        partial_rotary_factor=float(getattr(source, "partial_rotary_factor", 1.0) or 1.0),
+        partial_rotary_factor=2 * inv_freq.numel() / head_dim,
     )
     return SelectiveRopeFoXConfig(**{**fields, **overrides})
 
@@ -76,8 +109,20 @@ def fox_key_from_llama(name: str) -> str:
     return name
 
 
-def llama_inverse_frequencies(source: PreTrainedConfig) -> torch.Tensor:
-    """The source's own RoPE inverse frequencies (float32), computed by transformers' RoPE functions."""
-    _check_source(source)
-    inv_freq, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(source)  # the same rule for all four
-    return inv_freq.float()
+def fold_attention_scaling(name: str, tensor: torch.Tensor, scale: float, config: SelectiveRopeFoXConfig,
+                           ) -> torch.Tensor:
+    """``tensor`` (our parameter ``name``) with RoPE's attention scaling folded in: the rotary part of each q and k
+    head is multiplied by ``scale``, at the last linear step before the rotation (the q/k norm when there is one)."""
+    if scale == 1.0:
+        return tensor
+    targets = ("q_norm.weight", "k_norm.weight") if config.qk_norm else (
+        "q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")
+    if not name.endswith(targets):
+        return tensor
+    rotary_dim = int(config.head_dim * config.partial_rotary_factor)
+    factor = torch.ones(config.head_dim, dtype=torch.float64)
+    factor[:rotary_dim] = scale
+    if not name.endswith("norm.weight"):  # projection rows: (heads · head_dim, ...)
+        factor = factor.repeat(tensor.shape[0] // config.head_dim)
+    factor = factor.view(-1, *([1] * (tensor.dim() - 1)))
+    return (tensor.double() * factor).to(tensor.dtype)

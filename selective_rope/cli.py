@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from .conversion.cli import add_convert_parser, run_convert
 from .demo import FAMILIES
 
 
@@ -20,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seconds", type=float, default=60.0, help="training time budget (default 60)")
     demo.add_argument("--max-steps", type=int, default=2000, help="upper bound on training steps")
     demo.add_argument("--seed", type=int, default=0)
+    add_convert_parser(commands)
     return parser
 
 
@@ -31,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import run_demo
 
         run_demo(args.output_dir, args.seconds, args.max_steps, args.seed, args.family)
+    if args.command == "convert":
+        return run_convert(args)
     return 0
 
 

@@ -17,7 +17,7 @@ from transformers import (
 )
 
 from selective_rope import SelectiveRopeFoXConfig, SelectiveRopeFoXForCausalLM
-from selective_rope.conversion.llama import fox_config_from_llama, fox_key_from_llama, llama_inverse_frequencies
+from selective_rope.conversion.llama import fox_config_from_llama, fox_key_from_llama, llama_rope
 
 from families import FAMILIES
 
@@ -37,7 +37,7 @@ def as_fox(source):
     fox = SelectiveRopeFoXForCausalLM(fox_config_from_llama(source.config)).eval()
     state = {fox_key_from_llama(name): tensor for name, tensor in source.state_dict().items()}
     for i in range(source.config.num_hidden_layers):
-        state[f"model.layers.{i}.attn.rotary.temperature"] = llama_inverse_frequencies(source.config)
+        state[f"model.layers.{i}.attn.rotary.temperature"] = llama_rope(source.config)[0]
     missing, unexpected = fox.load_state_dict(state, strict=False)
     assert not unexpected and not missing, (missing, unexpected)
     return fox

@@ -1,0 +1,428 @@
+"""The converter: a source checkpoint in, a loadable selective-rope directory out (SPEC §7).
+
+    plan      read the source config, choose the target config and the name/tensor mapping (refuses here, before
+              anything is written, what it cannot convert)
+    write     stream tensors shard by shard from the source's safetensors files into the target's: one output shard
+              in memory at a time, never two copies of the model
+    probe     run a probe batch through the source (or, where its code cannot run here, its NoPE twin) and the
+              converted model, one after the other; fail unless the logits agree
+    publish   config, code, tokenizer files and model card next to the weights, all in a temporary directory that
+              is renamed to the output only when everything succeeded
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+from ..modeling.model_card import render_model_card, template_texts
+from ..modeling.remote_code import bundle_auto_map, write_code_bundle
+from .fla import FLA_MODEL_TYPES, fla_config, fla_key
+from .llama import LLAMA_FAMILY, fold_attention_scaling, fox_config_from_llama, fox_key_from_llama, llama_rope
+from .retrofit import RetrofitOptions, starting_parameters
+
+OUR_MODEL_TYPES = ("selective_rope_gla", "selective_rope_gated_deltanet", "selective_rope_fox")
+SUPPORTED_SOURCES = [*LLAMA_FAMILY, *FLA_MODEL_TYPES, *OUR_MODEL_TYPES]
+TOKENIZER_FILES = re.compile(r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\..*|merges\.txt|"
+                             r"chat_template\..*|.*\.tiktoken|spiece\.model)$")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ConversionError(RuntimeError):
+    """The converted model does not reproduce its source (nothing was written)."""
+
+
+@dataclass
+class SourcePlan:
+    """What a source becomes: our config and class, and how its tensors map onto ours."""
+
+    description: str
+    config: object
+    model_class: type
+    rotates: bool  # RoPE source (True) or NoPE (False)
+    rename: Callable[[str], str]
+    transform: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, tensor: tensor
+    temperature: torch.Tensor | None = None  # replaces the configured schedule (a source's inverse frequencies)
+    load_reference: Callable[[], nn.Module] | None = None  # the source model, when its code runs here
+    weight_note: str = " (unchanged)"  # for the model card: how the source's weights were carried over
+    source_keys: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ConversionReport:
+    output: Path
+    source: str
+    description: str
+    reference: str  # what the probe compared against
+    max_logit_difference: float
+    source_tensors: int
+    new_tensors: list[str]
+    shards: int
+
+
+# ---------------------------------------------------------------------------------------------------------- plan
+
+
+def _family_classes(model_type: str) -> tuple[type, type]:
+    from .. import modeling
+
+    table = {"selective_rope_gla": modeling.SelectiveRopeGLAForCausalLM,
+             "selective_rope_gated_deltanet": modeling.SelectiveRopeGatedDeltaNetForCausalLM,
+             "selective_rope_fox": modeling.SelectiveRopeFoXForCausalLM}
+    lm_class = table[model_type]
+    return lm_class.config_class, lm_class
+
+
+def plan_conversion(source_dir: Path, options: RetrofitOptions) -> SourcePlan:
+    """The conversion of the checkpoint in ``source_dir``; ``ValueError`` naming what is supported otherwise."""
+    raw = json.loads((source_dir / "config.json").read_text())
+    model_type = raw.get("model_type")
+    if model_type in LLAMA_FAMILY:
+        source = AutoConfig.from_pretrained(source_dir)
+        inverse_frequencies, attention_scaling = llama_rope(source)
+        config = fox_config_from_llama(source, use_forget_gate=options.forget_gate,
+                                       **options.config_overrides(source_rotates=True))
+        rope_type = (source.rope_parameters or {}).get("rope_type", "default")
+        return SourcePlan(
+            description=f"transformers {model_type} (RoPE type {rope_type!r})",
+            config=config, model_class=_family_classes("selective_rope_fox")[1], rotates=True,
+            rename=fox_key_from_llama,
+            transform=lambda name, tensor: fold_attention_scaling(name, tensor, attention_scaling, config),
+            temperature=inverse_frequencies,
+            load_reference=lambda: AutoModelForCausalLM.from_pretrained(source_dir, dtype=torch.float32),
+            weight_note=f" (the rotation's frequencies τ are the source's own {rope_type} inverse frequencies"
+                        + (f"; its attention factor {attention_scaling:.6g} is folded into the q/k "
+                           f"{'norms' if config.qk_norm else 'projections'}" if attention_scaling != 1.0 else "")
+                        + ")",
+        )
+    if model_type in FLA_MODEL_TYPES:
+        config = fla_config(raw, **options.config_overrides(source_rotates=False))
+        return SourcePlan(
+            description=f"flash-linear-attention {model_type} (NoPE)",
+            config=config, model_class=_family_classes(config.model_type)[1], rotates=False,
+            rename=lambda name: fla_key(model_type, name),
+        )
+    if model_type in OUR_MODEL_TYPES:
+        config_class, lm_class = _family_classes(model_type)
+        source = config_class.from_pretrained(source_dir)
+        if source.position_embedding == "selective_rope":
+            raise ValueError("the source already uses Selective RoPE; convert `rope` or `nope` checkpoints")
+        rotates = source.position_embedding == "rope"
+        fields = {k: v for k, v in source.to_dict().items() if k not in ("auto_map", "architectures")}
+        config = config_class.from_dict({**fields, **options.config_overrides(source_rotates=rotates)})
+        return SourcePlan(
+            description=f"selective-rope {model_type} (position_embedding={source.position_embedding!r})",
+            config=config, model_class=lm_class, rotates=rotates, rename=lambda name: name,
+            load_reference=lambda: lm_class.from_pretrained(source_dir, dtype=torch.float32),
+        )
+    raise ValueError(f"unsupported source architecture {model_type!r}; supported: {SUPPORTED_SOURCES}")
+
+
+# --------------------------------------------------------------------------------------------------------- write
+
+
+class SafetensorsSource:
+    """The tensors of a ``save_pretrained`` directory, opened lazily (memory-mapped, one tensor at a time)."""
+
+    def __init__(self, directory: Path, stack: ExitStack):
+        index = directory / "model.safetensors.index.json"
+        if index.exists():
+            self.files = {name: directory / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+        elif (directory / "model.safetensors").exists():
+            with safe_open(directory / "model.safetensors", "pt") as handle:
+                self.files = dict.fromkeys(handle.keys(), directory / "model.safetensors")
+        else:
+            raise ValueError(f"no safetensors weights in {directory} (model.safetensors or its index); re-save the "
+                             "source with save_pretrained(safe_serialization=True)")
+        self._stack, self._handles = stack, {}
+
+    def keys(self) -> list[str]:
+        return sorted(self.files)
+
+    def get(self, name: str) -> torch.Tensor:
+        path = self.files[name]
+        if path not in self._handles:
+            self._handles[path] = self._stack.enter_context(safe_open(path, "pt"))
+        return self._handles[path].get_tensor(name)
+
+
+def _keeps_float32(model: nn.Module, name: str) -> bool:
+    parts = name.split(".")
+    return any(module in parts for module in getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+
+
+def _shard_names(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+    shards, current, current_bytes = [], [], 0
+    for name, size in sizes:
+        if current and current_bytes + size > max_shard_bytes:
+            shards.append(current)
+            current, current_bytes = [], 0
+        current.append(name)
+        current_bytes += size
+    return shards + [current] if current else shards
+
+
+def write_weights(plan: SourcePlan, source: SafetensorsSource, directory: Path, options: RetrofitOptions,
+                  dtype: torch.dtype | None, max_shard_bytes: int, progress: bool) -> tuple[dict, list[str], int]:
+    """Write the target's safetensors shards; returns (dtype used, new tensor names, number of shards)."""
+    with torch.device("meta"):
+        model = plan.model_class(plan.config)
+    targets = model.state_dict()
+    if plan.config.tie_word_embeddings:
+        targets.pop("lm_head.weight", None)  # tied to the embeddings: transformers saves it once
+
+    mapped: dict[str, str] = {}  # target name -> source name
+    unused = []
+    for name in source.keys():
+        target = plan.rename(name)
+        if target not in targets:
+            unused.append(name)
+        elif target in mapped:
+            raise ValueError(f"source tensors {mapped[target]!r} and {name!r} both map onto {target!r}")
+        else:
+            mapped[target] = name
+    if unused:
+        raise ValueError(f"{len(unused)} source tensors have no place in {plan.model_class.__name__}: "
+                         f"{unused[:8]}{' ...' if len(unused) > 8 else ''}")
+    plan.source_keys = sorted(mapped.values())
+    starting = starting_parameters(model, options, plan.temperature)
+    new = [name for name in targets if name not in mapped]
+    missing = [name for name in new if name not in starting]
+    if missing:
+        raise ValueError(f"the source lacks {len(missing)} tensors the model needs: {missing[:8]}")
+
+    out_dtype = dtype or source.get(mapped.get("model.embeddings.weight", plan.source_keys[0])).dtype
+
+    def tensor_for(name: str) -> torch.Tensor:
+        tensor = plan.transform(name, source.get(mapped[name])) if name in mapped else starting[name]
+        if tuple(tensor.shape) != tuple(targets[name].shape):
+            raise ValueError(f"{name}: source shape {tuple(tensor.shape)}, expected {tuple(targets[name].shape)}")
+        keep = torch.float32 if _keeps_float32(model, name) else out_dtype
+        return tensor.to(keep if tensor.is_floating_point() else tensor.dtype).contiguous()
+
+    def nbytes(name: str) -> int:
+        element = 4 if _keeps_float32(model, name) else torch.tensor([], dtype=out_dtype).element_size()
+        return targets[name].numel() * element
+
+    shards = _shard_names([(name, nbytes(name)) for name in targets], max_shard_bytes)
+    weight_map, total = {}, 0
+    bar = tqdm(total=len(targets), desc="Converting tensors", unit="tensor", disable=not progress)
+    for index, names in enumerate(shards, start=1):
+        file = "model.safetensors" if len(shards) == 1 else f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        shard = {}
+        for name in names:
+            shard[name] = tensor_for(name)
+            total += shard[name].numel() * shard[name].element_size()
+            weight_map[name] = file
+            bar.update()
+        save_file(shard, directory / file, metadata={"format": "pt"})
+        del shard
+    bar.close()
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return out_dtype, new, len(shards)
+
+
+# --------------------------------------------------------------------------------------------------------- probe
+
+
+def _nope_twin_reference(plan: SourcePlan, source: SafetensorsSource) -> nn.Module:
+    """Our family with ``position_embedding="nope"`` carrying the source tensors: the source's computation, for
+    sources whose own code cannot run here (flash-linear-attention's ops are CUDA-only)."""
+    fields = {k: v for k, v in plan.config.to_dict().items() if k not in ("auto_map", "architectures")}
+    twin = plan.model_class(type(plan.config).from_dict({**fields, "position_embedding": "nope"}))
+    state = {plan.rename(name): source.get(name) for name in source.keys()}
+    missing, unexpected = twin.load_state_dict(state, strict=False)
+    if unexpected or [m for m in missing if m != "lm_head.weight" or not plan.config.tie_word_embeddings]:
+        raise ValueError(f"NoPE twin mismatch: missing {missing[:8]}, unexpected {unexpected[:8]}")
+    if plan.config.tie_word_embeddings:
+        twin.tie_weights()
+    return twin
+
+
+@torch.no_grad()
+def _round_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    for name, parameter in model.named_parameters():
+        if not _keeps_float32(model, name):
+            parameter.data = parameter.data.to(dtype).to(parameter.dtype)
+
+
+@torch.no_grad()
+def probe_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    model = model.float().eval()
+    return model(ids).logits.float()
+
+
+# ------------------------------------------------------------------------------------------------------- convert
+
+
+def resolve_source(source: str | os.PathLike) -> tuple[Path, str]:
+    """A local directory, or a Hub id downloaded when the network allows; (directory, name for the model card)."""
+    path = Path(source)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} has no config.json: not a save_pretrained directory")
+        return path, path.resolve().name
+    if path.exists() or str(source).startswith((".", "/", "~")) or str(source).count("/") > 1:
+        raise FileNotFoundError(f"source {str(source)!r} is not a directory (nor a Hub id)")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+    try:
+        return Path(snapshot_download(str(source), allow_patterns=patterns)), str(source)
+    except Exception as error:  # the Hub client raises many types; the message says what happened
+        raise FileNotFoundError(f"source {str(source)!r} is not a local directory and could not be downloaded "
+                                f"from the Hub: {error}") from error
+
+
+def parse_size(size: str | int) -> int:
+    """``"5GB"``, ``"500MB"``, ``1000`` -> bytes."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*", size.upper())
+    if not match:
+        raise ValueError(f"max shard size {size!r}: expected bytes or a size such as '5GB' or '500MB'")
+    units = {None: 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    return int(float(match[1]) * units[match[2]])
+
+
+def convert(
+    source: str | os.PathLike,
+    output: str | os.PathLike,
+    options: RetrofitOptions | None = None,
+    *,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: str | int = "5GB",
+    overwrite: bool = False,
+    tolerance: float = 1e-4,
+    probe_length: int = 16,
+    base_model: str | None = None,
+    progress: bool = True,
+) -> ConversionReport:
+    """Convert ``source`` into a selective-rope model directory ``output`` and check it reproduces the source.
+
+    Args:
+        source: a ``save_pretrained`` directory (or a Hub id when the network allows): transformers Llama, Mistral,
+            Qwen2 or Qwen3; flash-linear-attention GLA, Gated DeltaNet or Forgetting Transformer; or one of ours
+            with ``position_embedding="rope"`` or ``"nope"``.
+        output: the directory to create; an existing one is refused unless ``overwrite``.
+        options: which Selective RoPE parts to switch on (:class:`RetrofitOptions`).
+        dtype: output dtype for the source's tensors (``"float32"``, ``"bfloat16"``, ``"float16"``; default: as the
+            source). Selective RoPE parameters are always float32.
+        max_shard_size: largest output shard (``"5GB"``, ``"500MB"``, bytes).
+        tolerance: the largest probe logit difference accepted (fp32).
+        base_model: the source's Hub id for the model card's ``base_model`` (default: the Hub id converted from, or
+            the source directory's name).
+
+    Raises ``ValueError`` (unsupported source or options), ``FileExistsError`` (output exists),
+    ``FileNotFoundError`` (no source) and :class:`ConversionError` (the probe failed); nothing is left behind.
+    """
+    options = options or RetrofitOptions()
+    output = Path(output)
+    if output.exists() and not overwrite:
+        raise FileExistsError(f"{output} already exists; pass overwrite=True (--overwrite) to replace it")
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r}: expected one of {list(DTYPES)}")
+        dtype = DTYPES[dtype]
+    max_shard_bytes = parse_size(max_shard_size)
+    source_dir, source_name = resolve_source(source)
+    source_name = base_model or source_name
+    plan = plan_conversion(source_dir, options)
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = output.parent / f".{output.name}.partial-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        with ExitStack() as stack:
+            tensors = SafetensorsSource(source_dir, stack)
+            out_dtype, new, shards = write_weights(plan, tensors, staging, options, dtype, max_shard_bytes, progress)
+            reference_name = "source model"
+            if plan.load_reference is None:
+                reference_name = "NoPE twin (the source's own code cannot run here)"
+                reference = _nope_twin_reference(plan, tensors)
+            else:
+                reference = plan.load_reference()
+            if out_dtype != torch.float32:  # compare like with like: the source rounded as it was saved
+                _round_parameters(reference, out_dtype)
+            ids = torch.randint(0, plan.config.vocab_size, (2, probe_length),
+                                generator=torch.Generator().manual_seed(options.seed))
+            expected = probe_logits(reference, ids)
+            del reference
+        _write_metadata(plan, source_dir, staging, out_dtype)
+        converted = plan.model_class.from_pretrained(staging, dtype=torch.float32)
+        difference = (probe_logits(converted, ids) - expected).abs().max().item()
+        del converted
+        if not difference <= tolerance:
+            raise ConversionError(f"the converted model does not reproduce the source: max |logit difference| = "
+                                  f"{difference:.3g} > {tolerance:g} on the probe batch (reference: {reference_name})")
+        report = ConversionReport(output, source_name, plan.description, reference_name, difference,
+                                  len(plan.source_keys), new, shards)
+        _write_card(plan, staging, output, report, options)
+        _publish(staging, output)
+        return report
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _write_metadata(plan: SourcePlan, source_dir: Path, directory: Path, out_dtype: torch.dtype) -> None:
+    config = plan.config
+    config.architectures = [plan.model_class.__name__]
+    config.dtype = out_dtype
+    config.auto_map = bundle_auto_map(plan.model_class, type(config), plan.model_class.model_class)
+    config.save_pretrained(directory)
+    write_code_bundle(directory, plan.model_class.__module__, extra_files=template_texts())
+    if (source_dir / "generation_config.json").exists():
+        shutil.copy2(source_dir / "generation_config.json", directory)
+    else:
+        GenerationConfig.from_model_config(config).save_pretrained(directory)
+    for file in source_dir.iterdir():
+        if file.is_file() and TOKENIZER_FILES.match(file.name):
+            shutil.copy2(file, directory)
+
+
+def _write_card(plan: SourcePlan, directory: Path, output: Path, report: ConversionReport,
+                options: RetrofitOptions) -> None:
+    parts = "Selective RoPE (" + ", ".join(
+        f"{key}={value!r}" for key, value in options.config_overrides(plan.rotates).items()) + ")"
+    provenance = (
+        f"Converted with `selective-rope convert` from `{report.source}` ({report.description}): the source's "
+        f"weights{plan.weight_note}, plus {parts if options.selective else 'no Selective RoPE'} starting as an exact "
+        f"{'RoPE' if plan.rotates else 'NoPE'} rotation"
+        + (" and a FoX forget gate starting at no forgetting" if getattr(plan.config, "use_forget_gate", False)
+           and plan.rotates and options.forget_gate else "")
+        + f". On a probe batch the converted model reproduced the {report.reference} to a maximum logit difference "
+        f"of {report.max_logit_difference:.2e} (fp32). It is meant to be fine-tuned: the Selective RoPE parameters "
+        "start at an identity and move with the first gradient steps."
+    )
+    card = render_model_card(plan.config, repo_id=output.name, base_model=report.source,
+                             base_model_relation="finetune", provenance=provenance)
+    card.save(directory / "README.md")
+
+
+def _publish(staging: Path, output: Path) -> None:
+    """Rename the finished ``staging`` directory to ``output`` (replacing an existing one only at the end)."""
+    if output.exists():
+        retired = output.parent / f".{output.name}.replaced-{uuid.uuid4().hex[:8]}"
+        os.rename(output, retired)
+        os.rename(staging, output)
+        shutil.rmtree(retired, ignore_errors=True)
+    else:
+        os.rename(staging, output)
