@@ -72,7 +72,10 @@ class SelectiveRopePreTrainedModel(PreTrainedModel):
     # parameters per layer) stays float32 when the model loads in bf16/fp16, so the whole phase path is float32.
     _keep_in_fp32_modules_strict = ["rotary"]
     _is_stateful = True  # states that cannot be rolled back (recurrences, phases): no assisted generation
-    _supports_attention_backends = False
+    _supports_attention_backend = False  # our mixers do not go through transformers' attention interface
+    # Context parallelism shards the sequence across ranks; our recurrent states, forget-gate sums and Selective RoPE
+    # phases run along the whole sequence and are never exchanged between ranks.
+    _supports_context_parallel = False
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
