@@ -1,18 +1,29 @@
-"""Selective RoPE's fused cumulative phase + rotation in Triton (forward and backward).
+"""Selective RoPE in Triton: the fused cumulative phase + rotation (forward and backward) and the fused decode step.
 
-Same interface and semantics as :func:`selective_rope.kernels.rotary_torch.selective_rotary` (the reference), plus
-packed sequences (``cu_seqlens``). One program per (sequence, key head, block of frequency pairs) walks over time in
-tiles with a running float32 carry of the phase, so the cumulative sum never leaves the program:
+Same semantics as the PyTorch reference (:func:`selective_rope.kernels.rotary_torch.selective_rotary` and, for one
+token with a cache, ``SelectiveRotaryEmbedding``'s torch path), plus packed sequences (``cu_seqlens``).
+
+**Prefill / training** (``selective_rotary_triton``). One program per (sequence, key head, block of frequency pairs)
+walks over time in tiles with a running float32 carry of the phase, so the cumulative sum never leaves the program:
 
     θ_t = θ_0 + Σ_{s<=t} c_s,   angle_t = τ · θ_t,   (x_i, x_{i+R}) -> (x_i cos − x_{i+R} sin, x_i sin + x_{i+R} cos)
 
 for the key head and every query head of its group (GPT-NeoX halves; dims ``>= 2R`` pass through).
-
 Backward, same grid: a forward walk recomputes the phase, writes ``dq``/``dk`` (the inverse rotation of the
 incoming gradients) and the per-position ``dθ_t = τ · Σ_heads (dy_2 · y_1 − dy_1 · y_2)`` (summed over the query
 heads of the group inside the program), then a reverse walk over the same tiles turns ``dθ`` into
 ``d(increment)_s = Σ_{t>=s} dθ_t (+ d final phase)``. ``d(initial_phase)`` is the total and ``d(temperature)`` is
 reduced from per-program partials in PyTorch (no atomics).
+
+**Decode** (``selective_rotary_decode_triton``): one token per row, one program per (row, key head). From the phase
+projection ``a`` (the matmuls stay in PyTorch, so hooks and adapters on those modules keep working) it does SPEC §3
+steps 3-8 in training order: the causal convolution over the cached history (then its activation), ``+ exp(b)``,
+``* sigmoid(gate)``, the phase update and the rotation of q and k, and writes the new phase and convolution history.
+A row whose token is padding adds 0 to its phase and keeps its convolution history, as the torch path does.
+
+Both are ``torch.library`` custom ops (``selective_rope::rotary_forward`` / ``rotary_backward`` / ``rotary_decode``,
+with fake implementations, the forward with a registered autograd formula), so ``torch.compile`` treats them as
+opaque calls instead of breaking the graph.
 
 Runs on CUDA, and on CPU under ``TRITON_INTERPRET=1`` (how the tests check it against the torch reference).
 """
@@ -22,10 +33,16 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
-import triton.language as tl
 
-__all__ = ["selective_rotary_triton"]
+# Inside try/except: transformers' remote-code loader requires every library a shipped file imports outside such
+# blocks, and this file travels with saved models while triton is optional (the caller falls back to torch).
+try:
+    import triton
+    import triton.language as tl
+except ImportError as error:
+    raise ImportError("the Triton Selective RoPE kernels need `triton` (pip install triton)") from error
+
+__all__ = ["selective_rotary_decode_triton", "selective_rotary_triton"]
 
 
 def _interpreting() -> bool:
@@ -266,106 +283,230 @@ def _selective_rotary_bwd_kernel(
         tl.store(dtemp_ptr + state_offs, dtemp_acc, mask=mask_r)
 
 
-def _reduce_to(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """Sum a ``(B, T, Hk, R)`` gradient back to the (broadcastable) shape the increment was given in."""
-    extra = grad.dim() - len(shape)
-    if extra > 0:
-        grad = grad.sum(dim=tuple(range(extra)))
-    dims = tuple(i for i, size in enumerate(shape) if size == 1 and grad.shape[i] != 1)
-    if dims:
-        grad = grad.sum(dim=dims, keepdim=True)
-    return grad.reshape(shape)
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
 
 
-class SelectiveRotaryTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, increment, temperature, initial_phase, cu_seqlens):
-        batch, seq_len, num_query_heads, head_dim = q.shape
-        num_key_heads = k.shape[2]
-        half = temperature.shape[-1]
-        if num_query_heads % num_key_heads:
-            raise ValueError(f"Hq ({num_query_heads}) must be a multiple of Hk ({num_key_heads})")
-        if 2 * half > head_dim:
-            raise ValueError(f"2R ({2 * half}) exceeds the head size ({head_dim})")
-        if k.shape[:2] != q.shape[:2] or k.shape[3] != head_dim:
-            raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree")
-        num_seqs = batch
-        if cu_seqlens is not None:
-            if batch != 1:
-                raise ValueError(f"cu_seqlens needs batch 1 (packed sequences), got batch {batch}")
-            num_seqs = cu_seqlens.numel() - 1
-        inc = increment.float().expand(batch, seq_len, num_key_heads, half)
-        temp = temperature.float().contiguous()
-        init = None if initial_phase is None else initial_phase.float().expand(num_seqs, num_key_heads, half)
-        init = None if init is None else init.contiguous()
+@triton.jit
+def _rotate_head(x_ptr, o_ptr, rs, mask_r, cos, sin, R, D, s_d, so_d,
+                 HAS_PASS: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Rotate one head vector (the first 2R dims in GPT-NeoX halves) and copy the dims >= 2R."""
+    x1 = tl.load(x_ptr + rs * s_d, mask=mask_r, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + (rs + R) * s_d, mask=mask_r, other=0.0).to(tl.float32)
+    tl.store(o_ptr + rs * so_d, (x1 * cos - x2 * sin).to(o_ptr.dtype.element_ty), mask=mask_r)
+    tl.store(o_ptr + (rs + R) * so_d, (x1 * sin + x2 * cos).to(o_ptr.dtype.element_ty), mask=mask_r)
+    if HAS_PASS:
+        for p0 in range(2 * R, D, BLOCK_P):
+            ds = p0 + tl.arange(0, BLOCK_P)
+            x = tl.load(x_ptr + ds * s_d, mask=ds < D, other=0.0)
+            tl.store(o_ptr + ds * so_d, x.to(o_ptr.dtype.element_ty), mask=ds < D)
 
-        out_q, out_k = torch.empty_like(q), torch.empty_like(k)
-        final = torch.empty(num_seqs, num_key_heads, half, dtype=torch.float32, device=q.device)
-        if seq_len == 0 or num_seqs == 0 or half == 0:
-            out_q.copy_(q)
-            out_k.copy_(k)
-            final.copy_(init if init is not None else torch.zeros_like(final))
-        else:
-            cfg = _config(half, head_dim - 2 * half)
-            grid = (num_seqs * num_key_heads, triton.cdiv(half, cfg["BLOCK_R"]))
-            _selective_rotary_fwd_kernel[grid](
-                q, k, inc, temp, init if init is not None else final, out_q, out_k, final,
-                cu_seqlens if cu_seqlens is not None else final,
-                seq_len, num_key_heads, num_query_heads // num_key_heads, half, head_dim,
-                *q.stride(), *k.stride(), *out_q.stride(), *out_k.stride(), *inc.stride(),
-                HAS_INIT=init is not None, IS_VARLEN=cu_seqlens is not None, HAS_PASS=head_dim > 2 * half,
-                BLOCK_T=cfg["BLOCK_T"], BLOCK_R=cfg["BLOCK_R"], BLOCK_P=cfg["BLOCK_P"], num_warps=cfg["num_warps"],
-            )
-        ctx.save_for_backward(q, k, inc, temp, init, cu_seqlens)
-        ctx.increment_shape, ctx.increment_dtype = increment.shape, increment.dtype
-        ctx.temperature_dtype = temperature.dtype
-        ctx.initial_shape = None if initial_phase is None else initial_phase.shape
-        ctx.initial_dtype = None if initial_phase is None else initial_phase.dtype
+
+@triton.jit
+def _selective_rotary_decode_kernel(
+    q_ptr, k_ptr, proj_ptr, temp_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, gate_ptr, valid_ptr,
+    oq_ptr, ok_ptr, ophase_ptr, oconv_ptr,
+    Hk, G, R, D,
+    sq_b, sq_h, sq_d,
+    sk_b, sk_h, sk_d,
+    soq_b, soq_h, soq_d,
+    sok_b, sok_h, sok_d,
+    sp_b, sp_h, sp_r,
+    sg_b, sg_h, sg_r,
+    CONV_K: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GATE: tl.constexpr,
+    HAS_VALID: tl.constexpr, HAS_PASS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)  # (row b, key head hk) of a contiguous (B, Hk, R) phase
+    b = pid // Hk
+    hk = pid % Hk
+    rs = tl.arange(0, BLOCK_R)
+    mask_r = rs < R
+
+    # Step 2's output, zeroed for a padding token (the torch path multiplies by the valid mask: same bits).
+    a = tl.load(proj_ptr + b * sp_b + hk * sp_h + rs * sp_r, mask=mask_r, other=0.0).to(tl.float32)
+    if HAS_VALID:
+        keep = tl.load(valid_ptr + b) != 0
+        valid = keep.to(tl.float32)
+        a = a * valid
+
+    # Step 3: causal depthwise convolution over (history, a), taps oldest first, summed in the torch path's order.
+    c = a
+    if CONV_K > 0:
+        channels = Hk * R
+        ch = hk * R + rs
+        history = conv_ptr + b * (CONV_K - 1) * channels + ch  # (B, K-1, Hk*R) contiguous
+        new_history = oconv_ptr + b * (CONV_K - 1) * channels + ch
+        c = tl.full([BLOCK_R], 0.0, tl.float32)
+        for j in tl.static_range(CONV_K - 1):
+            h_j = tl.load(history + j * channels, mask=mask_r, other=0.0)
+            c += h_j * tl.load(weight_ptr + ch * CONV_K + j, mask=mask_r, other=0.0)
+            # The history moves on by one input, unless the token is padding (then it stays as it was).
+            if j + 1 < CONV_K - 1:
+                shifted = tl.load(history + (j + 1) * channels, mask=mask_r, other=0.0)
+            else:
+                shifted = a
+            if HAS_VALID:
+                shifted = tl.where(keep, shifted, h_j)
+            tl.store(new_history + j * channels, shifted, mask=mask_r)
+        c += a * tl.load(weight_ptr + ch * CONV_K + CONV_K - 1, mask=mask_r, other=0.0)
+        if SILU:
+            c = c * _sigmoid(c)
+    # Steps 4-5: bias, then the gate (which scales the bias too), then pads contribute nothing.
+    if HAS_BIAS:
+        c += tl.exp(tl.load(bias_ptr + hk * R + rs, mask=mask_r, other=0.0))
+    if HAS_GATE:
+        c *= _sigmoid(tl.load(gate_ptr + b * sg_b + hk * sg_h + rs * sg_r, mask=mask_r, other=0.0).to(tl.float32))
+    if HAS_VALID:
+        c = c * valid
+
+    # Step 6-8: phase update, angle, rotation of the key head and of its query heads.
+    phase = c + tl.load(phase_ptr + pid * R + rs, mask=mask_r, other=0.0)
+    tl.store(ophase_ptr + pid * R + rs, phase, mask=mask_r)
+    angle = phase * tl.load(temp_ptr + rs, mask=mask_r, other=0.0)
+    cos = tl.cos(angle)
+    sin = tl.sin(angle)
+    _rotate_head(k_ptr + b * sk_b + hk * sk_h, ok_ptr + b * sok_b + hk * sok_h, rs, mask_r, cos, sin, R, D,
+                 sk_d, sok_d, HAS_PASS, BLOCK_P)
+    for g in range(G):
+        hq = hk * G + g
+        _rotate_head(q_ptr + b * sq_b + hq * sq_h, oq_ptr + b * soq_b + hq * soq_h, rs, mask_r, cos, sin, R, D,
+                     sq_d, soq_d, HAS_PASS, BLOCK_P)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# custom ops: prefill forward and backward
+# --------------------------------------------------------------------------------------------------------------------
+def _num_seqs(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> int:
+    return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
+@torch.library.custom_op("selective_rope::rotary_forward", mutates_args=())
+def _rotary_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    increment: torch.Tensor,
+    temperature: torch.Tensor,
+    initial_phase: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``increment`` ``(B, T, Hk, R)`` float32 (may be an expanded view), ``temperature`` ``(R,)`` float32,
+    ``initial_phase`` ``(N, Hk, R)`` float32 -> rotated q, k and the final phase ``(N, Hk, R)`` float32."""
+    batch, seq_len, num_query_heads, head_dim = q.shape
+    num_key_heads, half = k.shape[2], temperature.shape[0]
+    num_seqs = _num_seqs(q, cu_seqlens)
+    init = None if initial_phase is None else initial_phase.contiguous()
+    out_q, out_k = torch.empty_like(q), torch.empty_like(k)
+    final = torch.empty(num_seqs, num_key_heads, half, dtype=torch.float32, device=q.device)
+    if seq_len == 0 or num_seqs == 0 or half == 0:
+        out_q.copy_(q)
+        out_k.copy_(k)
+        final.copy_(init if init is not None else torch.zeros_like(final))
         return out_q, out_k, final
+    cfg = _config(half, head_dim - 2 * half)
+    grid = (num_seqs * num_key_heads, triton.cdiv(half, cfg["BLOCK_R"]))
+    _selective_rotary_fwd_kernel[grid](
+        q, k, increment, temperature.contiguous(), init if init is not None else final, out_q, out_k, final,
+        cu_seqlens if cu_seqlens is not None else final,
+        seq_len, num_key_heads, num_query_heads // num_key_heads, half, head_dim,
+        *q.stride(), *k.stride(), *out_q.stride(), *out_k.stride(), *increment.stride(),
+        HAS_INIT=init is not None, IS_VARLEN=cu_seqlens is not None, HAS_PASS=head_dim > 2 * half,
+        BLOCK_T=cfg["BLOCK_T"], BLOCK_R=cfg["BLOCK_R"], BLOCK_P=cfg["BLOCK_P"], num_warps=cfg["num_warps"],
+    )
+    return out_q, out_k, final
 
-    @staticmethod
-    def backward(ctx, grad_q, grad_k, grad_final):
-        q, k, inc, temp, init, cu_seqlens = ctx.saved_tensors
-        batch, seq_len, num_query_heads, head_dim = q.shape
-        num_key_heads, half = k.shape[2], temp.shape[0]
-        num_seqs = batch if cu_seqlens is None else cu_seqlens.numel() - 1
-        need_dtemp = ctx.needs_input_grad[3]
-        need_dinit = ctx.needs_input_grad[4] and init is not None
-        grad_q = torch.zeros_like(q) if grad_q is None else grad_q
-        grad_k = torch.zeros_like(k) if grad_k is None else grad_k
 
-        dq, dk = torch.empty_like(q), torch.empty_like(k)
-        dinc = torch.zeros(batch, seq_len, num_key_heads, half, dtype=torch.float32, device=q.device)
-        dinit = torch.zeros(num_seqs, num_key_heads, half, dtype=torch.float32, device=q.device)
-        dtemp_partial = torch.zeros(num_seqs, num_key_heads, half, dtype=torch.float32, device=q.device)
-        if seq_len == 0 or num_seqs == 0 or half == 0:
-            dq.copy_(grad_q)
-            dk.copy_(grad_k)
-            if grad_final is not None:
-                dinit += grad_final.float()
-        else:
-            cfg = _config(half, head_dim - 2 * half)
-            grid = (num_seqs * num_key_heads, triton.cdiv(half, cfg["BLOCK_R"]))
-            dfinal = None if grad_final is None else grad_final.float().contiguous()
-            _selective_rotary_bwd_kernel[grid](
-                q, k, grad_q, grad_k, inc, temp, init if init is not None else dinit,
-                dfinal if dfinal is not None else dinit, cu_seqlens if cu_seqlens is not None else dinit,
-                dq, dk, dinc, dtemp_partial, dinit,
-                seq_len, num_key_heads, num_query_heads // num_key_heads, half, head_dim,
-                *q.stride(), *k.stride(), *grad_q.stride(), *grad_k.stride(), *dq.stride(), *dk.stride(),
-                *inc.stride(), *dinc.stride()[:3],
-                HAS_INIT=init is not None, HAS_DFINAL=dfinal is not None, NEED_DTEMP=need_dtemp,
-                NEED_DINIT=need_dinit, IS_VARLEN=cu_seqlens is not None, HAS_PASS=head_dim > 2 * half,
-                BLOCK_T=cfg["BLOCK_T"], BLOCK_R=cfg["BLOCK_R"], BLOCK_P=cfg["BLOCK_P"], num_warps=cfg["num_warps"],
-            )
-        d_increment = None
-        if ctx.needs_input_grad[2]:
-            d_increment = _reduce_to(dinc, ctx.increment_shape).to(ctx.increment_dtype)
-        d_temperature = dtemp_partial.sum(dim=(0, 1)).to(ctx.temperature_dtype) if need_dtemp else None
-        d_initial = None
-        if need_dinit:
-            d_initial = _reduce_to(dinit, ctx.initial_shape).to(ctx.initial_dtype)
-        return dq, dk, d_increment, d_temperature, d_initial, None
+@_rotary_forward.register_fake
+def _(q, k, increment, temperature, initial_phase, cu_seqlens):
+    final = q.new_empty(_num_seqs(q, cu_seqlens), k.shape[2], temperature.shape[0], dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), final
+
+
+@torch.library.custom_op("selective_rope::rotary_backward", mutates_args=())
+def _rotary_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    grad_q: torch.Tensor,
+    grad_k: torch.Tensor,
+    grad_final: torch.Tensor | None,
+    increment: torch.Tensor,
+    temperature: torch.Tensor,
+    initial_phase: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    need_temperature_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``rotary_forward``: ``(dq, dk, d_increment (B, T, Hk, R), d_temperature (R,),
+    d_initial_phase (N, Hk, R))``, all float32 but dq/dk (in q's and k's dtypes)."""
+    batch, seq_len, num_query_heads, head_dim = q.shape
+    num_key_heads, half = k.shape[2], temperature.shape[0]
+    num_seqs = _num_seqs(q, cu_seqlens)
+    init = None if initial_phase is None else initial_phase.contiguous()
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    dinc = torch.zeros(batch, seq_len, num_key_heads, half, dtype=torch.float32, device=q.device)
+    dinit = torch.zeros(num_seqs, num_key_heads, half, dtype=torch.float32, device=q.device)
+    dtemp_partial = torch.zeros(num_seqs, num_key_heads, half, dtype=torch.float32, device=q.device)
+    dfinal = None if grad_final is None else grad_final.float().contiguous()
+    if seq_len == 0 or num_seqs == 0 or half == 0:
+        dq.copy_(grad_q)
+        dk.copy_(grad_k)
+        if dfinal is not None:
+            dinit += dfinal
+        return dq, dk, dinc, dtemp_partial.sum(dim=(0, 1)), dinit
+    cfg = _config(half, head_dim - 2 * half)
+    grid = (num_seqs * num_key_heads, triton.cdiv(half, cfg["BLOCK_R"]))
+    _selective_rotary_bwd_kernel[grid](
+        q, k, grad_q, grad_k, increment, temperature.contiguous(), init if init is not None else dinit,
+        dfinal if dfinal is not None else dinit, cu_seqlens if cu_seqlens is not None else dinit,
+        dq, dk, dinc, dtemp_partial, dinit,
+        seq_len, num_key_heads, num_query_heads // num_key_heads, half, head_dim,
+        *q.stride(), *k.stride(), *grad_q.stride(), *grad_k.stride(), *dq.stride(), *dk.stride(),
+        *increment.stride(), *dinc.stride()[:3],
+        HAS_INIT=init is not None, HAS_DFINAL=dfinal is not None, NEED_DTEMP=need_temperature_grad,
+        NEED_DINIT=True, IS_VARLEN=cu_seqlens is not None, HAS_PASS=head_dim > 2 * half,
+        BLOCK_T=cfg["BLOCK_T"], BLOCK_R=cfg["BLOCK_R"], BLOCK_P=cfg["BLOCK_P"], num_warps=cfg["num_warps"],
+    )
+    return dq, dk, dinc, dtemp_partial.sum(dim=(0, 1)), dinit
+
+
+@_rotary_backward.register_fake
+def _(q, k, grad_q, grad_k, grad_final, increment, temperature, initial_phase, cu_seqlens, need_temperature_grad):
+    batch, seq_len, num_key_heads = k.shape[:3]
+    half = temperature.shape[0]
+    dinit = q.new_empty(_num_seqs(q, cu_seqlens), num_key_heads, half, dtype=torch.float32)
+    dinc = q.new_empty(batch, seq_len, num_key_heads, half, dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), dinc, q.new_empty(half, dtype=torch.float32), dinit
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, increment, temperature, initial_phase, cu_seqlens = inputs
+    ctx.save_for_backward(q, k, increment, temperature, initial_phase, cu_seqlens)
+
+
+def _backward(ctx, grad_q, grad_k, grad_final):
+    q, k, increment, temperature, initial_phase, cu_seqlens = ctx.saved_tensors
+    grad_q = torch.zeros_like(q) if grad_q is None else grad_q
+    grad_k = torch.zeros_like(k) if grad_k is None else grad_k
+    dq, dk, dinc, dtemp, dinit = _rotary_backward(q, k, grad_q, grad_k, grad_final, increment, temperature,
+                                                  initial_phase, cu_seqlens, ctx.needs_input_grad[3])
+    return (dq, dk, dinc, dtemp if ctx.needs_input_grad[3] else None,
+            dinit if initial_phase is not None else None, None)
+
+
+_rotary_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, temperature: torch.Tensor, cu_seqlens: torch.Tensor | None):
+    num_query_heads, head_dim = q.shape[2:]
+    num_key_heads, half = k.shape[2], temperature.shape[-1]
+    if num_query_heads % num_key_heads:
+        raise ValueError(f"Hq ({num_query_heads}) must be a multiple of Hk ({num_key_heads})")
+    if 2 * half > head_dim:
+        raise ValueError(f"2R ({2 * half}) exceeds the head size ({head_dim})")
+    if k.shape[:2] != q.shape[:2] or k.shape[3] != head_dim:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree")
+    if cu_seqlens is not None and q.shape[0] != 1:
+        raise ValueError(f"cu_seqlens needs batch 1 (packed sequences), got batch {q.shape[0]}")
 
 
 def selective_rotary_triton(
@@ -388,7 +529,132 @@ def selective_rotary_triton(
 
     Returns:
         Rotated ``q`` and ``k`` (input dtypes) and the final phase ``(B, Hk, R)`` (``(N, Hk, R)``) float32.
+        Differentiable in q, k, increment, temperature and initial_phase.
     """
+    _check_shapes(q, k, temperature, cu_seqlens)
+    batch, seq_len, num_key_heads = k.shape[:3]
+    half = temperature.shape[-1]
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
-    return SelectiveRotaryTriton.apply(q, k, increment, temperature, initial_phase, cu_seqlens)
+    # Broadcasts and float32 casts happen here, outside the op, so that autograd reduces their gradients back to the
+    # shapes and dtypes the caller passed (e.g. a (B, T, 1, 1) RoPE increment).
+    increment = increment.float().expand(batch, seq_len, num_key_heads, half)
+    if initial_phase is not None:
+        initial_phase = initial_phase.float().expand(_num_seqs(q, cu_seqlens), num_key_heads, half)
+    return _rotary_forward(q, k, increment, temperature.float(), initial_phase, cu_seqlens)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# custom op: the fused decode step
+# --------------------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("selective_rope::rotary_decode", mutates_args=())
+def _rotary_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    projection: torch.Tensor,
+    temperature: torch.Tensor,
+    phase: torch.Tensor,
+    conv_state: torch.Tensor | None,
+    conv_weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    gate_logits: torch.Tensor | None,
+    valid: torch.Tensor | None,
+    silu: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Shapes as in ``selective_rotary_decode_triton``, all float32 but q/k; ``phase`` and ``conv_state`` are given
+    (zeros at a sequence start). Returns q, k, the new phase and the new history (``(B, 0, C)`` without conv)."""
+    batch, num_query_heads, head_dim = q.shape
+    num_key_heads, half = k.shape[1], temperature.shape[0]
+    out_q, out_k = torch.empty_like(q), torch.empty_like(k)
+    new_phase = torch.empty(batch, num_key_heads, half, dtype=torch.float32, device=q.device)
+    conv_k = 0 if conv_weight is None else conv_weight.shape[-1]
+    new_conv = q.new_empty(batch, max(conv_k - 1, 0), num_key_heads * half, dtype=torch.float32)
+    if batch == 0 or half == 0:
+        out_q.copy_(q)
+        out_k.copy_(k)
+        new_phase.copy_(phase)
+        if conv_state is not None:
+            new_conv.copy_(conv_state)
+        return out_q, out_k, new_phase, new_conv
+    gate = projection if gate_logits is None else gate_logits.expand(batch, num_key_heads, half)
+    cfg = _config(half, head_dim - 2 * half)
+    block_r = triton.next_power_of_2(half)  # one program holds all R pairs of its head
+    placeholder = new_phase  # for pointers a disabled branch never reads
+    _selective_rotary_decode_kernel[(batch * num_key_heads,)](
+        q, k, projection, temperature.contiguous(), phase.contiguous(),
+        conv_state.contiguous() if conv_state is not None else placeholder,
+        conv_weight.contiguous() if conv_weight is not None else placeholder,
+        bias.contiguous() if bias is not None else placeholder, gate,
+        valid if valid is not None else placeholder,
+        out_q, out_k, new_phase, new_conv,
+        num_key_heads, num_query_heads // num_key_heads, half, head_dim,
+        *q.stride(), *k.stride(), *out_q.stride(), *out_k.stride(), *projection.stride(), *gate.stride(),
+        CONV_K=conv_k, SILU=silu, HAS_BIAS=bias is not None, HAS_GATE=gate_logits is not None,
+        HAS_VALID=valid is not None, HAS_PASS=head_dim > 2 * half,
+        BLOCK_R=block_r, BLOCK_P=cfg["BLOCK_P"], num_warps=cfg["num_warps"],
+    )
+    return out_q, out_k, new_phase, new_conv
+
+
+@_rotary_decode.register_fake
+def _(q, k, projection, temperature, phase, conv_state, conv_weight, bias, gate_logits, valid, silu):
+    batch, num_key_heads, half = k.shape[0], k.shape[1], temperature.shape[0]
+    conv_k = 0 if conv_weight is None else conv_weight.shape[-1]
+    new_conv = q.new_empty(batch, max(conv_k - 1, 0), num_key_heads * half, dtype=torch.float32)
+    new_phase = q.new_empty(batch, num_key_heads, half, dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), new_phase, new_conv
+
+
+def selective_rotary_decode_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    projection: torch.Tensor,
+    temperature: torch.Tensor,
+    phase: torch.Tensor | None = None,
+    conv_state: torch.Tensor | None = None,
+    conv_weight: torch.Tensor | None = None,
+    conv_activation: str | None = None,
+    bias: torch.Tensor | None = None,
+    gate_logits: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One decoding step of Selective RoPE for every row, fused (SPEC §3 steps 3-8, in training order).
+
+    Args:
+        q: ``(B, Hq, D)``; k: ``(B, Hk, D)``: this step's query and key, ``Hq % Hk == 0``.
+        projection: ``(B, Hk, R)`` the phase projection ``P(u)`` of this step's input (any strides, e.g. the
+            expanded output of the ``scalar`` projection).
+        temperature: ``(R,)``.
+        phase: ``(B, Hk, R)`` the cached phase (``None``: a sequence start, zeros).
+        conv_state: ``(B, K-1, Hk*R)`` the convolution's history, oldest first (``None``: zeros).
+        conv_weight: ``(Hk*R, K)`` the taps (the last multiplies this step), or ``None`` for no convolution.
+        conv_activation: ``None`` or ``"silu"``, after the convolution.
+        bias: ``(Hk, R)`` the raw bias ``b`` (``exp(b)`` is added), or ``None``.
+        gate_logits: ``G(u)`` before the sigmoid, ``(B, Hk, 1)`` (one per head) or ``(B, Hk, R)``, or ``None``.
+        valid: ``(B,)`` bool, False where this step's token is padding (adds 0, history unchanged), or ``None``.
+
+    Returns:
+        Rotated ``q`` and ``k`` (input dtypes), the new phase ``(B, Hk, R)`` float32 and the new convolution history
+        ``(B, K-1, Hk*R)`` float32 (``None`` without convolution). Not differentiable: for inference.
+    """
+    if conv_activation not in (None, "silu"):
+        raise ValueError(f"unsupported activation {conv_activation!r}; expected None or 'silu'")
+    batch, num_key_heads = k.shape[:2]
+    half = temperature.shape[-1]
+    if q.shape[1] % num_key_heads or 2 * half > q.shape[-1] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and R={half} disagree")
+    projection = projection.float().expand(batch, num_key_heads, half)
+    if phase is None:
+        phase = projection.new_zeros(batch, num_key_heads, half)
+    if conv_weight is not None and conv_state is None:
+        conv_state = projection.new_zeros(batch, conv_weight.shape[-1] - 1, num_key_heads * half)
+    q_out, k_out, new_phase, new_conv = _rotary_decode(
+        q, k, projection, temperature.float(), phase.float(),
+        None if conv_weight is None else conv_state.float(),
+        None if conv_weight is None else conv_weight.float(),
+        None if bias is None else bias.float(),
+        None if gate_logits is None else gate_logits.float(),
+        None if valid is None else valid.to(torch.int32),
+        conv_activation == "silu",
+    )
+    return q_out, k_out, new_phase, (new_conv if conv_weight is not None else None)
