@@ -16,6 +16,7 @@ PHASE_PROJECTIONS = ("low_rank", "full_rank", "scalar")
 PHASE_CONV_ACTIVATIONS = (None, "silu")
 TEMPERATURE_TYPES = ("rope", "rfa", "gaussian", "laplace", "uniform")
 SAMPLED_TEMPERATURE_TYPES = ("gaussian", "laplace", "uniform")
+BACKENDS = ("auto", "torch", "triton")
 
 
 def _require(ok: bool, field: str, value, allowed: str) -> None:
@@ -48,6 +49,9 @@ class SelectiveRopeConfigBase(PreTrainedConfig):
         temperature_trainable: learn the temperature.
         temperature_seed: seed of the sampled temperature types.
         partial_rotary_factor: fraction of each head's q/k dims that rotate (the rotary part must be even).
+        backend: ``"auto"`` (Triton kernels and flash-linear-attention on CUDA, PyTorch elsewhere), ``"torch"``
+            (PyTorch everywhere) or ``"triton"`` (as auto on CUDA; on CPU our Triton rotary kernels under
+            ``TRITON_INTERPRET=1``). The environment variable ``SELECTIVE_ROPE_BACKEND``, when set, overrides it.
     """
 
     position_embedding: str = "selective_rope"
@@ -64,6 +68,7 @@ class SelectiveRopeConfigBase(PreTrainedConfig):
     temperature_trainable: bool = False
     temperature_seed: int = 0
     partial_rotary_factor: float = 1.0
+    backend: str = "auto"
 
     def validate_position_embedding(self, head_dim: int, num_key_heads: int) -> None:
         """Check every Selective RoPE field; ``head_dim`` and ``num_key_heads`` come from the family config."""
@@ -72,6 +77,7 @@ class SelectiveRopeConfigBase(PreTrainedConfig):
         _one_of("phase_proj", self.phase_proj, PHASE_PROJECTIONS)
         _one_of("phase_conv_activation", self.phase_conv_activation, PHASE_CONV_ACTIVATIONS)
         _one_of("temperature_type", self.temperature_type, TEMPERATURE_TYPES)
+        _one_of("backend", self.backend, BACKENDS)
         _require(isinstance(self.phase_proj_rank, int) and self.phase_proj_rank >= 1,
                  "phase_proj_rank", self.phase_proj_rank, "must be an integer >= 1")
         _require(isinstance(self.phase_conv_size, int) and self.phase_conv_size >= 0,

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..configuration.fox import SelectiveRopeFoXConfig
-from ..kernels.forgetting_attention_torch import forgetting_attention
+from ..kernels.dispatch import forgetting_attention, resolve_backend
 from .base import SelectiveRopeForCausalLMBase, SelectiveRopeModelBase, substate, with_prefix
 from .layers import RMSNorm
 from .layout import valid_mask
@@ -96,6 +96,7 @@ class ForgettingAttention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.backend = config.backend
         hidden, heads, kv_heads, head_dim = config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
 
         self.q_proj = nn.Linear(hidden, heads * head_dim, bias=config.attention_bias)
@@ -151,7 +152,8 @@ class ForgettingAttention(nn.Module):
             if log_fgate is not None:
                 log_fgate = append_tokens(state["log_fgate"], log_fgate)
         key_valid = None if bool(new_valid.all()) else new_valid
-        o = forgetting_attention(q, k, v, log_fgate, key_valid=key_valid)  # (B, T, Hq, D)
+        o = forgetting_attention(q, k, v, log_fgate, key_valid=key_valid,
+                                 backend=resolve_backend(self.backend, x.device))  # (B, T, Hq, D)
         if use_cache:
             new_state.update(key=k, value=v, valid=new_valid)
             if log_fgate is not None:

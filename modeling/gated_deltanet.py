@@ -23,7 +23,7 @@ from torch import nn
 from transformers import initialization as init
 
 from ..configuration.gated_deltanet import SelectiveRopeGatedDeltaNetConfig
-from ..kernels.gated_delta_torch import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from ..kernels.dispatch import gated_delta_rule, resolve_backend
 from .base import SelectiveRopeForCausalLMBase, SelectiveRopeModelBase, substate, with_prefix
 from .layers import RMSNorm, ShortConvolution
 from .layout import valid_mask
@@ -45,6 +45,7 @@ class GatedDeltaNet(nn.Module):
         self.num_heads, self.num_v_heads = config.num_heads, config.num_v_heads
         self.head_k_dim, self.head_v_dim = config.head_dim, config.head_v_dim
         self.allow_neg_eigval = config.allow_neg_eigval
+        self.backend = config.backend
         hidden, key_dim, value_dim = config.hidden_size, config.key_dim, config.value_dim
 
         self.q_proj = nn.Linear(hidden, key_dim, bias=False)
@@ -107,13 +108,10 @@ class GatedDeltaNet(nn.Module):
         if lengths is not None:  # β = 0 and g = 0: pads leave the state exactly as it was
             valid = valid_mask(lengths, seq_len)[..., None]
             beta, g = beta * valid, g * valid
-        groups = self.num_v_heads // self.num_heads
-        if groups > 1:
-            q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
-
-        delta_rule = recurrent_gated_delta_rule if seq_len == 1 else chunk_gated_delta_rule
-        o, recurrent_state = delta_rule(q, k, v, g, beta, initial_state=state.get("recurrent"),
-                                        output_final_state=use_cache)
+        # Grouped value heads: value head j reads key head j // (num_v_heads / num_heads), inside the op.
+        o, recurrent_state = gated_delta_rule(q, k, v, g, beta, initial_state=state.get("recurrent"),
+                                              output_final_state=use_cache,
+                                              backend=resolve_backend(self.backend, x.device))
         if use_cache:
             new_state["recurrent"] = recurrent_state
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..configuration.gla import SelectiveRopeGLAConfig
-from ..kernels.gla_torch import chunk_gla, recurrent_gla
+from ..kernels.dispatch import gated_linear_attention, resolve_backend
 from .base import SelectiveRopeForCausalLMBase, SelectiveRopeModelBase, substate, with_prefix
 from .layers import RMSNorm, ShortConvolution
 from .layout import valid_mask
@@ -33,6 +33,7 @@ class GatedLinearAttention(nn.Module):
         self.head_k_dim, self.head_v_dim = config.head_k_dim, config.head_v_dim
         self.gate_logit_normalizer = config.gate_logit_normalizer
         self.clamp_min = config.clamp_min
+        self.backend = config.backend
         hidden, key_width, value_width = config.hidden_size, self.num_kv_heads * self.head_k_dim, \
             self.num_kv_heads * self.head_v_dim
 
@@ -82,8 +83,9 @@ class GatedLinearAttention(nn.Module):
         if groups > 1:  # GQA: each key/value head serves `groups` consecutive query heads
             k, v, gk = (t.repeat_interleave(groups, dim=2) for t in (k, v, gk))
 
-        gla = recurrent_gla if seq_len == 1 else chunk_gla
-        o, recurrent_state = gla(q, k, v, gk, initial_state=state.get("recurrent"), output_final_state=use_cache)
+        o, recurrent_state = gated_linear_attention(q, k, v, gk, initial_state=state.get("recurrent"),
+                                                    output_final_state=use_cache,
+                                                    backend=resolve_backend(self.backend, x.device))
         if use_cache:
             new_state["recurrent"] = recurrent_state
 

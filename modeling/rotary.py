@@ -24,7 +24,7 @@ from torch import nn
 from transformers import initialization as init
 
 from ..configuration.position_embedding import SelectiveRopeConfigBase
-from ..kernels.rotary_torch import selective_rotary
+from ..kernels.dispatch import resolve_backend, selective_rotary, selective_rotary_decode
 from .layers import ShortConvolution
 from .layout import SequenceLayout, valid_mask
 
@@ -54,6 +54,12 @@ def rotary_temperature(kind: str, theta: float, rotary_dim: int, scale: float = 
             raise ValueError(f"unknown temperature_type {kind!r}")
         tau = theta * omega
     return (scale * tau).to(torch.float32)
+
+
+def no_autocast(x: torch.Tensor):
+    """The phase path is float32 by design; under autocast (e.g. Trainer's ``bf16=True``) its projections would
+    otherwise run in bf16."""
+    return torch.autocast(device_type=x.device.type, enabled=False)
 
 
 class PhaseProjection(nn.Module):
@@ -121,6 +127,7 @@ class SelectiveRotaryEmbedding(nn.Module):
             raise ValueError(f"num_query_heads ({num_query_heads}) must be a multiple of "
                              f"num_key_heads ({num_key_heads})")
         self.mode = config.position_embedding
+        self.backend = config.backend  # resolved per call (SELECTIVE_ROPE_BACKEND may override)
         self.num_key_heads = num_key_heads
         self.rotary_dim = int(head_dim * config.partial_rotary_factor)
         self.half = self.rotary_dim // 2
@@ -163,7 +170,7 @@ class SelectiveRotaryEmbedding(nn.Module):
             ones = x.new_ones(batch, seq_len, 1, 1, dtype=torch.float32)
             return (ones if valid is None else ones * valid[..., None, None]), None
 
-        u = F.normalize(x.float().view(batch, seq_len, self.num_key_heads, self.chunk_dim), dim=-1)
+        u = self._normalized_chunks(x)
         a = self.phase_proj(u)  # (B, T, Hk, R)
         if valid is not None:
             a = a * valid[..., None, None]  # pads never enter the convolution history
@@ -179,6 +186,11 @@ class SelectiveRotaryEmbedding(nn.Module):
         if valid is not None:
             a = a * valid[..., None, None]  # pads never advance the phase
         return a, new_conv_state
+
+    def _normalized_chunks(self, x: torch.Tensor) -> torch.Tensor:
+        """``u``: ``(B, T, D)`` -> ``(B, T, Hk, D / Hk)`` float32, each chunk L2-normalised."""
+        batch, seq_len, _ = x.shape
+        return F.normalize(x.float().view(batch, seq_len, self.num_key_heads, self.chunk_dim), dim=-1)
 
     def _gate(self, u: torch.Tensor) -> torch.Tensor:
         """``G(u)`` as float32, shaped to broadcast against ``(B, T, Hk, R)``.
@@ -206,13 +218,39 @@ class SelectiveRotaryEmbedding(nn.Module):
             return self._forward_packed(x, q, k, state, cu_seqlens)
         state = state or {}
         seq_len = x.shape[1]
+        backend = resolve_backend(self.backend, q.device)
+        if backend == "triton" and seq_len == 1 and self.mode == "selective_rope" and not torch.is_grad_enabled():
+            return self._decode_step(x, q, k, state, lengths)
         valid = None if lengths is None else valid_mask(lengths, seq_len)  # (B, T)
-        increment, conv_state = self.phase_increment(x, valid, state.get("phase_conv"), lengths)
-        q, k, phase = selective_rotary(q, k, increment, self.temperature, state.get("phase"))
-        new_state = {"phase": phase}
-        if conv_state is not None:
-            new_state["phase_conv"] = conv_state
-        return q, k, new_state
+        with no_autocast(x):
+            increment, conv_state = self.phase_increment(x, valid, state.get("phase_conv"), lengths)
+        q, k, phase = selective_rotary(q, k, increment, self.temperature, state.get("phase"), backend=backend)
+        return q, k, self._state(phase, conv_state)
+
+    def _decode_step(self, x, q, k, state, lengths):
+        """One token per row (decoding) with the fused Triton step: what ``phase_increment`` followed by
+        ``selective_rotary`` compute, in one kernel after the projections. The projection and gate modules are
+        called (hooks and adapters apply); the convolution's taps are read directly."""
+        with no_autocast(x):
+            u = self._normalized_chunks(x)  # (B, 1, Hk, Dc)
+            projection = self.phase_proj(u)[:, 0]  # (B, Hk, R)
+            gate_logits = None if self.phase_gate_proj is None else self._gate(u)[:, 0]  # (B, Hk, 1 or R)
+        conv = self.phase_conv
+        q_out, k_out, phase, conv_state = selective_rotary_decode(
+            q[:, 0], k[:, 0], projection, self.temperature,
+            phase=state.get("phase"),
+            conv_state=None if conv is None else state.get("phase_conv"),
+            conv_weight=None if conv is None else conv.weight.squeeze(1),
+            conv_activation=None if conv is None else conv.activation,
+            bias=self.phase_bias,
+            gate_logits=gate_logits,
+            valid=None if lengths is None else lengths > 0,
+        )
+        return q_out.unsqueeze(1), k_out.unsqueeze(1), self._state(phase, conv_state)
+
+    @staticmethod
+    def _state(phase: torch.Tensor, conv_state: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        return {"phase": phase} if conv_state is None else {"phase": phase, "phase_conv": conv_state}
 
     def _forward_packed(self, x, q, k, state, cu_seqlens):
         """Packed sequences ``(1, total, ...)``: each sequence restarts phase and convolution; state is per sequence."""

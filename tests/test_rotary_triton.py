@@ -1,4 +1,9 @@
-"""The Triton Selective RoPE kernel (run on CPU by Triton's interpreter) against the PyTorch reference op."""
+"""The Triton Selective RoPE kernels (run on CPU by Triton's interpreter) against the PyTorch reference.
+
+Prefill op (forward and backward), the fused decode step, the torch.library registration (opcheck, fake shapes,
+torch.compile without graph breaks) and the rotary module with ``backend="triton"`` against ``backend="torch"``.
+With a GPU the same tests run on CUDA tensors.
+"""
 
 import importlib
 import os
@@ -11,13 +16,25 @@ if not torch.cuda.is_available():  # no GPU: the kernels run on CPU in Triton's 
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton rotary kernel cannot be tested")
 
+from selective_rope import SelectiveRopeGLAConfig  # noqa: E402
 from selective_rope.kernels import rotary_triton  # noqa: E402
+from selective_rope.kernels.conv_torch import causal_conv1d  # noqa: E402
 from selective_rope.kernels.rotary_torch import selective_rotary  # noqa: E402
+from selective_rope.modeling.rotary import SelectiveRotaryEmbedding  # noqa: E402
 
 # `@triton.jit` picks compiled or interpreted when the module is imported: re-import it in case something imported
 # it before TRITON_INTERPRET was set above.
 rotary_triton = importlib.reload(rotary_triton)
 selective_rotary_triton = rotary_triton.selective_rotary_triton
+selective_rotary_decode_triton = rotary_triton.selective_rotary_decode_triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _device():
+    with torch.device(DEVICE):  # factory functions (randn, zeros, tensor, ...) create tensors there
+        yield
 
 
 def make_inputs(batch, seq_len, hq, hk, head_dim, half, dtype=torch.float32, init=True, increment_shape=None,
@@ -38,7 +55,7 @@ def grads(outputs, weights, inputs):
 
 
 def assert_close(actual, expected, name, rtol=1e-4, atol=1e-4):
-    scale = max(expected.float().abs().max().item(), 1.0)
+    scale = max(expected.float().abs().max().item(), 1.0) if expected.numel() else 1.0
     torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol * scale,
                                msg=lambda message: f"{name}: {message}")
 
@@ -183,3 +200,252 @@ def test_detects_a_wrong_phase():
 def test_larger_shapes():
     check(2, 300, 8, 2, 64, 16)
     check(1, 257, 4, 4, 128, 64, dtype=torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the fused decode step
+# --------------------------------------------------------------------------------------------------------------------
+def decode_reference(q, k, projection, temperature, phase=None, conv_state=None, conv_weight=None,
+                     conv_activation=None, bias=None, gate_logits=None, valid=None):
+    """The torch path of ``SelectiveRotaryEmbedding`` for one token (``phase_increment`` + ``selective_rotary``)."""
+    batch, num_key_heads, half = projection.shape
+    keep = None if valid is None else valid.float()[:, None, None]  # (B, 1, 1)
+    a = projection if keep is None else projection * keep
+    new_conv = None
+    if conv_weight is not None:
+        lengths = None if valid is None else valid.long()
+        flat, new_conv = causal_conv1d(a.reshape(batch, 1, -1), conv_weight, conv_state, lengths, conv_activation)
+        a = flat.view(batch, num_key_heads, half)
+    if bias is not None:
+        a = a + bias.exp()
+    if gate_logits is not None:
+        a = a * torch.sigmoid(gate_logits)
+    if keep is not None:
+        a = a * keep
+    q_out, k_out, new_phase = selective_rotary(q[:, None], k[:, None], a[:, None], temperature, phase)
+    return q_out[:, 0], k_out[:, 0], new_phase, new_conv
+
+
+def decode_inputs(batch=3, hq=4, hk=2, head_dim=10, half=4, conv_size=4, bias=True, gate="head", padded=True,
+                  state=True, dtype=torch.float32):
+    channels = hk * half
+    return dict(
+        q=torch.randn(batch, hq, head_dim, dtype=dtype), k=torch.randn(batch, hk, head_dim, dtype=dtype),
+        projection=torch.randn(batch, hk, half), temperature=0.5 + torch.rand(half),
+        phase=10 * torch.randn(batch, hk, half) if state else None,
+        conv_state=torch.randn(batch, conv_size - 1, channels) if conv_size and state else None,
+        conv_weight=torch.randn(channels, conv_size) if conv_size else None,
+        bias=0.3 * torch.randn(hk, half) if bias else None,
+        gate_logits={"head": torch.randn(batch, hk, 1), "channel": torch.randn(batch, hk, half), None: None}[gate],
+        valid=torch.tensor([True, False, True][:batch] + [True] * max(0, batch - 3)) if padded else None,
+    )
+
+
+def check_decode(inputs, conv_activation=None, tol=1e-5):
+    actual = selective_rotary_decode_triton(**inputs, conv_activation=conv_activation)
+    expected = decode_reference(**inputs, conv_activation=conv_activation)
+    for name, a, e in zip(("q", "k", "phase", "conv_state"), actual, expected):
+        if e is None:
+            assert a is None, name
+            continue
+        assert a.shape == e.shape and a.dtype == e.dtype, name
+        assert_close(a, e, name, rtol=tol, atol=tol)
+    return actual
+
+
+DECODE_CASES = [
+    dict(),
+    dict(conv_size=0),
+    dict(conv_size=2, gate="channel"),
+    dict(conv_size=1, bias=False, gate=None),
+    dict(hq=6, hk=3, head_dim=8, half=4),  # GQA 2, no pass-through dims
+    dict(hq=2, hk=2, head_dim=13, half=3),  # odd head size, partial rotation
+    dict(padded=False, state=False),  # a sequence start: zero phase and history
+    dict(batch=5, half=5, head_dim=12, gate="channel", bias=False),
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: option_id(c))
+@pytest.mark.parametrize("activation", [None, "silu"], ids=["linear", "silu"])
+def test_decode_step_matches_torch_path(case, activation):
+    check_decode(decode_inputs(**case), conv_activation=activation)
+
+
+def test_decode_padding_row_keeps_its_state():
+    """A row whose token is padding: phase and convolution history unchanged, q/k rotated by the old phase."""
+    inputs = decode_inputs(batch=3, padded=True)
+    _, k_out, phase, history = check_decode(inputs)
+    torch.testing.assert_close(phase[1], inputs["phase"][1], rtol=0, atol=0)
+    torch.testing.assert_close(history[1], inputs["conv_state"][1], rtol=0, atol=0)
+    assert not torch.equal(phase[0], inputs["phase"][0])  # real rows do move
+
+
+def test_decode_scalar_projection_with_zero_strides():
+    """The ``scalar`` projection gives one value per head, expanded over the frequencies (stride 0)."""
+    inputs = decode_inputs()
+    inputs["projection"] = torch.randn(3, 2, 1).expand(3, 2, 4)
+    check_decode(inputs)
+
+
+def test_decode_bf16_and_strided_inputs():
+    inputs = decode_inputs(dtype=torch.bfloat16)
+    inputs["q"] = torch.randn(4, 3, 10, dtype=torch.bfloat16).transpose(0, 1)  # (B=3, Hq=4, D) with odd strides
+    check_decode(inputs, tol=1e-2)
+
+
+def test_decode_detects_gate_before_convolution():
+    """The sharp check: gating before the convolution (the public code's decode bug) is rejected."""
+    inputs = decode_inputs(bias=False, padded=False)
+    _, _, phase, _ = selective_rotary_decode_triton(**inputs)
+    wrong = dict(inputs, projection=inputs["projection"] * torch.sigmoid(inputs["gate_logits"]), gate_logits=None)
+    with pytest.raises(AssertionError):
+        assert_close(phase, decode_reference(**wrong)[2], "phase")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# torch.library registration
+# --------------------------------------------------------------------------------------------------------------------
+def test_opcheck_forward_and_backward():
+    q, k, increment, temperature, phase0 = make_inputs(2, 3, 2, 1, 6, 2)
+    torch.library.opcheck(torch.ops.selective_rope.rotary_forward.default, (q, k, increment, temperature, phase0, None))
+    offsets = torch.tensor([0, 1, 3], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.selective_rope.rotary_forward.default,
+                          (q[:1], k[:1], increment[:1], temperature, None, offsets),
+                          test_utils=("test_schema", "test_faketensor"))
+    grads = (torch.randn(q.shape), torch.randn(k.shape), torch.randn(phase0.shape))
+    torch.library.opcheck(torch.ops.selective_rope.rotary_backward.default,
+                          (q.detach(), k.detach(), *grads, increment.detach(), temperature.detach(), phase0.detach(),
+                           None, True))
+
+
+def test_opcheck_decode():
+    inputs = decode_inputs()
+    args = (inputs["q"], inputs["k"], inputs["projection"], inputs["temperature"], inputs["phase"],
+            inputs["conv_state"], inputs["conv_weight"], inputs["bias"], inputs["gate_logits"].expand(3, 2, 4),
+            inputs["valid"].int(), True)
+    torch.library.opcheck(torch.ops.selective_rope.rotary_decode.default, args)
+
+
+def test_fake_implementations_give_the_real_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, increment, temperature, phase0 = (x.detach() for x in make_inputs(1, 7, 6, 2, 12, 5))
+    offsets = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
+    decode = decode_inputs(batch=2, hq=6, hk=3, head_dim=12, half=5, conv_size=3)
+    real = (selective_rotary_triton(q, k, increment, temperature, phase0[:1].expand(3, 2, 5), cu_seqlens=offsets),
+            selective_rotary_decode_triton(**decode))
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake_in = [mode.from_tensor(x) for x in (q, k, increment, temperature)]
+        fake = (selective_rotary_triton(*fake_in, mode.from_tensor(phase0[:1].expand(3, 2, 5)),
+                                        cu_seqlens=mode.from_tensor(offsets)),
+                selective_rotary_decode_triton(**{n: None if x is None else mode.from_tensor(x)
+                                                  for n, x in decode.items()}))
+    for real_out, fake_out in zip(real, fake):
+        for r, f in zip(real_out, fake_out):
+            assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride())
+
+
+def test_torch_compile_fullgraph():
+    """Opaque custom ops: torch.compile traces through them without a graph break, forward, backward and decode."""
+    q, k, increment, temperature, phase0 = make_inputs(2, 6, 4, 2, 10, 4)
+    compiled = torch.compile(selective_rotary_triton, fullgraph=True, backend="aot_eager")
+    weights = [torch.randn(2, 6, 4, 10), torch.randn(2, 6, 2, 10), torch.randn(2, 2, 4)]
+    inputs = (q, k, increment, temperature, phase0)
+    expected = grads(selective_rotary_triton(*inputs), weights, inputs)
+    for a, e in zip(grads(compiled(*inputs), weights, inputs), expected):
+        assert_close(a, e, "grad", rtol=1e-6, atol=1e-6)
+
+    decode = decode_inputs()
+    step = torch.compile(selective_rotary_decode_triton, fullgraph=True, backend="aot_eager")
+    for a, e in zip(step(**decode, conv_activation="silu"), selective_rotary_decode_triton(**decode,
+                                                                                          conv_activation="silu")):
+        assert_close(a, e, "decode", rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the rotary module: backend="triton" against backend="torch"
+# --------------------------------------------------------------------------------------------------------------------
+HIDDEN = 16
+MODULE_OPTIONS = [
+    dict(),
+    dict(phase_proj="full_rank", phase_gate_type="channel", phase_bias=True, phase_conv_activation="silu"),
+    dict(phase_proj="scalar", phase_gate_type="low_rank", phase_conv_size=2, partial_rotary_factor=0.5),
+    dict(phase_gate=False, phase_bias=True, phase_conv_size=0),
+    dict(position_embedding="rope"),
+]
+
+
+def make_rotary(num_query_heads=4, num_key_heads=2, head_dim=8, **options):
+    config = SelectiveRopeGLAConfig(hidden_size=HIDDEN, num_heads=num_query_heads, num_kv_heads=num_key_heads,
+                                    expand_k=num_query_heads * head_dim / HIDDEN, **options)
+    module = SelectiveRotaryEmbedding(config, num_query_heads, num_key_heads, head_dim).to(DEVICE)
+    with torch.no_grad():  # make every parameter matter (the default gate bias and phase bias are zero)
+        for name, param in module.named_parameters():
+            if name != "temperature":
+                param.add_(0.3 * torch.randn_like(param))
+    return module
+
+
+def run_module(module, backend, x, q, k, state=None, lengths=None):
+    module.backend = backend
+    try:
+        return module(x, q, k, state=state, lengths=lengths)
+    finally:
+        module.backend = "torch"
+
+
+def option_id(options: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in options.items()) or "default"
+
+
+@pytest.mark.parametrize("options", MODULE_OPTIONS, ids=option_id)
+def test_module_prefill_then_decode(options, monkeypatch):
+    """A padded prefill (with gradients), then decoding steps where one row's token is padding: the Triton path
+    (prefill op, fused decode step) gives the torch path's q, k and cached state."""
+    decode_calls = []
+    fused = rotary_triton.selective_rotary_decode_triton
+    monkeypatch.setattr(rotary_triton, "selective_rotary_decode_triton",
+                        lambda *a, **kw: decode_calls.append(1) or fused(*a, **kw))
+    module = make_rotary(**options)
+    x = torch.randn(3, 6, HIDDEN)
+    q, k = torch.randn(3, 6, 4, 8), torch.randn(3, 6, 2, 8)
+    lengths = torch.tensor([6, 4, 0])
+    params = [p for p in module.parameters() if p.requires_grad]
+    outputs = {}
+    for backend in ("torch", "triton"):
+        q_rot, k_rot, state = run_module(module, backend, x, q, k, lengths=lengths)
+        loss = (q_rot * torch.linspace(-1, 1, 8)).sum() + (k_rot ** 2 * torch.linspace(0, 1, 8)).sum()
+        outputs[backend] = (q_rot, k_rot, state, torch.autograd.grad(loss, params) if params else ())
+    (tq, tk, tstate, tgrads), (xq, xk, xstate, xgrads) = outputs["torch"], outputs["triton"]
+    assert_close(xq, tq, "q", rtol=1e-5, atol=1e-5)
+    assert_close(xk, tk, "k", rtol=1e-5, atol=1e-5)
+    assert tstate.keys() == xstate.keys()
+    for name in tstate:
+        assert_close(xstate[name], tstate[name], name, rtol=1e-5, atol=1e-5)
+    for a, e in zip(xgrads, tgrads):
+        assert_close(a, e, "parameter grad", rtol=1e-4, atol=1e-4)
+
+    states = {"torch": tstate, "triton": xstate}
+    with torch.no_grad():
+        for step_lengths in (torch.tensor([1, 0, 1]), torch.tensor([1, 1, 1]), None):
+            x, q, k = torch.randn(3, 1, HIDDEN), torch.randn(3, 1, 4, 8), torch.randn(3, 1, 2, 8)
+            results = {b: run_module(module, b, x, q, k, states[b], step_lengths) for b in states}
+            for name, a, e in zip(("q", "k"), results["triton"][:2], results["torch"][:2]):
+                assert_close(a, e, name, rtol=1e-5, atol=1e-5)
+            for name in results["torch"][2]:
+                assert_close(results["triton"][2][name], results["torch"][2][name], name, rtol=1e-5, atol=1e-5)
+            states = {b: r[2] for b, r in results.items()}
+    assert len(decode_calls) == (3 if module.mode == "selective_rope" else 0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_phase_path_stays_float32_under_autocast(backend):
+    """Under autocast (Trainer's bf16=True) the phase projections still run in float32: nothing changes."""
+    module = make_rotary(phase_gate_type="low_rank", phase_bias=True)
+    x, q, k = torch.randn(2, 5, HIDDEN), torch.randn(2, 5, 4, 8), torch.randn(2, 5, 2, 8)
+    expected = run_module(module, backend, x, q, k)
+    with torch.autocast(device_type=DEVICE, dtype=torch.bfloat16):
+        actual = run_module(module, backend, x, q, k)
+    for a, e in zip(actual[:2], expected[:2]):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+    torch.testing.assert_close(actual[2]["phase"], expected[2]["phase"], rtol=0, atol=0)

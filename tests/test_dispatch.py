@@ -1,0 +1,279 @@
+"""Backend selection and whole models through the Triton rotary path.
+
+Selection: the config field, ``SELECTIVE_ROPE_BACKEND`` (which wins), the device, and the fallbacks when triton or
+flash-linear-attention cannot be imported (a warning, never a crash). Then, on CPU under Triton's interpreter, every
+family with ``backend="triton"`` (our rotary kernels; the mixers stay PyTorch on CPU) against ``backend="torch"``:
+forward and backward with padding, packed sequences, cached decoding with a padded step, and ``generate``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # no GPU: our Triton kernels run on CPU in Triton's interpreter
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from selective_rope.kernels import dispatch  # noqa: E402
+
+from families import FAMILIES  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+needs_interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter check; tests/test_cuda.py "
+                                       "compares the backends on the GPU")
+
+
+@pytest.fixture(autouse=True)
+def _clean_backend_state(monkeypatch):
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    dispatch._warned.clear()
+    yield
+    dispatch._warned.clear()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# selection
+# --------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", ["cuda", "fla", "Torch", None])
+def test_config_backend_is_validated(family, value):
+    with pytest.raises(ValueError, match="backend") as error:
+        family.config_class(**{**family.tiny, "backend": value})
+    assert repr(value) in str(error.value) and "'auto', 'torch', 'triton'" in str(error.value)
+
+
+def test_config_backend_default_and_round_trip(family):
+    assert family.config_class(**family.tiny).backend == "auto"
+    config = family.config_class(**{**family.tiny, "backend": "torch"})
+    assert family.config_class.from_dict(config.to_dict()).backend == "torch"
+
+
+def test_auto_and_torch_use_torch_on_cpu():
+    assert dispatch.resolve_backend("auto", "cpu") == "torch"
+    assert dispatch.resolve_backend(None, torch.device("cpu")) == "torch"
+    assert dispatch.resolve_backend("torch", "cpu") == "torch"
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert dispatch.resolve_backend("triton", "cpu") == "triton"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.warns(RuntimeWarning, match="TRITON_INTERPRET"):
+        assert dispatch.resolve_backend("triton", "cpu") == "torch"
+    with warnings_as_errors():  # once
+        assert dispatch.resolve_backend("triton", "cpu") == "torch"
+
+
+def test_environment_overrides_config(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(dispatch.ENV_VAR, "torch")
+    assert dispatch.resolve_backend("triton", "cpu") == "torch"
+    monkeypatch.setenv(dispatch.ENV_VAR, "Triton")  # case and spaces do not matter
+    assert dispatch.resolve_backend("torch", "cpu") == "triton"
+    monkeypatch.setenv(dispatch.ENV_VAR, "")  # empty: not set
+    assert dispatch.resolve_backend("torch", "cpu") == "torch"
+    monkeypatch.setenv(dispatch.ENV_VAR, "cuda")
+    with pytest.raises(ValueError, match=f"`{dispatch.ENV_VAR}`='cuda' is invalid: expected one of"):
+        dispatch.resolve_backend("auto", "cpu")
+
+
+def test_cuda_without_triton_falls_back_to_torch_with_one_warning(monkeypatch):
+    monkeypatch.setattr(dispatch, "triton_rotary", lambda: None)
+    for requested in ("auto", "triton"):
+        with pytest.warns(RuntimeWarning, match="triton cannot be imported"):
+            dispatch._warned.clear()
+            assert dispatch.resolve_backend(requested, torch.device("cuda")) == "torch"
+    with warnings_as_errors():
+        assert dispatch.resolve_backend("auto", "cuda") == "torch"
+    assert dispatch.fla_ops("torch", torch.device("cuda")) is None
+
+
+def test_mixers_never_reach_fla_on_cpu(monkeypatch):
+    """On CPU tensors fla is never imported, whatever the backend (its kernels cannot run there)."""
+    def refuse():
+        raise AssertionError("fla must not be imported for CPU tensors")
+
+    monkeypatch.setattr(dispatch, "_import_fla", refuse)
+    q, k, v = torch.randn(1, 5, 2, 4), torch.randn(1, 5, 2, 4), torch.randn(1, 5, 2, 6)
+    g = torch.nn.functional.logsigmoid(torch.randn(1, 5, 2, 4))
+    dispatch.gated_linear_attention(q, k, v, g, backend="triton")
+    dispatch.gated_delta_rule(q, k, v, g[..., 0], torch.rand(1, 5, 2), backend="triton")
+    dispatch.forgetting_attention(q, k, v, g[..., 0], backend="triton")
+
+
+def test_gated_delta_rule_groups_value_heads_for_the_torch_op():
+    """The wrapper takes q, k with H heads and v with HV = G·H heads (fla's convention) on every backend."""
+    from selective_rope.kernels.gated_delta_torch import chunk_gated_delta_rule
+
+    q, k = (torch.nn.functional.normalize(torch.randn(2, 7, 2, 4), dim=-1) for _ in range(2))
+    v, g, beta = torch.randn(2, 7, 6, 3), -torch.rand(2, 7, 6), torch.rand(2, 7, 6)
+    o, state = dispatch.gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+    o_ref, state_ref = chunk_gated_delta_rule(q.repeat_interleave(3, 2), k.repeat_interleave(3, 2), v, g, beta,
+                                              output_final_state=True)
+    torch.testing.assert_close(o, o_ref)
+    torch.testing.assert_close(state, state_ref)
+
+
+def test_shipped_modules_do_not_require_triton_or_fla():
+    """transformers' remote-code loader requires what a shipped file imports outside try/except: never triton/fla."""
+    from transformers.dynamic_module_utils import get_imports
+
+    for name in ("kernels/dispatch.py", "kernels/rotary_triton.py", "modeling/rotary.py", "modeling/gla.py",
+                 "modeling/gated_deltanet.py", "modeling/fox.py"):
+        assert not {"triton", "fla"} & set(get_imports(REPO / name)), name
+
+
+def test_fallbacks_without_triton_and_fla():
+    """In a process where triton and fla cannot be imported: models with backend='triton' run (torch, one warning),
+    CUDA requests fall back to torch, fla is never imported."""
+    code = """
+import importlib.abc, os, sys, warnings
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('triton', 'fla'):
+            raise ImportError('blocked: ' + name)
+sys.meta_path.insert(0, Block())
+os.environ['TRITON_INTERPRET'] = '1'
+import torch
+from selective_rope import SelectiveRopeGLAConfig, SelectiveRopeGLAForCausalLM
+from selective_rope.kernels import dispatch
+model = SelectiveRopeGLAForCausalLM(SelectiveRopeGLAConfig(vocab_size=11, hidden_size=16, num_hidden_layers=1,
+                                                           num_heads=2, backend='triton'))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    model(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+    model.generate(torch.tensor([[1, 2]]), max_new_tokens=2)
+    assert dispatch.resolve_backend('auto', 'cuda') == 'torch'
+    assert dispatch.fla_ops('triton', torch.device('cuda')) is None
+messages = sorted({str(w.message)[:40] for w in caught if 'selective-rope' in str(w.message)})
+assert len(messages) == 3, messages  # triton on cpu, triton on cuda, fla on cuda: each once
+assert not any(m.split('.')[0] in ('fla', 'triton') for m in sys.modules)
+print('ok')
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+class warnings_as_errors:
+    def __enter__(self):
+        import warnings
+
+        self._context = warnings.catch_warnings()
+        self._context.__enter__()
+        warnings.simplefilter("error")
+
+    def __exit__(self, *exc):
+        return self._context.__exit__(*exc)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# whole models: the Triton rotary path against the torch path (CPU, interpreter)
+# --------------------------------------------------------------------------------------------------------------------
+def tiny_model(family, **overrides):
+    config = family.config_class(**{**family.tiny, "phase_bias": True, **overrides})
+    return family.lm_class(config)
+
+
+def assert_close(actual, expected, name, tol=1e-4):
+    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.fixture
+def decode_calls(monkeypatch):
+    """Counts the fused decode steps (so a silent fallback to the generic path would be noticed)."""
+    rotary_triton = dispatch.triton_rotary()
+    calls = []
+    fused = rotary_triton.selective_rotary_decode_triton
+    monkeypatch.setattr(rotary_triton, "selective_rotary_decode_triton",
+                        lambda *a, **kw: calls.append(1) or fused(*a, **kw))
+    return calls
+
+
+@needs_interpreter
+def test_model_forward_backward_with_padding(family, monkeypatch):
+    model = tiny_model(family).train()
+    ids = torch.randint(3, 61, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    results = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv(dispatch.ENV_VAR, backend)
+        model.zero_grad()
+        out = model(ids, attention_mask=mask, labels=ids)
+        out.loss.backward()
+        results[backend] = out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                                 if p.grad is not None}
+    (logits_t, grads_t), (logits_x, grads_x) = results["torch"], results["triton"]
+    real = mask.bool()
+    assert_close(logits_x[real], logits_t[real], "logits")
+    assert grads_t.keys() == grads_x.keys() and any("rotary" in n for n in grads_t)
+    for name in grads_t:
+        assert_close(grads_x[name], grads_t[name], f"grad {name}")
+
+
+@needs_interpreter
+def test_model_packed_sequences(family, monkeypatch):
+    model = tiny_model(family).eval()
+    ids = torch.randint(3, 61, (1, 11))
+    offsets = torch.tensor([0, 4, 5, 11], dtype=torch.int32)
+    logits = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv(dispatch.ENV_VAR, backend)
+        with torch.no_grad():
+            logits[backend] = model(ids, cu_seqlens=offsets).logits
+    assert_close(logits["triton"], logits["torch"], "packed logits")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("options", [dict(), pytest.param(dict(position_embedding="rope"), marks=pytest.mark.slow)],
+                         ids=["selective_rope", "rope"])
+def test_model_cached_decoding(family, options, monkeypatch, decode_calls):
+    """Left-padded prefill, then decoding steps (one with a padding token in a row): same logits and cached states on
+    both paths, the steps going through the fused decode kernel."""
+    model = tiny_model(family, **options).eval()
+    ids = torch.randint(3, 61, (2, 6))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[0, :2] = 0
+    steps = [(torch.randint(3, 61, (2, 1)), torch.tensor([[1], [0]])),  # row 1's token is padding
+             (torch.randint(3, 61, (2, 1)), torch.tensor([[1], [1]]))]
+    logits, caches = {}, {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv(dispatch.ENV_VAR, backend)
+        with torch.no_grad():
+            out = model(ids, attention_mask=mask, use_cache=True)
+            seen, history = mask, [out.logits]
+            for token, step_mask in steps:
+                seen = torch.cat([seen, step_mask], dim=1)
+                out = model(token, attention_mask=seen, past_key_values=out.past_key_values, use_cache=True)
+                history.append(out.logits)
+        logits[backend], caches[backend] = history, out.past_key_values
+    for i, (a, e) in enumerate(zip(logits["triton"], logits["torch"])):
+        real = mask if i == 0 else steps[i - 1][1]
+        assert_close(a[real.bool()], e[real.bool()], f"logits of call {i}")
+    for layer_t, layer_x in zip(caches["torch"].layers, caches["triton"].layers):
+        assert layer_t.states.keys() == layer_x.states.keys()
+        for name in layer_t.states:
+            assert_close(layer_x.states[name].float(), layer_t.states[name].float(), f"cache {name}")
+    selective = model.config.position_embedding == "selective_rope"
+    assert len(decode_calls) == (len(steps) * model.config.num_hidden_layers if selective else 0)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("family_name", ["gla", pytest.param("gated_deltanet", marks=pytest.mark.slow),
+                                         pytest.param("fox", marks=pytest.mark.slow)])
+def test_model_generate(family_name, monkeypatch):
+    model = tiny_model(FAMILIES[family_name]).eval()
+    ids = torch.randint(3, 61, (2, 5))
+    mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    generated = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv(dispatch.ENV_VAR, backend)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+        generated[backend] = out.sequences, torch.stack(out.logits)
+    assert torch.equal(generated["triton"][0], generated["torch"][0])
+    assert_close(generated["triton"][1], generated["torch"][1], "generate logits")
