@@ -144,3 +144,28 @@ def test_modules_to_save_rotary_trains_the_phases(family_name, tmp_path):
         merged = reloaded.merge_and_unload()
         assert type(merged) is family.lm_class
         torch.testing.assert_close(merged(input_ids=ids).logits, adapted_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_trainer_with_lora_and_activation_checkpointing(tmp_path):
+    """The usual fine-tuning recipe: Trainer + LoRA defaults + gradient accumulation + activation checkpointing.
+    Every adapter (inside the checkpointed blocks too) must learn."""
+    from transformers import Trainer, TrainingArguments
+
+    from families import FAMILIES
+
+    family = FAMILIES["gated_deltanet"]
+    peft_model = get_peft_model(_model(family), LoraConfig(r=4, lora_alpha=8))
+    ids = torch.cat([_batch(family, seed) for seed in range(2)])
+    before = {n: p.detach().clone() for n, p in peft_model.named_parameters() if p.requires_grad}
+    with torch.no_grad():
+        loss_before = peft_model(input_ids=ids, labels=ids).loss.item()
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             activation_checkpointing=True, max_steps=8, learning_rate=2e-2, use_cpu=True,
+                             report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True)
+    Trainer(model=peft_model, args=args, train_dataset=[{"input_ids": row, "labels": row} for row in ids]).train()
+    peft_model.eval()
+    with torch.no_grad():
+        loss_after = peft_model(input_ids=ids, labels=ids).loss.item()
+    assert loss_after < loss_before - 0.1, (loss_before, loss_after)
+    unchanged = [n for n, p in peft_model.named_parameters() if n in before and torch.equal(p, before[n])]
+    assert not unchanged, f"adapters that did not learn: {unchanged[:4]}"
