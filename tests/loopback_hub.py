@@ -8,9 +8,11 @@ It implements only what ``huggingface_hub`` (2.x; the same endpoints as 1.x) sen
 * ``GET /api/models/{repo}[/revision/{rev}]``: ``{"id", "sha", "siblings": [{"rfilename", "size"}], ...}``.
 * ``POST /api/validate-yaml``: parses the README's YAML header (400 with ``errors`` when it does not parse).
 * ``POST /api/models/{repo}/preupload/{rev}``: answers ``uploadMode: "regular"`` for every file, so the client
-  sends contents inline (base64) in the commit instead of going through LFS or Xet (the client picks the upload
-  path from this answer alone; the real Hub says ``"lfs"`` for weights). ``oid`` is the git blob hash of the file
-  already there, which lets the client skip unchanged files as it does against the Hub.
+  sends contents inline (base64) in the commit. The client takes the upload path from this answer alone
+  (``_commit_api._fetch_upload_modes``); the real Hub says ``"lfs"`` for weights, which the client then uploads
+  through Xet when ``hf_xet`` is installed, or the LFS batch API otherwise: neither is implemented here. ``oid`` is
+  the git blob hash of the file already there, which lets the client skip unchanged files as against the Hub.
+  Downloads use Xet only when a response carries ``X-Xet-Hash``, which this server never sends.
 * ``POST /api/models/{repo}/commit/{rev}``: the ndjson commit (``header``, ``file``, ``deletedFile``,
   ``deletedFolder``); ``?create_pr=1`` opens ``refs/pr/N``.
 * ``HEAD`` / ``GET /{repo}/resolve/{rev}/{path}``: the file, with the headers ``hf_hub_download`` reads: ``ETag``
