@@ -20,7 +20,6 @@ keep our ops' conventions: the default query scale ``D^-0.5``, log-space decays,
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import warnings
@@ -86,30 +85,40 @@ def resolve_backend(config_value: str | None, device: torch.device | str) -> str
     return "torch"
 
 
-@functools.lru_cache(maxsize=None)
+# Imports tried once per process: {"triton": module or None, "fla": namespace or None}. A plain dict rather than
+# functools.lru_cache, which torch.compile warns about.
+_imported: dict[str, object] = {}
+
+
 def triton_rotary():
     """Our Triton rotary module, or ``None`` when triton cannot be imported."""
-    # `from .module import name`: the relative form transformers follows when it copies a saved model's code
-    # (trust_remote_code), so the Triton kernels travel with the model.
-    try:
-        from .rotary_triton import selective_rotary_triton
-    except ImportError:
-        return None
-    return sys.modules[selective_rotary_triton.__module__]  # the module itself: its functions are looked up per call
+    if "triton" not in _imported:
+        # `from .module import name`: the relative form transformers follows when it copies a saved model's code
+        # (trust_remote_code), so the Triton kernels travel with the model.
+        try:
+            from .rotary_triton import selective_rotary_triton
+        except ImportError:
+            _imported["triton"] = None
+        else:  # the module itself: its functions are looked up at each call
+            _imported["triton"] = sys.modules[selective_rotary_triton.__module__]
+    return _imported["triton"]
 
 
-@functools.lru_cache(maxsize=None)
 def _import_fla() -> SimpleNamespace | None:
-    try:
-        from fla.ops.forgetting_attn import parallel_forgetting_attn
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-        from fla.ops.gla import chunk_gla, fused_recurrent_gla
-    except ImportError:
-        return None
-    return SimpleNamespace(chunk_gla=chunk_gla, fused_recurrent_gla=fused_recurrent_gla,
-                           chunk_gated_delta_rule=chunk_gated_delta_rule,
-                           fused_recurrent_gated_delta_rule=fused_recurrent_gated_delta_rule,
-                           parallel_forgetting_attn=parallel_forgetting_attn)
+    if "fla" not in _imported:
+        try:
+            from fla.ops.forgetting_attn import parallel_forgetting_attn
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+            from fla.ops.gla import chunk_gla, fused_recurrent_gla
+        except ImportError:
+            _imported["fla"] = None
+        else:
+            _imported["fla"] = SimpleNamespace(
+                chunk_gla=chunk_gla, fused_recurrent_gla=fused_recurrent_gla,
+                chunk_gated_delta_rule=chunk_gated_delta_rule,
+                fused_recurrent_gated_delta_rule=fused_recurrent_gated_delta_rule,
+                parallel_forgetting_attn=parallel_forgetting_attn)
+    return _imported["fla"]
 
 
 def fla_ops(backend: str, device: torch.device) -> SimpleNamespace | None:

@@ -449,3 +449,15 @@ def test_phase_path_stays_float32_under_autocast(backend):
     for a, e in zip(actual[:2], expected[:2]):
         torch.testing.assert_close(a, e, rtol=0, atol=0)
     torch.testing.assert_close(actual[2]["phase"], expected[2]["phase"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_rotary_module_compiles_without_graph_break(backend):
+    """Backend resolution and the custom ops trace under torch.compile(fullgraph=True)."""
+    module = make_rotary(phase_bias=True)
+    module.backend = backend
+    x, q, k = torch.randn(2, 5, HIDDEN), torch.randn(2, 5, 4, 8), torch.randn(2, 5, 2, 8)
+    expected = module(x, q, k)
+    actual = torch.compile(module, fullgraph=True, backend="aot_eager")(x, q, k)
+    for a, e in zip(actual[:2], expected[:2]):
+        assert_close(a, e, "compiled", rtol=1e-6, atol=1e-6)
