@@ -74,7 +74,7 @@ def _positive(kind: type):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
         if value <= 0:
             raise argparse.ArgumentTypeError(f"{text} must be > 0")
         return value

@@ -102,7 +102,7 @@ def test_generate_errors_are_messages(saved, tmp_path, args, message):
 @pytest.mark.parametrize("args, message", [
     (["--ids", "1,x"], "argument --ids: '1,x' is not a list of non-negative token ids"),
     (["--ids", "1", "--max-new-tokens", "0"], "argument --max-new-tokens: 0 must be > 0"),
-    (["--ids", "1", "--num-beams", "two"], "argument --num-beams: 'two' is not a int"),
+    (["--ids", "1", "--num-beams", "two"], "argument --num-beams: 'two' is not an integer"),
     (["--ids", "1", "--prompt", "w1"], "not allowed with argument"),
 ])
 def test_generate_bad_arguments_are_usage_errors(saved, capsys, args, message):
