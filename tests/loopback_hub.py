@@ -270,6 +270,12 @@ class _Handler(BaseHTTPRequestHandler):
                                  "disabled": False, "gated": False, "tags": [], "downloads": 0, "likes": 0,
                                  "siblings": [{"rfilename": p, "size": len(c)} for p, c in sorted(files.items())]})
             return True
+        if method == "GET" and len(rest) >= 2 and rest[0] == "tree":  # snapshot_download's file listing (flat repos)
+            repo, oid = self._repo_and_commit(repo_id, rest[1])
+            if oid is not None:
+                self._json(200, [{"type": "file", "path": p, "size": len(c), "oid": git_blob_oid(c)}
+                                 for p, c in sorted(repo.commits[oid].items())])
+            return True
         if method == "POST" and len(rest) == 2 and rest[0] == "preupload":
             repo, oid = self._repo_and_commit(repo_id, rest[1])
             if oid is not None:

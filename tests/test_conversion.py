@@ -344,3 +344,24 @@ def test_cli_converts_and_reports(tmp_path, capsys):
         assert message in capsys.readouterr().err
     with pytest.raises(SystemExit, match="not a directory"):
         cli_main(["convert", str(tmp_path / "nowhere" / "x"), str(tmp_path / "other")])
+
+
+def test_a_hub_source_is_downloaded_and_named_as_base_model(tmp_path, monkeypatch):
+    from huggingface_hub import HfApi
+
+    from loopback_hub import LoopbackHub
+
+    source = llama_source(tmp_path / "source", "qwen2")
+    with LoopbackHub() as hub:
+        hub.patch_endpoint(monkeypatch, cache_dir=tmp_path / "hf_cache")
+        api = HfApi()
+        api.create_repo("user/tiny-qwen2")
+        api.upload_folder(folder_path=tmp_path / "source", repo_id="user/tiny-qwen2")
+        report = convert("user/tiny-qwen2", tmp_path / "out", progress=False)
+        assert not hub.unhandled, hub.unhandled
+    assert report.source == "user/tiny-qwen2" and report.max_logit_difference <= 1e-4
+    assert "base_model: user/tiny-qwen2" in (tmp_path / "out" / "README.md").read_text()
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ids = torch.randint(3, 61, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(converted(ids).logits, source(ids).logits, atol=1e-4, rtol=0)

@@ -12,8 +12,9 @@ import textwrap
 import pytest
 import torch
 from huggingface_hub import ModelCard
-from loopback_hub import LoopbackHub
 from transformers import AutoModelForCausalLM
+
+from loopback_hub import LoopbackHub
 
 TOKEN = "hf_loopback_fake_token"
 
