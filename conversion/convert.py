@@ -189,6 +189,11 @@ def write_weights(plan: SourcePlan, source: SafetensorsSource, directory: Path, 
     unused = []
     for name in source.keys():
         target = plan.rename(name)
+        if target == "lm_head.weight" and plan.config.tie_word_embeddings:
+            embeddings = next((n for n in source.keys() if plan.rename(n) == "model.embeddings.weight"), None)
+            if embeddings is None or not torch.equal(source.get(name), source.get(embeddings)):
+                raise ValueError("the source ties its embeddings but stores a different lm_head.weight")
+            continue  # a saved copy of the tied embeddings: used through them
         if target not in targets:
             unused.append(name)
         elif target in mapped:

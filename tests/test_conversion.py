@@ -365,3 +365,27 @@ def test_a_hub_source_is_downloaded_and_named_as_base_model(tmp_path, monkeypatc
     ids = torch.randint(3, 61, (2, 12))
     with torch.no_grad():
         torch.testing.assert_close(converted(ids).logits, source(ids).logits, atol=1e-4, rtol=0)
+
+
+def test_a_saved_copy_of_tied_embeddings_is_accepted_and_a_different_one_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    source = llama_source(tmp_path / "source", "mistral")  # tie_word_embeddings=True
+    path = tmp_path / "source" / "model.safetensors"
+    with safe_open(path, "pt") as handle:
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    assert "lm_head.weight" not in tensors
+    save_file({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"].clone()}, path,
+              metadata={"format": "pt"})
+    report = convert(tmp_path / "source", tmp_path / "out", progress=False)
+    assert report.max_logit_difference <= 1e-4 and report.source_tensors == len(tensors)
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ids = torch.randint(3, 61, (1, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(converted(ids).logits, source(ids).logits, atol=1e-4, rtol=0)
+
+    save_file({**tensors, "lm_head.weight": torch.zeros_like(tensors["model.embed_tokens.weight"])}, path,
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="different lm_head.weight"):
+        convert(tmp_path / "source", tmp_path / "other", progress=False)
+    assert not (tmp_path / "other").exists() and leftovers(tmp_path) == []
