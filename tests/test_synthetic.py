@@ -15,6 +15,7 @@ SYNTHETIC = Path(__file__).resolve().parent.parent / "examples" / "synthetic"
 sys.path.insert(0, str(SYNTHETIC))
 
 _matplotlib_before = "matplotlib" in sys.modules
+import phase_drift  # noqa: E402
 import summarize  # noqa: E402
 import train  # noqa: E402
 from tasks import IGNORE, MQAR, Copy, Parity  # noqa: E402
@@ -133,6 +134,15 @@ def test_loss_decreases_on_a_memorisable_batch():
     assert curve[-1]["loss"] < 0.5 * curve[0]["loss"], curve
 
 
+def test_saved_parity_model_reloads_and_is_diagnosed(tmp_path, capsys):
+    torch.set_num_threads(1)
+    train.run("parity", "selective", seed=0, quiet=True, save_model=tmp_path / "model", train_length=6,
+              eval_lengths=[6], **TINY)
+    assert phase_drift.main([str(tmp_path / "model"), "--length", "20"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("layer 0 head") == TINY["heads"] and "accuracy by blocks" in out
+
+
 def test_matplotlib_is_imported_only_to_plot():
     if not _matplotlib_before:
         assert "matplotlib" not in sys.modules
@@ -140,8 +150,9 @@ def test_matplotlib_is_imported_only_to_plot():
 
 @pytest.mark.slow
 def test_parity_target_gla_selective_rope_length_extrapolates():
-    """The headline claim (about 40 s): GLA + Selective RoPE >= 95 % final-token parity at 2x the training length,
-    GLA + NoPE near chance."""
+    """The headline claim on a seed known to reach it (about 1 min): GLA + Selective RoPE >= 95 % final-token parity
+    at 2x the training length, GLA + NoPE near chance. Seed-dependent: 2 of 5 seeds reach it (docs/synthetic.md), so
+    this is a regression check of the library and the recipe, not an estimate of the success rate."""
     torch.set_num_threads(1)
     accuracy = {}
     for variant in ("selective", "nope"):

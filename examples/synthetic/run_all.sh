@@ -35,18 +35,28 @@ for section in "${sections[@]}"; do
         for variant in nope rope selective; do
           $TRAIN --task mqar --variant "$variant" --seed 0 --steps "$steps" --tag "_steps$steps"
         done
-      done ;;
+      done
+      for seed in $SEEDS; do for variant in nope rope selective; do  # a harder setting: hidden 32, 16 pairs
+        $TRAIN --task mqar --variant "$variant" --seed "$seed" --hidden 32 --train-length 16 --steps 600 \
+          --eval-lengths 8 16 24 32 --tag _hidden32_pairs16
+      done; done ;;
     copy)  # GLA, 2 layers, strings of 2..16 letters (alphabet 26), test at 8..64 letters
       for seed in $SEEDS; do
         for variant in nope rope selective; do
           $TRAIN --task copy --variant "$variant" --seed "$seed"
         done
       done ;;
-    fox)  # softmax attention with a forget gate (FoX), 1 layer, on parity
+    fox)  # softmax attention with a forget gate (FoX), 1 layer, on parity: 600 steps (3 seeds), then 2400 steps
       for seed in $SEEDS; do
         for variant in nope rope selective; do
           $TRAIN --task parity --family fox --variant "$variant" --seed "$seed" --tag _fox
         done
+      done
+      for variant in nope rope; do
+        $TRAIN --task parity --family fox --variant "$variant" --seed 0 --steps 2400 --tag _fox_steps2400
+      done
+      for seed in $SEEDS; do
+        $TRAIN --task parity --family fox --variant selective --seed "$seed" --steps 2400 --tag _fox_steps2400
       done ;;
     summary)
       python examples/synthetic/summarize.py ;;

@@ -56,7 +56,7 @@ def group_label(group: str) -> str:
 
 
 def group_key(group: str) -> tuple:
-    base = next((v for v in sorted(ORDER, key=len, reverse=True) if group == v or group.startswith(v + "_")), group)
+    base = base_variant(group)
     rest = group[len(base):]
     steps = re.search(r"steps(\d+)", rest)
     return (ORDER.index(base) if base in ORDER else len(ORDER), bool(rest), re.sub(r"\d+", "", rest),
@@ -80,14 +80,25 @@ def fmt(values: list[float]) -> str:
     return f"{mean:.1f} ({100 * min(values):.0f}–{100 * max(values):.0f})"
 
 
+THRESHOLD = 0.95
+
+
+def passing(runs: list[dict], metric: str, length: int) -> str:
+    """``k/n``: seeds whose ``metric`` at test length ``length`` is >= THRESHOLD."""
+    values = aggregate(runs, metric).get(length, [])
+    return f"{sum(v >= THRESHOLD for v in values)}/{len(values)}" if values else "—"
+
+
 def table(task: str, groups: dict[str, list[dict]], metric: str) -> str:
-    """Markdown table: one row per group, one column per test length, mean (min–max) over seeds, in %."""
+    """Markdown table: one row per group, one column per test length, mean (min–max) over seeds, in %; and how
+    many seeds reach 95 % at twice the training length."""
     lengths = sorted({row["length"] for runs in groups.values() for run in runs for row in run["eval"]})
     any_run = next(iter(next(iter(groups.values()))))
     train_length = any_run["budget"]["train_length"]
     header = [f"{length}{' (train)' if length == train_length else ''}" for length in lengths]
-    lines = [f"| variant | seeds | steps × batch | train s | {' | '.join(header)} |",
-             "| --- | --- | --- | --- | " + " | ".join("---" for _ in lengths) + " |"]
+    lines = [f"| variant | seeds | steps × batch | train s | {' | '.join(header)} "
+             f"| seeds ≥ 95 % at {2 * train_length} |",
+             "| --- | --- | --- | --- | " + " | ".join("---" for _ in lengths) + " | --- |"]
     for group in sorted(groups, key=group_key):
         runs = groups[group]
         values = aggregate(runs, metric)
@@ -96,7 +107,39 @@ def table(task: str, groups: dict[str, list[dict]], metric: str) -> str:
         cells = [fmt(values[length]) if length in values else "—" for length in lengths]
         seeds = ",".join(str(r["seed"]) for r in sorted(runs, key=lambda r: r["seed"]))
         lines.append(f"| {group_label(group)} | {seeds} | {budget['steps']} × {budget['batch']} | {seconds:.0f} | "
-                     f"{' | '.join(cells)} |")
+                     f"{' | '.join(cells)} | {passing(runs, metric, 2 * train_length)} |")
+    return "\n".join(lines)
+
+
+def budget_sweep(task: str, groups: dict[str, list[dict]]) -> str | None:
+    """For settings with ``<group>_steps<k>`` groups: the headline metric at the training length and at twice it,
+    per variant, seed and budget (``<group>`` itself contributes its runs with the same seeds at its own budget)."""
+    sweeps = [g for g in groups if re.search(r"_steps\d+$", g)]
+    if not sweeps:
+        return None
+    metric = METRICS[task][0]
+    seeds = sorted({run["seed"] for g in sweeps for run in groups[g]})
+    mains = {re.sub(r"_steps\d+$", "", g) for g in sweeps}
+    cells: dict[tuple[str, int], dict[int, str]] = defaultdict(dict)
+    for group in [g for g in groups if g in mains or g in sweeps]:
+        for run in groups[group]:
+            if run["seed"] not in seeds:
+                continue
+            train_length = run["budget"]["train_length"]
+            by_length = {row["length"]: row[metric] for row in run["eval"]}
+            text = " / ".join(f"{100 * by_length[n]:.1f}" if n in by_length else "—"
+                              for n in (train_length, 2 * train_length))
+            cells[(re.sub(r"_steps\d+$", "", group), run["seed"])][run["budget"]["steps"]] = text
+    budgets = sorted({steps for row in cells.values() for steps in row})
+    any_run = groups[sweeps[0]][0]
+    lines = [f"Budget sweep: {METRIC_NAMES[metric]} (%) at the training length / at twice it "
+             f"({any_run['budget']['train_length']} / {2 * any_run['budget']['train_length']} "
+             f"{any_run['length_unit']}), by number of steps (batch {any_run['budget']['batch']}):", "",
+             "| variant | seed | " + " | ".join(f"{b} steps" for b in budgets) + " |",
+             "| --- | --- | " + " | ".join("---" for _ in budgets) + " |"]
+    for group, seed in sorted(cells, key=lambda key: (group_key(key[0]), key[1])):
+        row = cells[(group, seed)]
+        lines.append(f"| {group_label(group)} | {seed} | " + " | ".join(row.get(b, "—") for b in budgets) + " |")
     return "\n".join(lines)
 
 
@@ -106,45 +149,84 @@ def task_tables(task: str, groups: dict[str, list[dict]]) -> str:
     for metric in METRICS[task]:
         parts.append(f"{METRIC_NAMES[metric]} (%) by test length ({unit}); mean over seeds (min–max):\n\n"
                      + table(task, groups, metric))
+    sweep = budget_sweep(task, groups)
+    if sweep:
+        parts.append(sweep)
     return "\n\n".join(parts)
 
 
+def base_variant(group: str) -> str:
+    return next((v for v in sorted(ORDER, key=len, reverse=True) if group == v or group.startswith(v + "_")), group)
+
+
+def plotted(groups: dict[str, list[dict]]) -> list[str]:
+    """Groups drawn in a figure: all but budget-sweep rows (``_steps<k>``) that have fewer seeds than another group
+    of the same variant (those are tabulated only)."""
+    most = defaultdict(int)
+    for group, runs in groups.items():
+        most[base_variant(group)] = max(most[base_variant(group)], len(runs))
+    return [g for g in sorted(groups, key=group_key)
+            if not ("steps" in g and len(groups[g]) < most[base_variant(g)])]
+
+
 def plot(task: str, groups: dict[str, list[dict]], output: Path) -> Path:
-    """Accuracy vs test length, one line per main group (no tag, or a family tag), mean with the min-max band."""
+    """Accuracy vs test length: one line per group (mean over seeds) and one dot per seed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     metrics = METRICS[task]
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5.2 * len(metrics), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5.4 * len(metrics), 3.7), squeeze=False)
     any_run = next(iter(groups.values()))[0]
+    lengths = sorted({row["length"] for runs in groups.values() for run in runs for row in run["eval"]})
+    shown = plotted(groups)
     for axis, metric in zip(axes[0], metrics):
-        for group in sorted(groups, key=group_key):
-            if "steps" in group:  # budget sweeps are tabulated, not plotted
-                continue
+        for number, group in enumerate(shown):
             values = aggregate(groups[group], metric)
-            lengths = list(values)
-            means = [100 * statistics.fmean(v) for v in values.values()]
-            axis.plot(lengths, means, marker="o", markersize=3, label=group_label(group))
-            axis.fill_between(lengths, [100 * min(v) for v in values.values()],
-                              [100 * max(v) for v in values.values()], alpha=0.15)
+            xs = list(values)
+            line, = axis.plot(xs, [100 * statistics.fmean(v) for v in values.values()], marker="o", markersize=3,
+                              linewidth=1.5, label=f"{group_label(group)} (n={len(groups[group])})")
+            offset = 1 + 0.025 * (number - (len(shown) - 1) / 2)  # spread the seeds' dots sideways (log axis)
+            for x, v in values.items():
+                axis.scatter([x * offset] * len(v), [100 * y for y in v], s=7, color=line.get_color(), alpha=0.45,
+                             linewidths=0)
         axis.axvline(any_run["budget"]["train_length"], color="grey", linestyle="--", linewidth=1)
         axis.set_xscale("log", base=2)
         axis.set_xticks(lengths)
         axis.set_xticklabels([str(length) for length in lengths])
-        axis.set_ylim(-2, 102)
+        axis.minorticks_off()
+        axis.set_ylim(-3, 103)
         axis.set_xlabel(f"test length ({any_run['length_unit']}); dashed: training length")
         axis.set_ylabel(f"{METRIC_NAMES[metric]} (%)")
         axis.grid(alpha=0.3)
-    axes[0][0].set_title(f"{task}: {any_run['family'].upper()}, {any_run['model_config'].get('num_hidden_layers', '?')}"
-                         f" layer(s), mean of seeds, band = min-max", fontsize=9)
-    axes[0][-1].legend(fontsize=7, loc="best")
+    config = any_run["model_config"]
+    axes[0][0].set_title(f"{task}: {any_run['family'].upper()}, {config.get('num_hidden_layers', '?')} layer(s), "
+                         f"hidden {config.get('hidden_size', '?')}; line = mean over seeds, dots = seeds", fontsize=8)
+    axes[0][-1].legend(fontsize=6.5, loc="best")
     fig.tight_layout()
     output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=90)
     plt.close(fig)
     return output
+
+
+def settings(task: str, groups: dict[str, list[dict]]) -> dict[str, dict[str, list[dict]]]:
+    """Split a task's groups into settings (family, model width, training length): each is one table and one figure.
+    The setting with the most runs is named after the task; the others get a suffix."""
+    split: dict[tuple, dict[str, list[dict]]] = defaultdict(dict)
+    for group, runs in groups.items():
+        run = runs[0]
+        split[(run["family"], run["model_config"].get("hidden_size"), run["budget"]["train_length"])][group] = runs
+    main_key = max(split, key=lambda key: (key[0] == "gla", sum(len(r) for r in split[key].values())))
+    named = {}
+    for key, value in split.items():
+        family, hidden, train_length = key
+        name = task if key == main_key else "_".join(
+            [task] + ([family] if family != main_key[0] else [])
+            + ([f"hidden{hidden}_len{train_length}"] if (hidden, train_length) != main_key[1:] else []))
+        named[name] = value
+    return dict(sorted(named.items()))
 
 
 def write_into_doc(doc: Path, task: str, text: str) -> bool:
@@ -172,12 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     if not runs:
         raise SystemExit(f"no results under {args.results}")
     for task in sorted(runs):
-        # families other than the default are their own figure and table (e.g. parity with FoX: tag _fox)
-        by_family: dict[str, dict[str, list[dict]]] = defaultdict(dict)
-        for group, group_runs in runs[task].items():
-            by_family[group_runs[0]["family"]][group] = group_runs
-        for family, groups in sorted(by_family.items()):
-            name = task if family == "gla" else f"{task}_{family}"
+        for name, groups in settings(task, runs[task]).items():
             text = task_tables(task, groups)
             print(f"## {name}\n\n{text}\n")
             if write_into_doc(args.docs / "synthetic.md", name, text):

@@ -56,7 +56,7 @@ TASK_DEFAULTS = {
                    config=dict(phase_conv_size=0)),
     "mqar": dict(family="gla", layers=2, hidden=64, heads=2, steps=400, batch=64, lr=3e-3,
                  train_length=8, eval_lengths=[4, 8, 16, 24], eval_batch=256, num_keys=32),
-    "copy": dict(family="gla", layers=2, hidden=64, heads=2, steps=800, batch=32, lr=3e-3,
+    "copy": dict(family="gla", layers=2, hidden=64, heads=2, steps=1000, batch=32, lr=3e-3,
                  train_length=16, min_length=2, eval_lengths=[8, 16, 32, 64], eval_batch=128, alphabet=26),
 }
 LENGTH_UNIT = {"parity": "bits", "mqar": "key-value pairs", "copy": "string length"}
@@ -206,7 +206,8 @@ def git_commit() -> str | None:
 # ------------------------------------------------------------------------------------------------------------- run
 
 def run(task_name: str, variant: str, seed: int, output: Path | None = None, overrides: dict | None = None,
-        quiet: bool = False, max_seconds: float | None = 900.0, **settings_overrides) -> dict:
+        quiet: bool = False, max_seconds: float | None = 900.0, save_model: Path | None = None,
+        **settings_overrides) -> dict:
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -266,6 +267,9 @@ def run(task_name: str, variant: str, seed: int, output: Path | None = None, ove
         "git_commit": git_commit(),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv else None,
     }
+    if save_model is not None:  # e.g. for phase_drift.py; loads back with AutoModelForCausalLM.from_pretrained
+        model.save_pretrained(save_model)
+        result["saved_model"] = str(save_model)
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(result, indent=1) + "\n")
@@ -309,12 +313,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, help="results JSON (default benchmarks/results/synthetic/"
                         "<task>/<variant>_seed<k>.json; a tag from --tag is appended)")
     parser.add_argument("--tag", default="", help="suffix for the default output name (e.g. a budget sweep)")
+    parser.add_argument("--save-model", type=Path, help="also save the trained model here (save_pretrained)")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
     output = args.output or RESULTS / args.task / f"{args.variant}{args.tag}_seed{args.seed}.json"
     run(args.task, args.variant, args.seed, output=output, overrides=parse_overrides(args.set),
-        max_seconds=args.max_seconds, family=args.family, layers=args.layers, hidden=args.hidden, heads=args.heads,
+        max_seconds=args.max_seconds, save_model=args.save_model,
+        family=args.family, layers=args.layers, hidden=args.hidden, heads=args.heads,
         steps=args.steps, batch=args.batch, lr=args.lr, train_length=args.train_length,
         eval_lengths=args.eval_lengths)
     return 0
