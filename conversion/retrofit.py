@@ -119,7 +119,7 @@ def _start_rotary(rotary: SelectiveRotaryEmbedding, temperature: torch.Tensor | 
     else:
         projection.weight.zero_()
     if rotary.phase_conv is not None:
-        rotary.phase_conv.reset_parameters()
+        rotary.phase_conv.init_custom_parameters()
     gate = rotary.phase_gate_proj
     if gate is not None:
         layers = list(gate) if isinstance(gate, nn.Sequential) else [gate]

@@ -108,6 +108,22 @@ class PhaseProjection(nn.Module):
         return a.expand(*a.shape[:-1], self.half)
 
 
+class PhaseConvolution(ShortConvolution):
+    """The causal depthwise convolution on the phase increments, starting as the identity (a unit last tap).
+
+    The usual N(0, initializer_range) convolution init would scale the increments down ~25× at the start (taps of
+    ~0.02), far below the projection's order-1 steps; in our CPU parity runs that left Selective RoPE unable to learn
+    the task within budget, while the identity start learns it as if there were no convolution and can still learn
+    to mix neighbouring tokens.
+    """
+
+    @torch.no_grad()
+    def init_custom_parameters(self) -> None:
+        identity = torch.zeros_like(self.weight)  # (C, 1, K); the last tap multiplies the current token
+        identity[..., -1] = 1.0
+        init.copy_(self.weight, identity)
+
+
 class SelectiveRotaryEmbedding(nn.Module):
     """Rotates q and k by an input-dependent (``selective_rope``), fixed (``rope``) or no (``nope``) phase.
 
@@ -145,7 +161,7 @@ class SelectiveRotaryEmbedding(nn.Module):
         self.chunk_dim = hidden_size // num_key_heads
         self.phase_proj = PhaseProjection(config.phase_proj, num_key_heads, self.chunk_dim, self.half,
                                           config.phase_proj_rank)
-        self.phase_conv = (ShortConvolution(num_key_heads * self.half, config.phase_conv_size,
+        self.phase_conv = (PhaseConvolution(num_key_heads * self.half, config.phase_conv_size,
                                             activation=config.phase_conv_activation)
                            if config.phase_conv_size > 0 else None)
         self.phase_bias = nn.Parameter(torch.zeros(num_key_heads, self.half)) if config.phase_bias else None

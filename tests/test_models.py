@@ -162,8 +162,12 @@ def test_left_padded_batch_equals_rows_alone(family):
             alone = model(r[None]).logits[0]
         torch.testing.assert_close(batch_logits[i, width - len(r):], alone, **TOL)
         alone_out = _generate(model, r[None], do_sample=False)
-        assert torch.equal(batch_out.sequences[i, width:], alone_out.sequences[0, len(r):])
-        torch.testing.assert_close(torch.stack(batch_out.logits)[:, i], torch.stack(alone_out.logits)[:, 0], **TOL)
+        new = alone_out.sequences[0, len(r):]  # stops early if the row alone reaches EOS
+        assert torch.equal(batch_out.sequences[i, width:width + len(new)], new)
+        assert (batch_out.sequences[i, width + len(new):] == 0).all()  # pad_token_id after EOS
+        steps = len(alone_out.logits)
+        torch.testing.assert_close(torch.stack(batch_out.logits[:steps])[:, i], torch.stack(alone_out.logits)[:, 0],
+                                   **TOL)
 
 
 def test_padding_inside_a_row_is_skipped(family):

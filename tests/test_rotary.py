@@ -222,3 +222,22 @@ def test_temperature_schedules():
         a, b = rotary_temperature(kind, 0.5, 64, seed=1), rotary_temperature(kind, 0.5, 64, seed=1)
         assert torch.equal(a, b) and not torch.equal(a, rotary_temperature(kind, 0.5, 64, seed=2))
     assert rotary_temperature("uniform", 0.5, 256).abs().max() <= 0.5
+
+
+def test_phase_convolution_starts_as_identity_and_keeps_trained_taps(family, tmp_path):
+    """A fresh model's phase increments equal the projection's output (the convolution starts as the identity, not
+    at N(0, initializer_range) taps that would shrink them); trained taps survive save / from_pretrained."""
+    import torch.nn.functional as F
+
+    model = family.lm_class(family.config_class(**{**family.tiny, "phase_conv_size": 3, "phase_gate": False}))
+    rotary = model.model.layers[0].attn.rotary
+    x = torch.randn(2, 7, family.tiny["hidden_size"])
+    increment, _ = rotary.phase_increment(x, None, None, None)
+    u = F.normalize(x.view(2, 7, rotary.num_key_heads, rotary.chunk_dim), dim=-1)
+    assert torch.equal(increment, rotary.phase_proj(u))
+
+    with torch.no_grad():
+        rotary.phase_conv.weight.normal_()
+    model.save_pretrained(tmp_path)
+    loaded = family.lm_class.from_pretrained(tmp_path)
+    assert torch.equal(loaded.model.layers[0].attn.rotary.phase_conv.weight, rotary.phase_conv.weight)
