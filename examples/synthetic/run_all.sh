@@ -17,8 +17,13 @@ for section in "${sections[@]}"; do
         for variant in nope rope selective selective_plain selective_bias selective_gate_bias; do
           $TRAIN --task parity --variant "$variant" --seed "$seed"
         done
-        # the library's default phase convolution (size 4) instead of the task's 0
-        $TRAIN --task parity --variant selective --seed "$seed" --set phase_conv_size=4 --tag _conv4
+      done
+      # The library's default phase convolution (size 4) instead of the task's 0. The stored `_conv4` rows (seeds 0-2)
+      # were run before the convolution started as the identity; these runs reproduce the `_conv4identity` rows.
+      for seed in 0 1 2 3 4; do
+        for variant in selective selective_gate_bias; do
+          $TRAIN --task parity --variant "$variant" --seed "$seed" --set phase_conv_size=4 --tag _conv4identity
+        done
       done
       for seed in 3 4; do  # two more seeds for the two variants that reach the target in some seeds
         for variant in selective selective_gate_bias; do
