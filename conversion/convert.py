@@ -29,13 +29,22 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+from ..modeling import (
+    SelectiveRopeFoXForCausalLM,
+    SelectiveRopeGatedDeltaNetForCausalLM,
+    SelectiveRopeGLAForCausalLM,
+)
 from ..modeling.model_card import render_model_card, template_texts
 from ..modeling.remote_code import bundle_auto_map, write_code_bundle
 from .fla import FLA_MODEL_TYPES, fla_config, fla_key
 from .llama import LLAMA_FAMILY, fold_attention_scaling, fox_config_from_llama, fox_key_from_llama, llama_rope
 from .retrofit import RetrofitOptions, starting_parameters
 
-OUR_MODEL_TYPES = ("selective_rope_gla", "selective_rope_gated_deltanet", "selective_rope_fox")
+# Our causal-LM classes by model_type (each knows its config class).
+OUR_FAMILIES = {lm.config_class.model_type: lm for lm in (SelectiveRopeGLAForCausalLM,
+                                                          SelectiveRopeGatedDeltaNetForCausalLM,
+                                                          SelectiveRopeFoXForCausalLM)}
+OUR_MODEL_TYPES = tuple(OUR_FAMILIES)
 SUPPORTED_SOURCES = [*LLAMA_FAMILY, *FLA_MODEL_TYPES, *OUR_MODEL_TYPES]
 TOKENIZER_FILES = re.compile(r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\..*|merges\.txt|"
                              r"chat_template\..*|.*\.tiktoken|spiece\.model)$")
@@ -77,14 +86,10 @@ class ConversionReport:
 # ---------------------------------------------------------------------------------------------------------- plan
 
 
-def _family_classes(model_type: str) -> tuple[type, type]:
-    from .. import modeling
-
-    table = {"selective_rope_gla": modeling.SelectiveRopeGLAForCausalLM,
-             "selective_rope_gated_deltanet": modeling.SelectiveRopeGatedDeltaNetForCausalLM,
-             "selective_rope_fox": modeling.SelectiveRopeFoXForCausalLM}
-    lm_class = table[model_type]
-    return lm_class.config_class, lm_class
+def config_with(config, **changes):
+    """A copy of ``config`` (validated anew) with ``changes``; the saved-code bookkeeping is left behind."""
+    fields = {k: v for k, v in config.to_dict().items() if k not in ("auto_map", "architectures")}
+    return type(config).from_dict({**fields, **changes})
 
 
 def plan_conversion(source_dir: Path, options: RetrofitOptions) -> SourcePlan:
@@ -99,7 +104,7 @@ def plan_conversion(source_dir: Path, options: RetrofitOptions) -> SourcePlan:
         rope_type = (source.rope_parameters or {}).get("rope_type", "default")
         return SourcePlan(
             description=f"transformers {model_type} (RoPE type {rope_type!r})",
-            config=config, model_class=_family_classes("selective_rope_fox")[1], rotates=True,
+            config=config, model_class=SelectiveRopeFoXForCausalLM, rotates=True,
             rename=fox_key_from_llama,
             transform=lambda name, tensor: fold_attention_scaling(name, tensor, attention_scaling, config),
             temperature=inverse_frequencies,
@@ -113,17 +118,16 @@ def plan_conversion(source_dir: Path, options: RetrofitOptions) -> SourcePlan:
         config = fla_config(raw, **options.config_overrides(source_rotates=False))
         return SourcePlan(
             description=f"flash-linear-attention {model_type} (NoPE)",
-            config=config, model_class=_family_classes(config.model_type)[1], rotates=False,
+            config=config, model_class=OUR_FAMILIES[config.model_type], rotates=False,
             rename=lambda name: fla_key(model_type, name),
         )
     if model_type in OUR_MODEL_TYPES:
-        config_class, lm_class = _family_classes(model_type)
-        source = config_class.from_pretrained(source_dir)
+        lm_class = OUR_FAMILIES[model_type]
+        source = lm_class.config_class.from_pretrained(source_dir)
         if source.position_embedding == "selective_rope":
             raise ValueError("the source already uses Selective RoPE; convert `rope` or `nope` checkpoints")
         rotates = source.position_embedding == "rope"
-        fields = {k: v for k, v in source.to_dict().items() if k not in ("auto_map", "architectures")}
-        config = config_class.from_dict({**fields, **options.config_overrides(source_rotates=rotates)})
+        config = config_with(source, **options.config_overrides(source_rotates=rotates))
         return SourcePlan(
             description=f"selective-rope {model_type} (position_embedding={source.position_embedding!r})",
             config=config, model_class=lm_class, rotates=rotates, rename=lambda name: name,
@@ -249,8 +253,7 @@ def write_weights(plan: SourcePlan, source: SafetensorsSource, directory: Path, 
 def _nope_twin_reference(plan: SourcePlan, source: SafetensorsSource) -> nn.Module:
     """Our family with ``position_embedding="nope"`` carrying the source tensors: the source's computation, for
     sources whose own code cannot run here (flash-linear-attention's ops are CUDA-only)."""
-    fields = {k: v for k, v in plan.config.to_dict().items() if k not in ("auto_map", "architectures")}
-    twin = plan.model_class(type(plan.config).from_dict({**fields, "position_embedding": "nope"}))
+    twin = plan.model_class(config_with(plan.config, position_embedding="nope"))
     state = {plan.rename(name): source.get(name) for name in source.keys()}
     missing, unexpected = twin.load_state_dict(state, strict=False)
     if unexpected or [m for m in missing if m != "lm_head.weight" or not plan.config.tie_word_embeddings]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..configuration.position_embedding import PHASE_GATE_TYPES, PHASE_PROJECTIONS
+from ..configuration.position_embedding import PHASE_GATE_TYPES, PHASE_PROJECTIONS, _one_of, _require
 from ..modeling.rotary import SelectiveRotaryEmbedding
 
 # float32(ln 2), whose float32 exp is exactly 2.0 (checked in the tests), so 2 · sigmoid(0) = 1 exactly.
@@ -53,13 +53,10 @@ class RetrofitOptions:
     forget_gate_bias: float = 16.0
     seed: int = 0
 
-    def __post_init__(self):
-        if self.phase_gate_type not in PHASE_GATE_TYPES:
-            raise ValueError(f"phase_gate_type={self.phase_gate_type!r}: expected one of {list(PHASE_GATE_TYPES)}")
-        if self.phase_proj not in PHASE_PROJECTIONS:
-            raise ValueError(f"phase_proj={self.phase_proj!r}: expected one of {list(PHASE_PROJECTIONS)}")
-        if not math.isfinite(self.forget_gate_bias):
-            raise ValueError(f"forget_gate_bias={self.forget_gate_bias!r} must be finite")
+    def __post_init__(self):  # the same checks and messages as the config fields they become
+        _one_of("phase_gate_type", self.phase_gate_type, PHASE_GATE_TYPES)
+        _one_of("phase_proj", self.phase_proj, PHASE_PROJECTIONS)
+        _require(math.isfinite(self.forget_gate_bias), "forget_gate_bias", self.forget_gate_bias, "must be finite")
 
     def config_overrides(self, source_rotates: bool) -> dict:
         """Config fields for a source that rotates (RoPE) or not (NoPE)."""

@@ -17,13 +17,8 @@ from families import FAMILIES
 WORDS = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(57)]  # 61 = the tiny vocabulary
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: intra-op threads only wait for each other on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny tensors: intra-op threads only wait for each other on a shared 2-core machine (about 10x slower).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

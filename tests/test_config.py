@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from families import FAMILIES
+from isolation import import_blocker
 
 
 @pytest.mark.parametrize(
@@ -96,13 +97,7 @@ def test_fox_config_defaults_follow_llama():
 
 def test_import_needs_neither_triton_nor_fla():
     """`import selective_rope` works (and registers the Auto classes) where triton and fla cannot be imported."""
-    code = """
-import importlib.abc, sys
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in ('triton', 'fla'):
-            raise ImportError('blocked: ' + name)
-sys.meta_path.insert(0, Block())
+    code = import_blocker("triton", "fla") + """
 import selective_rope
 from transformers import AutoConfig
 for model_type, name in [('selective_rope_gla', 'GLA'), ('selective_rope_gated_deltanet', 'GatedDeltaNet'),

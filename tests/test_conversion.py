@@ -29,6 +29,7 @@ from transformers import (
 from selective_rope import SelectiveRopeFoXForCausalLM
 from selective_rope.cli import main as cli_main
 from selective_rope.conversion import ConversionError, RetrofitOptions, convert
+from selective_rope.conversion.convert import config_with
 from selective_rope.conversion.retrofit import LN2
 
 from families import FAMILIES
@@ -227,9 +228,7 @@ def test_fla_checkpoints_use_every_tensor_once_and_equal_their_nope_twin(kind, t
     assert set(state) - set(renamed) == {name for name in state if ".rotary." in name}
 
     family = {"gla": "gla", "gated_deltanet": "gated_deltanet", "forgetting_transformer": "fox"}[kind]
-    fields = {k: v for k, v in converted.config.to_dict().items() if k not in ("auto_map", "architectures")}
-    twin_config = FAMILIES[family].config_class.from_dict({**fields, "position_embedding": "nope"})
-    twin = FAMILIES[family].lm_class(twin_config).eval()
+    twin = FAMILIES[family].lm_class(config_with(converted.config, position_embedding="nope")).eval()
     twin.load_state_dict(renamed)
     ids = torch.randint(0, 61, (2, 33), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():

@@ -22,6 +22,7 @@ if not torch.cuda.is_available():  # no GPU: our Triton kernels run on CPU in Tr
 from selective_rope.kernels import dispatch  # noqa: E402
 
 from families import FAMILIES  # noqa: E402
+from isolation import import_blocker  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 needs_interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter check; tests/test_cuda.py "
@@ -130,13 +131,8 @@ def test_shipped_modules_do_not_require_triton_or_fla():
 def test_fallbacks_without_triton_and_fla():
     """In a process where triton and fla cannot be imported: models with backend='triton' run (torch, one warning),
     CUDA requests fall back to torch, fla is never imported."""
-    code = """
-import importlib.abc, os, sys, warnings
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in ('triton', 'fla'):
-            raise ImportError('blocked: ' + name)
-sys.meta_path.insert(0, Block())
+    code = import_blocker("triton", "fla") + """
+import os, warnings
 os.environ['TRITON_INTERPRET'] = '1'
 import torch
 from selective_rope import SelectiveRopeGLAConfig, SelectiveRopeGLAForCausalLM

@@ -14,6 +14,7 @@ import torch
 from huggingface_hub import ModelCard
 from transformers import AutoModelForCausalLM
 
+from isolation import import_blocker
 from loopback_hub import LoopbackHub
 
 TOKEN = "hf_loopback_fake_token"
@@ -76,13 +77,8 @@ def test_push_to_hub_uploads_config_weights_code_and_our_card_then_loads(family,
 
 # A fresh interpreter in which `import selective_rope` fails: the model must come from the Hub's code files, found
 # through HF_ENDPOINT alone (the user-facing way to name a Hub), with fresh caches.
-_LOAD_FROM_HUB_WITHOUT_PACKAGE = textwrap.dedent("""
-    import importlib.abc, json, sys
-    class Block(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] == "selective_rope":
-                raise ImportError("selective_rope is blocked in this process")
-    sys.meta_path.insert(0, Block())
+_LOAD_FROM_HUB_WITHOUT_PACKAGE = import_blocker("selective_rope") + textwrap.dedent("""
+    import json
     import torch
     from transformers import AutoModelForCausalLM
     repo_id, ids = sys.argv[1], torch.tensor(json.loads(sys.argv[2]))

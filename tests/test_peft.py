@@ -12,7 +12,11 @@ from transformers import AutoModelForCausalLM
 from selective_rope.lora import LORA_TARGET_MODULES
 
 # PEFT itself calls transformers' deprecated `is_gradient_checkpointing`.
-pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning"),
+    # Tiny tensors: intra-op threads only wait for each other on a shared 2-core machine (about 10x slower).
+    pytest.mark.usefixtures("one_thread"),
+]
 
 # Mixer projections each family builds in its tiny config (tests/families.py), plus the SwiGLU MLP.
 EXPECTED_TARGETS = {
@@ -26,13 +30,6 @@ NOT_ADAPTED = ("rotary", "gk_proj", "a_proj", "b_proj", "f_proj", "k_shift_proj"
                "lm_head")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: intra-op threads only wait for each other on a shared 2-core machine (about 10x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _model(family):

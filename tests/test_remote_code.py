@@ -14,16 +14,12 @@ import torch
 from transformers.dynamic_module_utils import get_imports
 
 from families import FAMILIES
+from isolation import import_blocker
 
 # Run in a fresh interpreter in which `import selective_rope` fails outright, so the travelling code cannot lean on
 # the installed package even lazily.
-_LOAD_WITHOUT_PACKAGE = textwrap.dedent("""
-    import importlib.abc, json, os, sys
-    class Block(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] == "selective_rope":
-                raise ImportError("selective_rope is blocked in this process")
-    sys.meta_path.insert(0, Block())
+_LOAD_WITHOUT_PACKAGE = import_blocker("selective_rope") + textwrap.dedent("""
+    import json, os
     import torch
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
     directory = sys.argv[1]

@@ -13,13 +13,8 @@ LABELLED = (11, 3, 7, 1)
 LENGTH = 12
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: intra-op threads only wait for each other on a shared 2-core machine (about 10x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny tensors: intra-op threads only wait for each other on a shared 2-core machine (about 10x slower).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(family):
