@@ -129,9 +129,53 @@ def test_loss_decreases_on_a_memorisable_batch():
     config = train.build_config(task, "gla", "selective", 1, 32, 2, {"phase_conv_size": 0})
     model = AutoModelForCausalLM.from_config(config)
     batch = task.sample(4, 8, gen(1))
-    settings = dict(train.TASK_DEFAULTS["parity"], steps=25, lr=1e-2)
+    settings = train.task_settings("parity", steps=25, lr=1e-2)
     curve = train.train(model, task, settings, seed=0, log_every=5, fixed_batch=batch, quiet=True)["loss_curve"]
     assert curve[-1]["loss"] < 0.5 * curve[0]["loss"], curve
+
+
+def test_training_loss_is_the_models_loss_and_smooths_like_an_independent_computation():
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    task = Parity()
+    model = AutoModelForCausalLM.from_config(train.build_config(task, "gla", "selective", 1, 16, 2, {})).eval()
+    batch = task.sample(3, 7, gen(2))
+    own = model(batch.input_ids, labels=batch.labels).loss
+    assert torch.equal(train.training_loss(model, batch, 0.0), own)
+
+    smoothing = 0.2
+    log_probs = model(batch.input_ids).logits.float().log_softmax(-1)  # (B, T, V); targets are unshifted
+    scored = batch.targets != IGNORE
+    chosen = log_probs.gather(-1, batch.targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)[scored]
+    uniform = log_probs.mean(-1)[scored]  # smoothing spreads `smoothing` evenly over all V classes
+    expected = -((1 - smoothing) * chosen + smoothing * uniform).mean()
+    torch.testing.assert_close(train.training_loss(model, batch, smoothing), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_learning_rate_schedule_warms_up_and_decays_to_the_floor():
+    steps, lr = 200, 1e-2
+    assert train.lr_at(0, steps, lr) == pytest.approx(lr / 10)  # 5 % warm-up = 10 steps
+    assert train.lr_at(9, steps, lr) == pytest.approx(lr)
+    for floor in (0.0, 0.1):
+        schedule = [train.lr_at(step, steps, lr, floor=floor) for step in range(10, steps)]
+        assert all(a >= b for a, b in zip(schedule, schedule[1:]))
+        assert schedule[-1] == pytest.approx(floor * lr, abs=lr * 1e-3)
+
+
+def test_optimizer_settings_reach_the_results_json(tmp_path):
+    torch.set_num_threads(1)
+    output = tmp_path / "parity.json"
+    assert train.main(["--task", "parity", "--variant", "selective", "--hidden", "16", "--steps", "2", "--batch", "2",
+                       "--train-length", "4", "--eval-lengths", "4", "--weight-decay", "0.05", "--lr-floor", "0",
+                       "--label-smoothing", "0.1", "--output", str(output)]) == 0
+    result = json.loads(output.read_text())
+    settings = result["task_settings"]
+    assert (settings["weight_decay"], settings["lr_floor"], settings["label_smoothing"]) == (0.05, 0.0, 0.1)
+    assert "weight decay 0.05" in result["budget"]["schedule"] and "cosine to 0 x lr" in result["budget"]["schedule"]
+    assert "label smoothing 0.1" in result["budget"]["loss"]
+    with pytest.raises(ValueError, match="unknown task"):
+        train.task_settings("sorting")
 
 
 def test_saved_parity_model_reloads_and_is_diagnosed(tmp_path, capsys):

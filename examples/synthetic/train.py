@@ -48,6 +48,9 @@ VARIANTS = {
     "selective_gate_bias": dict(position_embedding="selective_rope", phase_gate=True, phase_bias=True),
 }
 
+# Optimizer defaults shared by every task (AdamW; cosine decay from lr to lr_floor * lr).
+OPTIMIZER_DEFAULTS = dict(weight_decay=0.01, lr_floor=0.1, label_smoothing=0.0, curriculum_steps=0)
+
 # Per-task defaults: model size, data, budget and evaluation lengths. Every entry can be overridden on the command line.
 TASK_DEFAULTS = {
     # phase_conv_size=0 for parity: see docs/synthetic.md (with the default convolution of 4 the same budget fails)
@@ -83,6 +86,15 @@ def build_config(task, family: str, variant: str, layers: int, hidden: int, head
         raise ValueError(f"unknown family {family!r}")
     kwargs.update(overrides)
     return config_class(**kwargs)
+
+
+def task_settings(task_name: str, **overrides) -> dict:
+    """The optimizer and task defaults for ``task_name`` with ``overrides`` applied (``None`` keeps the default)."""
+    if task_name not in TASK_DEFAULTS:
+        raise ValueError(f"unknown task {task_name!r}; expected one of {list(TASKS)}")
+    settings = dict(OPTIMIZER_DEFAULTS, **TASK_DEFAULTS[task_name])
+    settings.update({key: value for key, value in overrides.items() if value is not None})
+    return settings
 
 
 def make_task(name: str, settings: dict):
@@ -133,6 +145,7 @@ def evaluate(model, task, settings: dict, length: int, seed: int) -> dict:
 # -------------------------------------------------------------------------------------------------------- training
 
 def lr_at(step: int, steps: int, lr: float, warmup: float = 0.05, floor: float = 0.1) -> float:
+    """Linear warm-up over ``warmup`` of the steps, then cosine decay from ``lr`` to ``floor * lr``."""
     warm = max(1, int(warmup * steps))
     if step < warm:
         return lr * (step + 1) / warm
@@ -140,11 +153,33 @@ def lr_at(step: int, steps: int, lr: float, warmup: float = 0.05, floor: float =
     return lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def length_at(step: int, train_length: int, curriculum_steps: int, start: int = 8) -> int:
+    """Training length at ``step``: ramps linearly from ``start`` to ``train_length`` over ``curriculum_steps``
+    (0: always ``train_length``). Short sequences first give parity a cleaner signal before the long ones."""
+    if curriculum_steps <= 0 or step >= curriculum_steps:
+        return train_length
+    first = min(start, train_length)
+    return first + (train_length - first) * step // curriculum_steps
+
+
+def training_loss(model, data, label_smoothing: float = 0.0) -> torch.Tensor:
+    """The model's own causal-LM loss; with ``label_smoothing > 0`` the same shifted cross-entropy, smoothed.
+
+    Smoothing keeps the loss from saturating once every answer is right: the best logit margin becomes finite, so an
+    answer whose margin shrinks with position (a drifting phase in parity) keeps a gradient until the drift is gone.
+    """
+    if not label_smoothing:
+        return model(data.input_ids, attention_mask=data.attention_mask, labels=data.labels).loss
+    logits = model(data.input_ids, attention_mask=data.attention_mask).logits.float()  # (B, T, V)
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), data.labels[:, 1:].flatten(),
+                                             ignore_index=IGNORE, label_smoothing=label_smoothing)
+
+
 def train(model, task, settings: dict, seed: int, log_every: int = 25, max_seconds: float | None = None,
           fixed_batch=None, quiet: bool = False) -> dict:
     """AdamW on fresh batches (or on ``fixed_batch`` every step); returns the loss curve and timing."""
     generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings["lr"], weight_decay=0.01)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings["lr"], weight_decay=settings["weight_decay"])
     steps = settings["steps"]
     curve, losses = [], []
     start = time.perf_counter()
@@ -153,9 +188,10 @@ def train(model, task, settings: dict, seed: int, log_every: int = 25, max_secon
     step = 0
     for step in range(steps):
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, steps, settings["lr"])
-        data = fixed_batch or sample(task, settings, settings["batch"], settings["train_length"], generator, True)
-        loss = model(data.input_ids, attention_mask=data.attention_mask, labels=data.labels).loss
+            group["lr"] = lr_at(step, steps, settings["lr"], floor=settings["lr_floor"])
+        length = length_at(step, settings["train_length"], settings["curriculum_steps"])
+        data = fixed_batch or sample(task, settings, settings["batch"], length, generator, True)
+        loss = training_loss(model, data, settings["label_smoothing"])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -215,8 +251,7 @@ def run(task_name: str, variant: str, seed: int, output: Path | None = None, ove
 
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; expected one of {list(VARIANTS)}")
-    settings = dict(TASK_DEFAULTS[task_name])
-    settings.update({k: v for k, v in settings_overrides.items() if v is not None})
+    settings = task_settings(task_name, **settings_overrides)
     overrides = {**settings.pop("config", {}), **(overrides or {})}
     task = make_task(task_name, settings)
 
@@ -250,7 +285,10 @@ def run(task_name: str, variant: str, seed: int, output: Path | None = None, ove
         "parameters": parameters,
         "budget": {
             "steps": settings["steps"], "steps_done": training["steps_done"], "batch": settings["batch"],
-            "lr": settings["lr"], "schedule": "AdamW, 5% linear warm-up, cosine to 10%, weight decay 0.01, clip 1.0",
+            "lr": settings["lr"], "schedule": f"AdamW, 5% linear warm-up, cosine to {settings['lr_floor']:g} x lr, "
+                        f"weight decay {settings['weight_decay']:g}, clip 1.0",
+            "loss": (f"shifted cross-entropy, label smoothing {settings['label_smoothing']:g}"
+                     if settings["label_smoothing"] else "the model's own loss (labels=...)"),
             "train_length": settings["train_length"], "stopped_by_time_cap": training["stopped_by_time_cap"],
         },
         "task_settings": settings,
@@ -304,6 +342,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int)
     parser.add_argument("--batch", type=int)
     parser.add_argument("--lr", type=float)
+    parser.add_argument("--weight-decay", type=float, help="AdamW weight decay (default 0.01)")
+    parser.add_argument("--lr-floor", type=float, help="final learning rate as a fraction of --lr (default 0.1)")
+    parser.add_argument("--label-smoothing", type=float, help="smoothed cross-entropy (default 0: the model's loss)")
+    parser.add_argument("--curriculum-steps", type=int,
+                        help="ramp the training length up from 8 over this many steps (default 0: no ramp)")
     parser.add_argument("--train-length", type=int, help="parity: bits; mqar: pairs; copy: max string length")
     parser.add_argument("--eval-lengths", type=int, nargs="+")
     parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
@@ -321,7 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     run(args.task, args.variant, args.seed, output=output, overrides=parse_overrides(args.set),
         max_seconds=args.max_seconds, save_model=args.save_model,
         family=args.family, layers=args.layers, hidden=args.hidden, heads=args.heads,
-        steps=args.steps, batch=args.batch, lr=args.lr, train_length=args.train_length,
+        steps=args.steps, batch=args.batch, lr=args.lr, weight_decay=args.weight_decay, lr_floor=args.lr_floor,
+        label_smoothing=args.label_smoothing, curriculum_steps=args.curriculum_steps,
+        train_length=args.train_length,
         eval_lengths=args.eval_lengths)
     return 0
 
