@@ -178,6 +178,26 @@ def test_optimizer_settings_reach_the_results_json(tmp_path):
         train.task_settings("sorting")
 
 
+def test_recipe_sweep_table_names_what_each_recipe_changed(tmp_path):
+    torch.set_num_threads(1)
+    tiny = dict(TINY, train_length=4, eval_lengths=[4, 8, 16])
+    train.run("parity", "selective_gate_bias", seed=0, quiet=True,
+              output=tmp_path / "parity" / "selective_gate_bias_seed0.json", **tiny)
+    for seed in (0, 1):
+        train.run("parity", "selective_gate_bias", seed=seed, quiet=True, label_smoothing=0.1, lr_floor=0.0,
+                  overrides={"temperature_max": 2.5},
+                  output=tmp_path / "parity" / "sweep" / f"selective_gate_bias_ls_seed{seed}.json", **tiny)
+    main_groups = summarize.load(tmp_path)["parity"]
+    assert list(main_groups) == ["selective_gate_bias"]  # the sweep stays out of the main tables
+    text = summarize.recipe_sweep(tmp_path, main_groups)
+    rows = [line for line in text.splitlines() if line.startswith("| Selective")]
+    assert len(rows) == 2
+    assert rows[0].startswith("| Selective RoPE (gate + bias) | main runs | 1 |")
+    assert ("| hidden 16, training length 4, steps 3, batch 4, lr floor 0, label smoothing 0.1, temperature_max=2.5 "
+            "| 2 |") in rows[1]
+    assert summarize.recipe_sweep(tmp_path / "nowhere", main_groups) is None
+
+
 def test_saved_parity_model_reloads_and_is_diagnosed(tmp_path, capsys):
     torch.set_num_threads(1)
     train.run("parity", "selective", seed=0, quiet=True, save_model=tmp_path / "model", train_length=6,

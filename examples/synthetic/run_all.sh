@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every full run behind docs/synthetic.md, one process at a time, one thread each (about 45-60 minutes on a
-# 2-core CPU shared with other work). Usage: bash examples/synthetic/run_all.sh [parity|mqar|copy|fox|summary]...
+# 2-core CPU shared with other work). Usage: bash examples/synthetic/run_all.sh [parity|mqar|copy|fox|sweep|summary]...
+# `sweep` (the parity recipe sweep, 95 runs, about 50 minutes) is not in the default list.
 # Each run writes benchmarks/results/synthetic/<task>/<variant><tag>_seed<k>.json; `summary` rebuilds the
 # tables and plots (needs matplotlib).
 set -euo pipefail
@@ -62,6 +63,35 @@ for section in "${sections[@]}"; do
       done
       for seed in $SEEDS; do
         $TRAIN --task parity --family fox --variant selective --seed "$seed" --steps 2400 --tag _fox_steps2400
+      done ;;
+    sweep)  # parity recipe sweep (docs/synthetic.md): one group per recipe, JSONs under parity/sweep/
+      SWEEP=benchmarks/results/synthetic/parity/sweep
+      F0="--lr-floor 0"; LS="--label-smoothing 0.1"; PI="--set temperature_max=3.141592653589793"
+      recipes=(  # group|seeds|variant|options
+        "ls0.1|0 1 2 3 4|selective|$LS"
+        "wd0.1|0 1 2 3 4|selective|--weight-decay 0.1"
+        "floor0|0 1 2 3 4|selective_gate_bias|$F0"
+        "h4|0 1 2 3 4|selective_gate_bias|--heads 4"
+        "ls0.1|0 1 2 3 4|selective_gate_bias|$LS"
+        "ls0.1_floor0|0 1 2 3 4 5 6 7 8 9|selective_gate_bias|$LS $F0"
+        "ls0.1_floor0_cur300|0 1 2 3 4|selective_gate_bias|$LS $F0 --curriculum-steps 300"
+        "ls0.1_floor0_cur600_st1200|0 1 2 3 4 5 6 7 8 9|selective_gate_bias|$LS $F0 --curriculum-steps 600 --steps 1200"
+        "ls0.1_floor0_pi|0 1 2 3 4|selective_gate_bias|$LS $F0 $PI"
+        "ls0.1_floor0_st1000|0 1 2 3 4|selective_gate_bias|$LS $F0 --steps 1000"
+        "ls0.2_floor0|0 1 2 3 4|selective_gate_bias|--label-smoothing 0.2 $F0"
+        "pi|0 1 2 3 4|selective_gate_bias|$PI"
+        "pi_wd0.1|0 1 2 3 4|selective_gate_bias|$PI --weight-decay 0.1"
+        "recipe_h4|0 1 2 3 4 5 6 7 8 9|selective_gate_bias|$LS $F0 --curriculum-steps 300 --heads 4"
+        "recipe_th100|0 1 2 3 4|selective_gate_bias|$LS $F0 --curriculum-steps 300 --set temperature_theta=100"
+        "wd0.1|0 1 2 3 4|selective_gate_bias|--weight-decay 0.1"
+      )
+      for entry in "${recipes[@]}"; do
+        IFS="|" read -r group seeds variant options <<< "$entry"
+        for seed in $seeds; do
+          # shellcheck disable=SC2086  # options is a list of flags
+          $TRAIN --task parity --variant "$variant" --seed "$seed" $options \
+            --output "$SWEEP/${variant}_${group}_seed${seed}.json"
+        done
       done ;;
     summary)
       python examples/synthetic/summarize.py ;;

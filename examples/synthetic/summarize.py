@@ -229,6 +229,54 @@ def settings(task: str, groups: dict[str, list[dict]]) -> dict[str, dict[str, li
     return dict(sorted(named.items()))
 
 
+# The parity recipe sweep: runs stored under parity/sweep/ (outside the main tables), one group per training recipe,
+# compared with the main gate and gate + bias rows.
+SWEEP_BASELINES = ("selective", "selective_gate_bias")
+RECIPE_FIELDS = (("hidden", "hidden {}"), ("heads", "{} heads"), ("train_length", "training length {}"),
+                 ("steps", "steps {}"), ("batch", "batch {}"), ("lr", "lr {:g}"), ("weight_decay", "weight decay {:g}"),
+                 ("lr_floor", "lr floor {:g}"), ("label_smoothing", "label smoothing {:g}"),
+                 ("curriculum_steps", "length ramp over {} steps"))
+
+
+def recipe(run: dict) -> str:
+    """What a run changed from its task's defaults (training settings and config fields)."""
+    import train  # the defaults live next to the training code
+
+    defaults = train.task_settings(run["task"])
+    settings = run["task_settings"]
+    changes = [text.format(settings[key]) for key, text in RECIPE_FIELDS
+               if key in settings and settings[key] != defaults.get(key)]
+    config_defaults = defaults.get("config", {})
+    changes += [f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}"
+                for key, value in run["config_overrides"].items() if config_defaults.get(key) != value]
+    return ", ".join(changes) or "defaults"
+
+
+def recipe_sweep(results: Path, main_groups: dict[str, list[dict]]) -> str | None:
+    """Parity final-token accuracy per recipe: how many seeds learn the training length, how many reach 95 % at 2x
+    and 4x it, and the mean (min–max) at 2x."""
+    sweep = load(results / "parity").get("parity")  # parity/sweep/*.json (the main runs sit one level up)
+    if not sweep:
+        return None
+    groups = {group: main_groups[group] for group in SWEEP_BASELINES if group in main_groups}
+    groups.update(sweep)
+    any_run = next(iter(sweep.values()))[0]
+    length = any_run["budget"]["train_length"]
+    lines = [f"parity recipe sweep, final-token accuracy; seeds at ≥ 95 % on {length} bits (learned), on {2 * length} "
+             f"and on {4 * length} bits; mean (min–max) on {2 * length} bits, %:", "",
+             f"| variant | recipe | seeds | learned | ≥ 95 % at {2 * length} | ≥ 95 % at {4 * length} "
+             f"| final-token acc. at {2 * length} |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for group in sorted(groups, key=lambda g: (g in sweep, base_variant(g), g)):
+        runs = groups[group]
+        values = aggregate(runs, "final_token_accuracy")
+        metric = "final_token_accuracy"
+        lines.append(f"| {LABELS[base_variant(group)]} | {recipe(runs[0]) if group in sweep else 'main runs'} | "
+                     f"{len(runs)} | {passing(runs, metric, length)} | {passing(runs, metric, 2 * length)} | "
+                     f"{passing(runs, metric, 4 * length)} | {fmt(values.get(2 * length, [0.0]))} |")
+    return "\n".join(lines)
+
+
 def write_into_doc(doc: Path, task: str, text: str) -> bool:
     """Replace the text between this task's markers in ``doc``; False when the markers are not there."""
     if not doc.exists():
@@ -261,6 +309,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"(written into {args.docs / 'synthetic.md'})\n")
             if not args.no_plots:
                 print(f"plot: {plot(task, groups, args.docs / f'synthetic_{name}.png')}\n")
+    sweep = recipe_sweep(args.results, runs.get("parity", {}))
+    if sweep:
+        print(f"## parity_sweep\n\n{sweep}\n")
+        write_into_doc(args.docs / "synthetic.md", "parity_sweep", sweep)
     return 0
 
 
