@@ -269,8 +269,8 @@ def recipe_sweep(results: Path, main_groups: dict[str, list[dict]]) -> str | Non
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for group in sorted(groups, key=lambda g: (g in sweep, base_variant(g), g)):
         runs = groups[group]
-        values = aggregate(runs, "final_token_accuracy")
         metric = "final_token_accuracy"
+        values = aggregate(runs, metric)
         lines.append(f"| {LABELS[base_variant(group)]} | {recipe(runs[0]) if group in sweep else 'main runs'} | "
                      f"{len(runs)} | {passing(runs, metric, length)} | {passing(runs, metric, 2 * length)} | "
                      f"{passing(runs, metric, 4 * length)} | {fmt(values.get(2 * length, [0.0]))} |")
