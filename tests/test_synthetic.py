@@ -50,6 +50,41 @@ def test_parity_labels_are_the_running_parity():
     assert 0.3 < batch.targets[:, 1:-1].float().mean() < 0.7
 
 
+def test_parity_bit_densities():
+    """``half`` is the original fair-bit stream; ``uniform`` gives each string its own density of 1s; ``mixed``
+    alternates the two; the labels are the running parity for every density."""
+    batch = Parity.sample(8, 12, gen(3), "half")
+    bits = torch.randint(0, 2, (8, 12), generator=gen(3))
+    assert torch.equal(batch.input_ids[:, 1:-1], bits)
+    for density in ("uniform", "mixed"):
+        batch = Parity.sample(400, 64, gen(), density)
+        bits = batch.input_ids[:, 1:-1]
+        assert torch.equal(batch.targets[:, 1:-1], bits.cumsum(1) % 2)
+        per_string = bits.float().mean(1)
+        spread = per_string[1::2] if density == "mixed" else per_string
+        assert (spread < 0.1).sum() > 10 and (spread > 0.9).sum() > 10  # long runs of either bit
+        if density == "mixed":
+            assert ((per_string[::2] - 0.5).abs() < 0.3).all()
+    with pytest.raises(ValueError, match="unknown bit density 'sparse'"):
+        Parity.sample(2, 4, gen(), "sparse")
+
+
+def test_bit_density_applies_to_parity_training_only(tmp_path):
+    settings = train.task_settings("parity", bit_density="uniform")
+    task = train.make_task("parity", settings)
+    evaluation = train.sample(task, settings, 16, 20, gen(1), train=False)
+    assert torch.equal(evaluation.input_ids, Parity.sample(16, 20, gen(1), "half").input_ids)
+    training = train.sample(task, settings, 16, 20, gen(1), train=True)
+    assert torch.equal(training.input_ids, Parity.sample(16, 20, gen(1), "uniform").input_ids)
+    output = tmp_path / "parity.json"
+    assert train.main(["--task", "parity", "--variant", "selective", "--hidden", "16", "--steps", "1", "--batch", "2",
+                       "--train-length", "4", "--eval-lengths", "4", "--bit-density", "uniform",
+                       "--output", str(output)]) == 0
+    assert json.loads(output.read_text())["task_settings"]["bit_density"] == "uniform"
+    with pytest.raises(SystemExit):
+        train.main(["--task", "mqar", "--variant", "nope", "--bit-density", "uniform"])
+
+
 def test_mqar_answers_are_the_values_of_the_queried_keys():
     task = MQAR(num_keys=16)
     pairs = 6
@@ -187,14 +222,22 @@ def test_recipe_sweep_table_names_what_each_recipe_changed(tmp_path):
         train.run("parity", "selective_gate_bias", seed=seed, quiet=True, label_smoothing=0.1, lr_floor=0.0,
                   overrides={"temperature_max": 2.5},
                   output=tmp_path / "parity" / "sweep" / f"selective_gate_bias_ls_seed{seed}.json", **tiny)
+    longer = dict(tiny, train_length=3, eval_lengths=[3, 6, 12])  # 2L and 4L are read at each recipe's own L
+    train.run("parity", "selective", seed=0, quiet=True, bit_density="uniform",
+              output=tmp_path / "parity" / "sweep" / "selective_density_seed0.json", **longer)
     main_groups = summarize.load(tmp_path)["parity"]
     assert list(main_groups) == ["selective_gate_bias"]  # the sweep stays out of the main tables
     text = summarize.recipe_sweep(tmp_path, main_groups)
     rows = [line for line in text.splitlines() if line.startswith("| Selective")]
-    assert len(rows) == 2
-    assert rows[0].startswith("| Selective RoPE (gate + bias) | main runs | 1 |")
+    assert len(rows) == 3
+    assert rows[0].startswith("| Selective RoPE (gate + bias) | main runs | 4 | 1 |")
+    assert rows[1].startswith("| Selective RoPE (gate) | hidden 16, training length 3, steps 3, batch 4, "
+                              "bit density uniform | 3 | 1 |")
     assert ("| hidden 16, training length 4, steps 3, batch 4, lr floor 0, label smoothing 0.1, temperature_max=2.5 "
-            "| 2 |") in rows[1]
+            "| 4 | 2 |") in rows[2]
+    density_run = summarize.load(tmp_path / "parity")["parity"]["selective_density"][0]
+    at = {row["length"]: f"{100 * row['final_token_accuracy']:.1f}" for row in density_run["eval"]}
+    assert rows[1].endswith(f"| {at[6]} |")  # the mean at 2L = 6 bits (one seed)
     assert summarize.recipe_sweep(tmp_path / "nowhere", main_groups) is None
 
 
@@ -202,9 +245,49 @@ def test_saved_parity_model_reloads_and_is_diagnosed(tmp_path, capsys):
     torch.set_num_threads(1)
     train.run("parity", "selective", seed=0, quiet=True, save_model=tmp_path / "model", train_length=6,
               eval_lengths=[6], **TINY)
-    assert phase_drift.main([str(tmp_path / "model"), "--length", "20"]) == 0
+    assert phase_drift.main([str(tmp_path / "model"), "--length", "20", "--zero-phase", "1:3"]) == 0
     out = capsys.readouterr().out
     assert out.count("layer 0 head") == TINY["heads"] and "accuracy by blocks" in out
+    assert "with the phase of head 1 frequency 3 zeroed" in out
+    assert "zeros (20 bits):" in out and "alternating (20 bits):" in out
+
+
+def test_pattern_errors_are_the_wrong_running_parities():
+    class AlwaysZero(torch.nn.Module):  # answers 0 after every bit: wrong exactly where the running parity is 1
+        def forward(self, ids):
+            logits = torch.zeros(*ids.shape, Parity.vocab_size)
+            logits[..., 0] = 1.0
+            return type("Output", (), {"logits": logits})()
+
+    errors = phase_drift.errors_on_patterns(AlwaysZero(), length=7)
+    assert errors == {"zeros": [], "ones": [1, 3, 5, 7], "alternating": [2, 3, 6, 7]}
+
+
+def test_zeroing_a_heads_phase_leaves_its_queries_and_keys_unrotated(tmp_path):
+    torch.set_num_threads(1)
+    train.run("parity", "selective_gate_bias", seed=0, quiet=True, save_model=tmp_path / "model", train_length=6,
+              eval_lengths=[6], **TINY)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
+    rotary = model.model.layers[0].attn.rotary
+    x, q, k = torch.randn(1, 5, 16), torch.randn(1, 5, 2, 8), torch.randn(1, 5, 2, 8)
+    with torch.no_grad():
+        q_rotated, k_rotated, _ = rotary(x, q, k)
+        with phase_drift.phase_zeroed(model, head=1):
+            q_head1_off, k_head1_off, _ = rotary(x, q, k)
+        with phase_drift.phase_zeroed(model, head=0, frequency=2):
+            q_freq_off, _, _ = rotary(x, q, k)
+        q_after, _, _ = rotary(x, q, k)
+    assert torch.equal(q_head1_off[:, :, 1], q[:, :, 1]) and torch.equal(k_head1_off[:, :, 1], k[:, :, 1])
+    assert torch.equal(q_head1_off[:, :, 0], q_rotated[:, :, 0]) and not torch.allclose(q_rotated[:, :, 1], q[:, :, 1])
+    # GPT-NeoX halves: frequency 2 of a head of 8 is the pair (2, 6); the other pairs keep their rotation
+    assert torch.equal(q_freq_off[:, :, 0, [2, 6]], q[:, :, 0, [2, 6]])
+    assert torch.equal(q_freq_off[:, :, 0, [0, 1, 3, 4, 5, 7]], q_rotated[:, :, 0, [0, 1, 3, 4, 5, 7]])
+    assert torch.equal(q_after, q_rotated)  # the patch is gone after the block
+    with pytest.raises(ValueError, match="no key head 2"):
+        with phase_drift.phase_zeroed(model, head=2):
+            pass
 
 
 def test_matplotlib_is_imported_only_to_plot():

@@ -8,7 +8,14 @@ sequence the running-parity answers start to fail.
 Selective RoPE solves parity when one frequency turns by π on a 1 and by 0 (mod 2π) on a 0 (or by π/2 and 0: a
 counter mod 4, which the block after the rotation can also read). A model trained on 40 bits only needs the 0-angle to
 be small enough over 40 tokens; whatever is left (the *drift*, the angle both bits add in common) accumulates with
-length and flips the answers once it reaches half the gap between the two angles.
+length and flips the answers once it reaches half the gap between the two angles, if nothing else cancels it.
+
+That estimate reads one frequency against the BOS token. A model can also cancel a drift with a second head that
+turns by the opposite angle on every token (a clock), and then extrapolates despite it. ``--zero-phase HEAD[:FREQ]``
+tests which rotations a model relies on: it zeroes that key head's phase increments (one frequency, or all) in every
+layer and measures the accuracy by position again.
+
+    python examples/synthetic/phase_drift.py /tmp/parity_s2 --zero-phase 1 --zero-phase 0:0
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -65,6 +73,57 @@ def accuracy_by_position(model, length: int = 160, block: int = 10, seed: int = 
     return [round(correct[i:i + block].mean().item(), 3) for i in range(0, length, block)]
 
 
+@torch.no_grad()
+def errors_on_patterns(model, length: int = 160) -> dict[str, list[int]]:
+    """Positions (1-based bit index) answered wrongly on all-0, all-1 and alternating strings: a drift of the 0-angle
+    shows on the first, of the 1-angle on the second, of both on the third."""
+    patterns = {"zeros": [0] * length, "ones": [1] * length, "alternating": [0, 1] * (length // 2) + [0] * (length % 2)}
+    errors = {}
+    for name, bits in patterns.items():
+        ids = torch.tensor([[Parity.BOS, *bits]])
+        predicted = model(ids).logits.argmax(-1)[0, 1:]
+        expected = torch.tensor(bits).cumsum(0) % 2
+        errors[name] = [int(i) + 1 for i in (predicted != expected).nonzero().flatten()]
+    return errors
+
+
+@contextmanager
+def phase_zeroed(model, head: int, frequency: int | None = None):
+    """Within the block, key head ``head`` of every Selective RoPE layer adds no phase at ``frequency`` (or at any
+    frequency when None), so a fresh forward leaves that head's q and k unrotated there. Patches
+    ``phase_increment``, which full-sequence forwards call (not the fused Triton decode step)."""
+    rotaries = [layer.attn.rotary for layer in model.model.layers if layer.attn.rotary.mode == "selective_rope"]
+    for rotary in rotaries:
+        if not 0 <= head < rotary.num_key_heads or not (frequency is None or 0 <= frequency < rotary.half):
+            raise ValueError(f"no key head {head} / frequency {frequency} (the model has {rotary.num_key_heads} "
+                             f"key heads of {rotary.half} frequencies)")
+
+    def without(original):
+        def phase_increment(*args, **kwargs):
+            increment, conv_state = original(*args, **kwargs)  # (B, T, Hk, R)
+            increment = increment.clone()
+            increment[:, :, head, slice(None) if frequency is None else frequency] = 0.0
+            return increment, conv_state
+        return phase_increment
+
+    # A diagnostic patch on the instances (not the class), undone on exit.
+    for rotary in rotaries:
+        rotary.phase_increment = without(rotary.phase_increment)
+    try:
+        yield
+    finally:
+        for rotary in rotaries:
+            del rotary.phase_increment
+
+
+def parse_head(text: str) -> tuple[int, int | None]:
+    head, _, frequency = text.partition(":")
+    try:
+        return int(head), int(frequency) if frequency else None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HEAD or HEAD:FREQUENCY, got {text!r}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
@@ -73,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", type=Path, help="a directory written by train.py --save-model")
     parser.add_argument("--length", type=int, default=160)
+    parser.add_argument("--zero-phase", type=parse_head, action="append", default=[], metavar="HEAD[:FREQ]",
+                        help="also measure with this key head's phase (at one frequency) zeroed; repeatable")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(args.model).eval()
@@ -82,6 +143,13 @@ def main(argv: list[str] | None = None) -> int:
               f" -> the common drift uses up half the gap after ~{row['flip_after_tokens']:.0f} tokens")
     print(f"running-parity accuracy by blocks of 10 positions (length {args.length}):",
           accuracy_by_position(model, args.length))
+    for name, wrong in errors_on_patterns(model, args.length).items():
+        first = f", first at bit {wrong[0]}" if wrong else ""
+        print(f"{name} ({args.length} bits): {len(wrong)} wrong answers{first}")
+    for head, frequency in args.zero_phase:
+        with phase_zeroed(model, head, frequency):
+            where = f"head {head}" + ("" if frequency is None else f" frequency {frequency}")
+            print(f"  with the phase of {where} zeroed:", accuracy_by_position(model, args.length))
     return 0
 
 

@@ -232,10 +232,10 @@ def settings(task: str, groups: dict[str, list[dict]]) -> dict[str, dict[str, li
 # The parity recipe sweep: runs stored under parity/sweep/ (outside the main tables), one group per training recipe,
 # compared with the main gate and gate + bias rows.
 SWEEP_BASELINES = ("selective", "selective_gate_bias")
-RECIPE_FIELDS = (("hidden", "hidden {}"), ("heads", "{} heads"), ("train_length", "training length {}"),
+RECIPE_FIELDS = (("hidden", "hidden {}"), ("heads", "heads {}"), ("train_length", "training length {}"),
                  ("steps", "steps {}"), ("batch", "batch {}"), ("lr", "lr {:g}"), ("weight_decay", "weight decay {:g}"),
                  ("lr_floor", "lr floor {:g}"), ("label_smoothing", "label smoothing {:g}"),
-                 ("curriculum_steps", "length ramp over {} steps"))
+                 ("curriculum_steps", "length ramp over {} steps"), ("bit_density", "bit density {}"))
 
 
 def recipe(run: dict) -> str:
@@ -253,27 +253,26 @@ def recipe(run: dict) -> str:
 
 
 def recipe_sweep(results: Path, main_groups: dict[str, list[dict]]) -> str | None:
-    """Parity final-token accuracy per recipe: how many seeds learn the training length, how many reach 95 % at 2x
-    and 4x it, and the mean (min–max) at 2x."""
+    """Parity final-token accuracy per recipe: how many seeds learn the training length L, how many reach 95 % at 2L
+    and 4L, and the mean (min–max) at 2L. L is each recipe's own training length."""
     sweep = load(results / "parity").get("parity")  # parity/sweep/*.json (the main runs sit one level up)
     if not sweep:
         return None
     groups = {group: main_groups[group] for group in SWEEP_BASELINES if group in main_groups}
     groups.update(sweep)
-    any_run = next(iter(sweep.values()))[0]
-    length = any_run["budget"]["train_length"]
-    lines = [f"parity recipe sweep, final-token accuracy; seeds at ≥ 95 % on {length} bits (learned), on {2 * length} "
-             f"and on {4 * length} bits; mean (min–max) on {2 * length} bits, %:", "",
-             f"| variant | recipe | seeds | learned | ≥ 95 % at {2 * length} | ≥ 95 % at {4 * length} "
-             f"| final-token acc. at {2 * length} |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    metric = "final_token_accuracy"
+    lines = ["parity recipe sweep, final-token accuracy at the training length L, 2L and 4L: seeds at ≥ 95 % at L "
+             "(learned), at 2L and at 4L; mean (min–max) at 2L, %:", "",
+             "| variant | recipe | L (bits) | seeds | learned | ≥ 95 % at 2L | ≥ 95 % at 4L | final-token acc. at 2L |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for group in sorted(groups, key=lambda g: (g in sweep, base_variant(g), g)):
         runs = groups[group]
-        metric = "final_token_accuracy"
+        length = runs[0]["budget"]["train_length"]
         values = aggregate(runs, metric)
         lines.append(f"| {LABELS[base_variant(group)]} | {recipe(runs[0]) if group in sweep else 'main runs'} | "
-                     f"{len(runs)} | {passing(runs, metric, length)} | {passing(runs, metric, 2 * length)} | "
-                     f"{passing(runs, metric, 4 * length)} | {fmt(values.get(2 * length, [0.0]))} |")
+                     f"{length} | {len(runs)} | {passing(runs, metric, length)} | "
+                     f"{passing(runs, metric, 2 * length)} | {passing(runs, metric, 4 * length)} | "
+                     f"{fmt(values.get(2 * length, [0.0]))} |")
     return "\n".join(lines)
 
 

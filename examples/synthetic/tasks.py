@@ -8,7 +8,8 @@ position ``t``, ``-100`` elsewhere), which is what the evaluation reads.
 
 Tasks
 -----
-``parity`` (state tracking on S2): ``BOS b_1 ... b_n END`` with random bits; the answer after ``b_t`` is the running
+``parity`` (state tracking on S2): ``BOS b_1 ... b_n END`` with random bits (fair, or for training optionally a
+per-string density of 1s); the answer after ``b_t`` is the running
 parity ``b_1 xor ... xor b_t`` (per-token supervision, as in the state-tracking setups the paper follows); the
 final-token answer is the parity of the whole string (read at the position of ``b_n``).
 
@@ -62,9 +63,26 @@ class Parity:
     BOS, END = 2, 3
     vocab_size = 4
 
+    DENSITIES = ("half", "uniform", "mixed")
+
     @classmethod
-    def sample(cls, batch: int, length: int, generator: torch.Generator) -> Batch:
-        bits = torch.randint(0, 2, (batch, length), generator=generator)
+    def sample(cls, batch: int, length: int, generator: torch.Generator, density: str = "half") -> Batch:
+        """``density="half"``: fair bits. ``"uniform"``: each string draws its own probability of a 1 from U(0, 1),
+        so runs of 0s and of 1s as long as the string occur in training (with fair bits a 40-bit string almost never
+        holds more than ~30 of either), and the angle each bit adds is measured over the whole length. ``"mixed"``:
+        every other string fair, the rest as ``"uniform"``."""
+        if density == "half":
+            return cls._from_bits(torch.randint(0, 2, (batch, length), generator=generator))
+        if density not in cls.DENSITIES:
+            raise ValueError(f"unknown bit density {density!r}; expected one of {cls.DENSITIES}")
+        p_one = torch.rand(batch, 1, generator=generator)
+        if density == "mixed":
+            p_one[::2] = 0.5
+        return cls._from_bits((torch.rand(batch, length, generator=generator) < p_one).long())
+
+    @classmethod
+    def _from_bits(cls, bits: torch.Tensor) -> Batch:
+        batch, length = bits.shape
         running = torch.cumsum(bits, dim=1) % 2
         input_ids = torch.cat([torch.full((batch, 1), cls.BOS), bits, torch.full((batch, 1), cls.END)], dim=1)
         targets = torch.full_like(input_ids, IGNORE)

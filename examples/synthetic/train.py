@@ -55,7 +55,7 @@ OPTIMIZER_DEFAULTS = dict(weight_decay=0.01, lr_floor=0.1, label_smoothing=0.0, 
 TASK_DEFAULTS = {
     # phase_conv_size=0 for parity: see docs/synthetic.md (with the default convolution of 4 the same budget fails)
     "parity": dict(family="gla", layers=1, hidden=64, heads=2, steps=600, batch=64, lr=3e-3,
-                   train_length=40, eval_lengths=[20, 40, 80, 160, 320], eval_batch=256,
+                   train_length=40, eval_lengths=[20, 40, 80, 160, 320], eval_batch=256, bit_density="half",
                    config=dict(phase_conv_size=0)),
     "mqar": dict(family="gla", layers=2, hidden=64, heads=2, steps=400, batch=64, lr=3e-3,
                  train_length=8, eval_lengths=[4, 8, 16, 24], eval_batch=256, num_keys=32),
@@ -108,8 +108,8 @@ def make_task(name: str, settings: dict):
 
 
 def sample(task, settings: dict, batch: int, length: int, generator: torch.Generator, train: bool):
-    if task.name == "parity":
-        return task.sample(batch, length, generator)
+    if task.name == "parity":  # evaluation always reads fair bits; training may vary the density of 1s
+        return task.sample(batch, length, generator, settings["bit_density"] if train else "half")
     if task.name == "mqar":
         return task.sample(batch, length, generator)
     if task.name == "copy":  # training draws lengths in [min, train]; evaluation uses exactly `length`
@@ -348,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--curriculum-steps", type=int,
                         help="ramp the training length up from 8 over this many steps (default 0: no ramp)")
     parser.add_argument("--train-length", type=int, help="parity: bits; mqar: pairs; copy: max string length")
+    parser.add_argument("--bit-density", choices=Parity.DENSITIES,
+                        help="parity training strings: fair bits (half, the default) or a per-string density of 1s "
+                             "drawn from U(0, 1) (uniform); evaluation always uses fair bits")
     parser.add_argument("--eval-lengths", type=int, nargs="+")
     parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
                         help="extra config fields, e.g. temperature_max=3.14159 phase_conv_size=0")
@@ -358,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tag", default="", help="suffix for the default output name (e.g. a budget sweep)")
     parser.add_argument("--save-model", type=Path, help="also save the trained model here (save_pretrained)")
     args = parser.parse_args(argv)
+    if args.bit_density is not None and args.task != "parity":
+        parser.error("--bit-density only applies to --task parity")
 
     torch.set_num_threads(args.threads)
     output = args.output or RESULTS / args.task / f"{args.variant}{args.tag}_seed{args.seed}.json"
@@ -366,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         family=args.family, layers=args.layers, hidden=args.hidden, heads=args.heads,
         steps=args.steps, batch=args.batch, lr=args.lr, weight_decay=args.weight_decay, lr_floor=args.lr_floor,
         label_smoothing=args.label_smoothing, curriculum_steps=args.curriculum_steps,
-        train_length=args.train_length,
+        train_length=args.train_length, bit_density=args.bit_density,
         eval_lengths=args.eval_lengths)
     return 0
 
