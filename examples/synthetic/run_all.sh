@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every full run behind docs/synthetic.md, one process at a time, one thread each (about 45-60 minutes on a
 # 2-core CPU shared with other work). Usage: bash examples/synthetic/run_all.sh [parity|mqar|copy|fox|sweep|summary]...
-# `sweep` (the parity recipe sweep, 95 runs, about 50 minutes) is not in the default list.
+# `sweep` (the parity recipe sweep, 152 runs, about 2.5 hours one at a time) is not in the default list.
 # Each run writes benchmarks/results/synthetic/<task>/<variant><tag>_seed<k>.json; `summary` rebuilds the
 # tables and plots (needs matplotlib).
 set -euo pipefail
@@ -67,6 +67,7 @@ for section in "${sections[@]}"; do
     sweep)  # parity recipe sweep (docs/synthetic.md): one group per recipe, JSONs under parity/sweep/
       SWEEP=benchmarks/results/synthetic/parity/sweep
       F0="--lr-floor 0"; LS="--label-smoothing 0.1"; PI="--set temperature_max=3.141592653589793"
+      L128="--train-length 128 --eval-lengths 64 128 256 512"
       recipes=(  # group|seeds|variant|options
         "ls0.1|0 1 2 3 4|selective|$LS"
         "wd0.1|0 1 2 3 4|selective|--weight-decay 0.1"
@@ -84,6 +85,20 @@ for section in "${sections[@]}"; do
         "recipe_h4|0 1 2 3 4 5 6 7 8 9|selective_gate_bias|$LS $F0 --curriculum-steps 300 --heads 4"
         "recipe_th100|0 1 2 3 4|selective_gate_bias|$LS $F0 --curriculum-steps 300 --set temperature_theta=100"
         "wd0.1|0 1 2 3 4|selective_gate_bias|--weight-decay 0.1"
+        # third session: the paper's training length, batch, bit density, capacity, a 10x budget
+        "len128|0 1 2 3 4|selective_gate_bias|$L128"
+        "len128_cur300|0 1 2 3 4|selective_gate_bias|$L128 --curriculum-steps 300"
+        "len128_st1200|0 1 2 3 4|selective_gate_bias|$L128 --steps 1200"
+        "b512|0 1|selective_gate_bias|--batch 512"
+        "dens|0 1 2 3 4|selective_gate_bias|--bit-density uniform"
+        "dens_cur300|0 1 2 3 4|selective_gate_bias|--bit-density uniform --curriculum-steps 300"
+        "dens_h4|0 1 2 3 4|selective_gate_bias|--bit-density uniform --heads 4"
+        "dens_st1200|0 1 2 3|selective_gate_bias|--bit-density uniform --steps 1200"
+        "mixed|0 1 2 3 4|selective_gate_bias|--bit-density mixed"
+        "h1|0 1 2 3 4|selective_gate_bias|--heads 1"
+        "scalar|0 1 2 3 4|selective_gate_bias|--set phase_proj=scalar"
+        "st6000|0 1 2|selective_gate_bias|--steps 6000"
+        "dens_st6000|0 1 2|selective_gate_bias|--bit-density uniform --steps 6000"
       )
       for entry in "${recipes[@]}"; do
         IFS="|" read -r group seeds variant options <<< "$entry"
