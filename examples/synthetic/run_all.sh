@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Every full run behind docs/synthetic.md, one process at a time, one thread each (about 45-60 minutes on a
-# 2-core CPU shared with other work). Usage: bash examples/synthetic/run_all.sh [parity|mqar|copy|fox|sweep|summary]...
+# Every full run behind docs/synthetic.md, one process at a time, one thread each (about 60-75 minutes on a
+# 2-core CPU shared with other work).
+# Usage: bash examples/synthetic/run_all.sh [parity|mqar|copy|fox|gdn|sweep|summary]...
 # `sweep` (the parity recipe sweep, 152 runs, about 2.5 hours one at a time) is not in the default list.
 # Each run writes benchmarks/results/synthetic/<task>/<variant><tag>_seed<k>.json; `summary` rebuilds the
 # tables and plots (needs matplotlib).
@@ -9,7 +10,7 @@ cd "$(dirname "$0")/../.."
 TRAIN="python examples/synthetic/train.py --threads 1"
 SEEDS="0 1 2"
 sections=("$@")
-[ ${#sections[@]} -eq 0 ] && sections=(parity mqar copy fox summary)
+[ ${#sections[@]} -eq 0 ] && sections=(parity mqar copy fox gdn summary)
 
 for section in "${sections[@]}"; do
   case "$section" in
@@ -63,6 +64,19 @@ for section in "${sections[@]}"; do
       done
       for seed in $SEEDS; do
         $TRAIN --task parity --family fox --variant selective --seed "$seed" --steps 2400 --tag _fox_steps2400
+      done ;;
+    gdn)  # Gated DeltaNet, 1 layer, on parity (600 steps); NoPE with negative eigenvalues as the known solution
+      for seed in $SEEDS; do
+        for variant in nope rope; do
+          $TRAIN --task parity --family gated_deltanet --variant "$variant" --seed "$seed" --tag _gdn
+        done
+        $TRAIN --task parity --family gated_deltanet --variant nope --seed "$seed" --tag _gdn_negeig \
+          --set allow_neg_eigval=true
+      done
+      for seed in $SEEDS 3 4; do
+        for variant in selective selective_gate_bias; do
+          $TRAIN --task parity --family gated_deltanet --variant "$variant" --seed "$seed" --tag _gdn
+        done
       done ;;
     sweep)  # parity recipe sweep (docs/synthetic.md): one group per recipe, JSONs under parity/sweep/
       SWEEP=benchmarks/results/synthetic/parity/sweep
