@@ -2,7 +2,7 @@
 # Every full run behind docs/synthetic.md, one process at a time, one thread each (about 60-75 minutes on a
 # 2-core CPU shared with other work).
 # Usage: bash examples/synthetic/run_all.sh [parity|mqar|copy|fox|gdn|sweep|summary]...
-# `sweep` (the parity recipe sweep, 152 runs, about 2.5 hours one at a time) is not in the default list.
+# `sweep` (the parity recipe sweep, 172 runs, about 3 hours one at a time) is not in the default list.
 # Each run writes benchmarks/results/synthetic/<task>/<variant><tag>_seed<k>.json; `summary` rebuilds the
 # tables and plots (needs matplotlib).
 set -euo pipefail
@@ -99,7 +99,7 @@ for section in "${sections[@]}"; do
         "recipe_h4|0 1 2 3 4 5 6 7 8 9|selective_gate_bias|$LS $F0 --curriculum-steps 300 --heads 4"
         "recipe_th100|0 1 2 3 4|selective_gate_bias|$LS $F0 --curriculum-steps 300 --set temperature_theta=100"
         "wd0.1|0 1 2 3 4|selective_gate_bias|--weight-decay 0.1"
-        # third session: the paper's training length, batch, bit density, capacity, a 10x budget
+        # third session: the paper's training length, batch, bit density, capacity, depth, width, a 10x budget
         "len128|0 1 2 3 4|selective_gate_bias|$L128"
         "len128_cur300|0 1 2 3 4|selective_gate_bias|$L128 --curriculum-steps 300"
         "len128_st1200|0 1 2 3 4|selective_gate_bias|$L128 --steps 1200"
@@ -113,6 +113,9 @@ for section in "${sections[@]}"; do
         "scalar|0 1 2 3 4|selective_gate_bias|--set phase_proj=scalar"
         "st6000|0 1 2|selective_gate_bias|--steps 6000"
         "dens_st6000|0 1 2|selective_gate_bias|--bit-density uniform --steps 6000"
+        "l2|0 1 2 3 4 5 6 7 8 9|selective_gate_bias|--layers 2"
+        "l2|0 1 2 3 4|selective|--layers 2"
+        "hid128|0 1 2 3 4|selective_gate_bias|--hidden 128"
       )
       for entry in "${recipes[@]}"; do
         IFS="|" read -r group seeds variant options <<< "$entry"

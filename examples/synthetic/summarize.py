@@ -232,8 +232,9 @@ def settings(task: str, groups: dict[str, list[dict]]) -> dict[str, dict[str, li
 # The parity recipe sweep: runs stored under parity/sweep/ (outside the main tables), one group per training recipe,
 # compared with the main gate and gate + bias rows.
 SWEEP_BASELINES = ("selective", "selective_gate_bias")
-RECIPE_FIELDS = (("hidden", "hidden {}"), ("heads", "heads {}"), ("train_length", "training length {}"),
-                 ("steps", "steps {}"), ("batch", "batch {}"), ("lr", "lr {:g}"), ("weight_decay", "weight decay {:g}"),
+RECIPE_FIELDS = (("layers", "layers {}"), ("hidden", "hidden {}"), ("heads", "heads {}"),
+                 ("train_length", "training length {}"), ("steps", "steps {}"), ("batch", "batch {}"),
+                 ("lr", "lr {:g}"), ("weight_decay", "weight decay {:g}"),
                  ("lr_floor", "lr floor {:g}"), ("label_smoothing", "label smoothing {:g}"),
                  ("curriculum_steps", "length ramp over {} steps"), ("bit_density", "bit density {}"))
 
