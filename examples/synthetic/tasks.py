@@ -8,10 +8,10 @@ position ``t``, ``-100`` elsewhere), which is what the evaluation reads.
 
 Tasks
 -----
-``parity`` (state tracking on S2): ``BOS b_1 ... b_n END`` with random bits (fair, or for training optionally a
-per-string density of 1s); the answer after ``b_t`` is the running
-parity ``b_1 xor ... xor b_t`` (per-token supervision, as in the state-tracking setups the paper follows); the
-final-token answer is the parity of the whole string (read at the position of ``b_n``).
+``parity`` (state tracking on S2): ``BOS b_1 ... b_n END`` with random bits (fair, or optionally for training a
+per-string density of 1s); the answer after ``b_t`` is the running parity ``b_1 xor ... xor b_t`` (per-token
+supervision, as in the state-tracking setups the paper follows); the final-token answer is the parity of the whole
+string (read at the position of ``b_n``).
 
 ``mqar`` (multi-query associative recall, Arora et al. 2024): ``BOS k_1 v_1 ... k_N v_N  q_1 a_1 ... q_M a_M`` with
 distinct keys from one half of the vocabulary and values from the other; each query ``q_j`` is one of the keys, and

@@ -349,8 +349,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="ramp the training length up from 8 over this many steps (default 0: no ramp)")
     parser.add_argument("--train-length", type=int, help="parity: bits; mqar: pairs; copy: max string length")
     parser.add_argument("--bit-density", choices=Parity.DENSITIES,
-                        help="parity training strings: fair bits (half, the default) or a per-string density of 1s "
-                             "drawn from U(0, 1) (uniform); evaluation always uses fair bits")
+                        help="parity training strings: fair bits (half, the default), a per-string density of 1s "
+                             "drawn from U(0, 1) (uniform), or every other string fair (mixed); evaluation always "
+                             "uses fair bits")
     parser.add_argument("--eval-lengths", type=int, nargs="+")
     parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
                         help="extra config fields, e.g. temperature_max=3.14159 phase_conv_size=0")
