@@ -20,6 +20,8 @@ import summarize  # noqa: E402
 import train  # noqa: E402
 from tasks import IGNORE, MQAR, Copy, Parity  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads cost more than they give
+
 TINY = dict(hidden=16, heads=2, steps=3, batch=4, eval_batch=4)
 TINY_EVAL = {"parity": [6, 12], "mqar": [2, 4], "copy": [3, 6]}
 TINY_TRAIN = {"parity": 6, "mqar": 3, "copy": 4}
@@ -126,7 +128,6 @@ def test_copy_targets_reproduce_the_source():
 
 @pytest.mark.parametrize("task", ["parity", "mqar", "copy"])
 def test_tiny_training_run_writes_a_results_json(tmp_path, task):
-    torch.set_num_threads(1)
     output = tmp_path / task / "selective_seed0.json"
     train.run(task, "selective", seed=0, output=output, quiet=True, train_length=TINY_TRAIN[task],
               eval_lengths=TINY_EVAL[task], **TINY)
@@ -156,7 +157,6 @@ def test_variants_set_the_position_embedding(variant):
 
 
 def test_loss_decreases_on_a_memorisable_batch():
-    torch.set_num_threads(1)
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM
 
@@ -199,7 +199,6 @@ def test_learning_rate_schedule_warms_up_and_decays_to_the_floor():
 
 
 def test_optimizer_settings_reach_the_results_json(tmp_path):
-    torch.set_num_threads(1)
     output = tmp_path / "parity.json"
     assert train.main(["--task", "parity", "--variant", "selective", "--hidden", "16", "--steps", "2", "--batch", "2",
                        "--train-length", "4", "--eval-lengths", "4", "--weight-decay", "0.05", "--lr-floor", "0",
@@ -214,7 +213,6 @@ def test_optimizer_settings_reach_the_results_json(tmp_path):
 
 
 def test_recipe_sweep_table_names_what_each_recipe_changed(tmp_path):
-    torch.set_num_threads(1)
     tiny = dict(TINY, train_length=4, eval_lengths=[4, 8, 16])
     train.run("parity", "selective_gate_bias", seed=0, quiet=True,
               output=tmp_path / "parity" / "selective_gate_bias_seed0.json", **tiny)
@@ -242,7 +240,6 @@ def test_recipe_sweep_table_names_what_each_recipe_changed(tmp_path):
 
 
 def test_saved_parity_model_reloads_and_is_diagnosed(tmp_path, capsys):
-    torch.set_num_threads(1)
     train.run("parity", "selective", seed=0, quiet=True, save_model=tmp_path / "model", train_length=6,
               eval_lengths=[6], **TINY)
     assert phase_drift.main([str(tmp_path / "model"), "--length", "20", "--zero-phase", "1:3"]) == 0
@@ -264,7 +261,6 @@ def test_pattern_errors_are_the_wrong_running_parities():
 
 
 def test_zeroing_a_heads_phase_leaves_its_queries_and_keys_unrotated(tmp_path):
-    torch.set_num_threads(1)
     train.run("parity", "selective_gate_bias", seed=0, quiet=True, save_model=tmp_path / "model", train_length=6,
               eval_lengths=[6], **TINY)
     from transformers import AutoModelForCausalLM
@@ -300,7 +296,6 @@ def test_parity_target_gla_selective_rope_length_extrapolates():
     """The headline claim on a seed known to reach it (about 1 min): GLA + Selective RoPE >= 95 % final-token parity
     at 2x the training length, GLA + NoPE near chance. Seed-dependent: 2 of 5 seeds reach it (docs/synthetic.md), so
     this is a regression check of the library and the recipe, not an estimate of the success rate."""
-    torch.set_num_threads(1)
     accuracy = {}
     for variant in ("selective", "nope"):
         result = train.run("parity", variant, seed=0, quiet=True, eval_lengths=[80])

@@ -80,10 +80,9 @@ def errors_on_patterns(model, length: int = 160) -> dict[str, list[int]]:
     patterns = {"zeros": [0] * length, "ones": [1] * length, "alternating": [0, 1] * (length // 2) + [0] * (length % 2)}
     errors = {}
     for name, bits in patterns.items():
-        ids = torch.tensor([[Parity.BOS, *bits]])
-        predicted = model(ids).logits.argmax(-1)[0, 1:]
-        expected = torch.tensor(bits).cumsum(0) % 2
-        errors[name] = [int(i) + 1 for i in (predicted != expected).nonzero().flatten()]
+        batch = Parity.from_bits(torch.tensor([bits]))
+        predicted = model(batch.input_ids).logits.argmax(-1)[0, 1:length + 1]  # the answers after b_1 ... b_n
+        errors[name] = [int(i) + 1 for i in (predicted != batch.targets[0, 1:length + 1]).nonzero().flatten()]
     return errors
 
 

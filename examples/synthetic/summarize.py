@@ -48,11 +48,11 @@ def load(results: Path = RESULTS) -> dict[str, dict[str, list[dict]]]:
 
 
 def group_label(group: str) -> str:
-    for variant in sorted(ORDER, key=len, reverse=True):
-        if group == variant or group.startswith(variant + "_"):
-            rest = group[len(variant):].lstrip("_")
-            return LABELS[variant] + (f" [{rest}]" if rest else "")
-    return group
+    variant = base_variant(group)
+    if variant not in LABELS:
+        return group
+    rest = group[len(variant):].lstrip("_")
+    return LABELS[variant] + (f" [{rest}]" if rest else "")
 
 
 def group_key(group: str) -> tuple:

@@ -72,16 +72,17 @@ class Parity:
         holds more than ~30 of either), and the angle each bit adds is measured over the whole length. ``"mixed"``:
         every other string fair, the rest as ``"uniform"``."""
         if density == "half":
-            return cls._from_bits(torch.randint(0, 2, (batch, length), generator=generator))
+            return cls.from_bits(torch.randint(0, 2, (batch, length), generator=generator))
         if density not in cls.DENSITIES:
             raise ValueError(f"unknown bit density {density!r}; expected one of {cls.DENSITIES}")
         p_one = torch.rand(batch, 1, generator=generator)
         if density == "mixed":
             p_one[::2] = 0.5
-        return cls._from_bits((torch.rand(batch, length, generator=generator) < p_one).long())
+        return cls.from_bits((torch.rand(batch, length, generator=generator) < p_one).long())
 
     @classmethod
-    def _from_bits(cls, bits: torch.Tensor) -> Batch:
+    def from_bits(cls, bits: torch.Tensor) -> Batch:
+        """The batch for given bit strings ``(B, n)``: ``BOS bits END`` with the running parity as targets."""
         batch, length = bits.shape
         running = torch.cumsum(bits, dim=1) % 2
         input_ids = torch.cat([torch.full((batch, 1), cls.BOS), bits, torch.full((batch, 1), cls.END)], dim=1)
