@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
+import signal
+import sys
+import threading
+from collections.abc import Iterator
 
 from ..configuration.position_embedding import PHASE_GATE_TYPES, PHASE_PROJECTIONS
 from .convert import DTYPES, SUPPORTED_SOURCES, ConversionError, convert
@@ -19,6 +25,11 @@ Sources (model_type): {", ".join(SUPPORTED_SOURCES)}.
 
 The new parameters start so that the converted model computes exactly what the source computes; the command checks
 this on a probe batch (max logit difference, fp32) and fails, leaving nothing behind, if it does not.
+
+OUTPUT must lie apart from SOURCE (not SOURCE, inside it or containing it). Everything is written to a staging folder
+beside OUTPUT that is renamed to OUTPUT at the very end, never over an existing OUTPUT unless --overwrite (which swaps
+old and new in one step). A failure, Ctrl-C or SIGTERM removes the staging folder; after a SIGKILL the next run for
+the same OUTPUT removes it (and says so).
 """
 
 
@@ -26,7 +37,7 @@ def add_convert_parser(commands) -> argparse.ArgumentParser:
     parser = commands.add_parser("convert", help="retrofit Selective RoPE onto a RoPE or NoPE checkpoint",
                                  description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="a save_pretrained directory (or a Hub id when the network allows)")
-    parser.add_argument("output", help="the directory to create")
+    parser.add_argument("output", help="the directory to create (apart from SOURCE)")
     parser.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
     parts = parser.add_argument_group("Selective RoPE parts")
     parts.add_argument("--no-selective", dest="selective", action="store_false",
@@ -38,7 +49,7 @@ def add_convert_parser(commands) -> argparse.ArgumentParser:
     parts.add_argument("--phase-conv-size", type=_non_negative_int, default=4, help="0 disables the convolution")
     parts.add_argument("--no-forget-gate", dest="forget_gate", action="store_false",
                        help="Llama-family sources: no FoX forget gate (plain softmax attention)")
-    parts.add_argument("--forget-gate-bias", type=float, default=16.0,
+    parts.add_argument("--forget-gate-bias", type=_finite_float, default=16.0,
                        help="starting bias of the added forget gate (default 16: log f ~ -1e-7 per token)")
     parts.add_argument("--seed", type=int, default=0, help="seed of the random starting factors and the probe")
     out = parser.add_argument_group("output")
@@ -46,7 +57,8 @@ def add_convert_parser(commands) -> argparse.ArgumentParser:
                      help="dtype of the converted weights (default: as the source; Selective RoPE stays float32)")
     out.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
     out.add_argument("--base-model", default=None, help="the source's Hub id for the model card's base_model")
-    out.add_argument("--tolerance", type=float, default=1e-4, help="largest probe logit difference (default 1e-4)")
+    out.add_argument("--tolerance", type=_non_negative_float, default=1e-4,
+                     help="largest probe logit difference (default 1e-4)")
     out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     return parser
 
@@ -65,17 +77,69 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def run_convert(args: argparse.Namespace) -> int:
-    options = RetrofitOptions(selective=args.selective, phase_gate=args.phase_gate,
-                              phase_gate_type=args.phase_gate_type, phase_proj=args.phase_proj,
-                              phase_proj_rank=args.phase_proj_rank, phase_conv_size=args.phase_conv_size,
-                              forget_gate=args.forget_gate, forget_gate_bias=args.forget_gate_bias, seed=args.seed)
+def _finite_float(text: str) -> float:
     try:
-        report = convert(args.source, args.output, options, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                         overwrite=args.overwrite, tolerance=args.tolerance, base_model=args.base_model,
-                         progress=args.progress)
-    except (ValueError, FileExistsError, FileNotFoundError, ConversionError) as error:
-        raise SystemExit(f"selective-rope convert: {error}") from None
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = _finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be >= 0")
+    return value
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where SIGINT raises ``KeyboardInterrupt``, so that the same clean-up runs."""
+
+    signum = signal.SIGTERM
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _describe(error: Exception) -> str:
+    if isinstance(error, OSError) and error.strerror:  # "[Errno 28] ..." says less than the file and the reason
+        return f"{error.filename}: {error.strerror}" if error.filename else error.strerror
+    return str(error)
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    try:
+        with _sigterm_as_interrupt():
+            options = RetrofitOptions(selective=args.selective, phase_gate=args.phase_gate,
+                                      phase_gate_type=args.phase_gate_type, phase_proj=args.phase_proj,
+                                      phase_proj_rank=args.phase_proj_rank, phase_conv_size=args.phase_conv_size,
+                                      forget_gate=args.forget_gate, forget_gate_bias=args.forget_gate_bias,
+                                      seed=args.seed)
+            report = convert(args.source, args.output, options, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                             overwrite=args.overwrite, tolerance=args.tolerance, base_model=args.base_model,
+                             progress=args.progress)
+    except (ValueError, OSError, ConversionError) as error:
+        raise SystemExit(f"selective-rope convert: {_describe(error)}") from None
+    except KeyboardInterrupt as interrupt:  # Ctrl-C or SIGTERM: convert() has removed its partial output
+        received = getattr(interrupt, "signum", signal.SIGINT)
+        print(f"selective-rope convert: interrupted by {received.name}; the partial output was removed",
+              file=sys.stderr, flush=True)
+        raise SystemExit(128 + received) from None  # the shell's status for a process ended by that signal
     print(f"converted {report.source} ({report.description}) -> {report.output}")
     print(f"  {report.source_tensors} source tensors used once each; {len(report.new_tensors)} new tensors; "
           f"{report.shards} shard(s)")

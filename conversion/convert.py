@@ -6,24 +6,25 @@
               in memory at a time, never two copies of the model
     probe     run a probe batch through the source (or, where its code cannot run here, its NoPE twin) and the
               converted model, one after the other; fail unless the logits agree
-    publish   config, code, tokenizer files and model card next to the weights, all in a temporary directory that
-              is renamed to the output only when everything succeeded
+    publish   config, code, tokenizer files and model card next to the weights, all in a staging directory that
+              is renamed to the output only when everything succeeded, never over anything unless asked
+              (:mod:`.output`: the source is never touched, a failure, SIGINT or SIGTERM leaves nothing behind)
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
-import uuid
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
@@ -38,6 +39,7 @@ from ..modeling.model_card import render_model_card, template_texts
 from ..modeling.remote_code import bundle_auto_map, write_code_bundle
 from .fla import FLA_MODEL_TYPES, fla_config, fla_key
 from .llama import LLAMA_FAMILY, fold_attention_scaling, fox_config_from_llama, fox_key_from_llama, llama_rope
+from .output import refuse_overlap, remove_stale_partials, staged_output
 from .retrofit import RetrofitOptions, starting_parameters
 
 # Our causal-LM classes by model_type (each knows its config class).
@@ -94,7 +96,7 @@ def config_with(config, **changes):
 
 def plan_conversion(source_dir: Path, options: RetrofitOptions) -> SourcePlan:
     """The conversion of the checkpoint in ``source_dir``; ``ValueError`` naming what is supported otherwise."""
-    raw = json.loads((source_dir / "config.json").read_text())
+    raw = _read_json(source_dir / "config.json")
     model_type = raw.get("model_type")
     if model_type in LLAMA_FAMILY:
         source = AutoConfig.from_pretrained(source_dir)
@@ -139,15 +141,35 @@ def plan_conversion(source_dir: Path, options: RetrofitOptions) -> SourcePlan:
 # --------------------------------------------------------------------------------------------------------- write
 
 
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError: their messages do not name the file
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
+
+
+def _open_safetensors(path: Path):
+    """``safe_open(path)``, its failures naming the file (safetensors' own messages do not)."""
+    try:
+        return safe_open(path, "pt")
+    except SafetensorError as error:
+        raise ValueError(f"{path} is not a valid safetensors file (truncated or corrupt?): {error}") from None
+    except OSError as error:
+        raise type(error)(f"cannot read {path}: {error}") from None
+
+
 class SafetensorsSource:
     """The tensors of a ``save_pretrained`` directory, opened lazily (memory-mapped, one tensor at a time)."""
 
     def __init__(self, directory: Path, stack: ExitStack):
         index = directory / "model.safetensors.index.json"
         if index.exists():
-            self.files = {name: directory / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index} has no weight_map")
+            self.files = {name: directory / file for name, file in weight_map.items()}
         elif (directory / "model.safetensors").exists():
-            with safe_open(directory / "model.safetensors", "pt") as handle:
+            with _open_safetensors(directory / "model.safetensors") as handle:
                 self.files = dict.fromkeys(handle.keys(), directory / "model.safetensors")
         else:
             raise ValueError(f"no safetensors weights in {directory} (model.safetensors or its index); re-save the "
@@ -160,8 +182,11 @@ class SafetensorsSource:
     def get(self, name: str) -> torch.Tensor:
         path = self.files[name]
         if path not in self._handles:
-            self._handles[path] = self._stack.enter_context(safe_open(path, "pt"))
-        return self._handles[path].get_tensor(name)
+            self._handles[path] = self._stack.enter_context(_open_safetensors(path))
+        try:
+            return self._handles[path].get_tensor(name)
+        except SafetensorError as error:
+            raise ValueError(f"{path}: cannot read tensor {name!r} (corrupt file?): {error}") from None
 
 
 def _keeps_float32(model: nn.Module, name: str) -> bool:
@@ -238,13 +263,25 @@ def write_weights(plan: SourcePlan, source: SafetensorsSource, directory: Path, 
             total += shard[name].numel() * shard[name].element_size()
             weight_map[name] = file
             bar.update()
-        save_file(shard, directory / file, metadata={"format": "pt"})
+        _save_shard(shard, directory / file)
         del shard
     bar.close()
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return out_dtype, new, len(shards)
+
+
+def _save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """``save_file``, with its I/O failures (full disk, read-only filesystem) raised as the ``OSError`` they are:
+    safetensors reports them as its own error, carrying the errno only in the message."""
+    try:
+        save_file(tensors, path, metadata={"format": "pt"})
+    except SafetensorError as error:
+        code = re.search(r"os error (\d+)", str(error))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from error
 
 
 # --------------------------------------------------------------------------------------------------------- probe
@@ -329,21 +366,32 @@ def convert(
         source: a ``save_pretrained`` directory (or a Hub id when the network allows): transformers Llama, Mistral,
             Qwen2 or Qwen3; flash-linear-attention GLA, Gated DeltaNet or Forgetting Transformer; or one of ours
             with ``position_embedding="rope"`` or ``"nope"``.
-        output: the directory to create; an existing one is refused unless ``overwrite``.
+        output: the directory to create, apart from the source (not the source, inside it or containing it); an
+            existing one is refused unless ``overwrite``, and replaced only once the new model is complete.
         options: which Selective RoPE parts to switch on (:class:`RetrofitOptions`).
         dtype: output dtype for the source's tensors (``"float32"``, ``"bfloat16"``, ``"float16"``; default: as the
             source). Selective RoPE parameters are always float32.
         max_shard_size: largest output shard (``"5GB"``, ``"500MB"``, bytes).
-        tolerance: the largest probe logit difference accepted (fp32).
+        tolerance: the largest probe logit difference accepted (fp32; finite, >= 0).
         base_model: the source's Hub id for the model card's ``base_model`` (default: the Hub id converted from, or
             the source directory's name).
 
-    Raises ``ValueError`` (unsupported source or options), ``FileExistsError`` (output exists),
-    ``FileNotFoundError`` (no source) and :class:`ConversionError` (the probe failed); nothing is left behind.
+    Raises ``ValueError`` (unsupported source or options, a corrupt source file, an OUTPUT overlapping the source),
+    ``FileExistsError`` (output exists, or appeared while converting), ``FileNotFoundError`` (no source),
+    ``OSError`` (OUTPUT cannot be written: full disk, read-only filesystem) and :class:`ConversionError` (the probe
+    failed); nothing is left behind and an existing OUTPUT is unchanged. Partial outputs of killed conversions into
+    the same OUTPUT are removed first (one logged warning each).
     """
     options = options or RetrofitOptions()
+    if not (math.isfinite(tolerance) and tolerance >= 0):
+        raise ValueError(f"tolerance={tolerance!r} is invalid: must be a finite number >= 0")
+    if not (isinstance(probe_length, int) and probe_length >= 1):
+        raise ValueError(f"probe_length={probe_length!r} is invalid: must be an integer >= 1")
     output = Path(output)
-    if output.exists() and not overwrite:
+    if Path(source).is_dir():  # an OUTPUT overlapping SOURCE is refused as such, not as "already exists"
+        refuse_overlap(Path(source), output)
+    remove_stale_partials(output)  # of conversions into OUTPUT that were killed; may give back a replaced OUTPUT
+    if os.path.lexists(output) and not overwrite:
         raise FileExistsError(f"{output} already exists; pass overwrite=True (--overwrite) to replace it")
     if isinstance(dtype, str):
         if dtype not in DTYPES:
@@ -351,16 +399,16 @@ def convert(
         dtype = DTYPES[dtype]
     max_shard_bytes = parse_size(max_shard_size)
     source_dir, source_name = resolve_source(source)
+    refuse_overlap(source_dir, output)  # again for a Hub source: its snapshot lives in the Hugging Face cache
     source_name = base_model or source_name
     plan = plan_conversion(source_dir, options)
 
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = output.parent / f".{output.name}.partial-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
-    try:
+    with staged_output(output, overwrite) as staging:
+        directory = staging.directory
         with ExitStack() as stack:
             tensors = SafetensorsSource(source_dir, stack)
-            out_dtype, new, shards = write_weights(plan, tensors, staging, options, dtype, max_shard_bytes, progress)
+            out_dtype, new, shards = write_weights(plan, tensors, directory, options, dtype, max_shard_bytes,
+                                                   progress)
             reference_name = "source model"
             if plan.load_reference is None:
                 reference_name = "NoPE twin (the source's own code cannot run here)"
@@ -373,8 +421,8 @@ def convert(
                                 generator=torch.Generator().manual_seed(options.seed))
             expected = probe_logits(reference, ids)
             del reference
-        _write_metadata(plan, source_dir, staging, out_dtype)
-        converted = plan.model_class.from_pretrained(staging, dtype=torch.float32)
+        _write_metadata(plan, source_dir, directory, out_dtype)
+        converted = plan.model_class.from_pretrained(directory, dtype=torch.float32)
         difference = (probe_logits(converted, ids) - expected).abs().max().item()
         del converted
         if not difference <= tolerance:
@@ -382,12 +430,9 @@ def convert(
                                   f"{difference:.3g} > {tolerance:g} on the probe batch (reference: {reference_name})")
         report = ConversionReport(output, source_name, plan.description, reference_name, difference,
                                   len(plan.source_keys), new, shards)
-        _write_card(plan, staging, output, report, options)
-        _publish(staging, output)
-        return report
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        _write_card(plan, directory, output, report, options)
+        staging.publish()
+    return report
 
 
 def _write_metadata(plan: SourcePlan, source_dir: Path, directory: Path, out_dtype: torch.dtype) -> None:
@@ -424,13 +469,3 @@ def _write_card(plan: SourcePlan, directory: Path, output: Path, report: Convers
                              base_model_relation="finetune", provenance=provenance)
     card.save(directory / "README.md")
 
-
-def _publish(staging: Path, output: Path) -> None:
-    """Rename the finished ``staging`` directory to ``output`` (replacing an existing one only at the end)."""
-    if output.exists():
-        retired = output.parent / f".{output.name}.replaced-{uuid.uuid4().hex[:8]}"
-        os.rename(output, retired)
-        os.rename(staging, output)
-        shutil.rmtree(retired, ignore_errors=True)
-    else:
-        os.rename(staging, output)

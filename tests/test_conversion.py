@@ -3,8 +3,11 @@ on bad input."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -29,7 +32,7 @@ from transformers import (
 from selective_rope import SelectiveRopeFoXForCausalLM
 from selective_rope.cli import main as cli_main
 from selective_rope.conversion import ConversionError, RetrofitOptions, convert
-from selective_rope.conversion.convert import config_with
+from selective_rope.conversion.convert import config_with, resolve_source
 from selective_rope.conversion.retrofit import LN2
 
 from families import FAMILIES
@@ -62,6 +65,20 @@ def llama_source(directory: Path, architecture: str, rope: str = "default", seed
                 param.add_(0.3 * torch.randn_like(param))
     model.save_pretrained(directory)
     return model
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Everything under ``root``: relative path -> content hash, "dir", or the symlink's target."""
+    listing = {}
+    for path in sorted(root.rglob("*")):
+        name = str(path.relative_to(root))
+        if path.is_symlink():
+            listing[name] = "-> " + os.readlink(path)
+        elif path.is_dir():
+            listing[name] = "dir"
+        else:
+            listing[name] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return listing
 
 
 def leftovers(parent: Path) -> list[str]:
@@ -308,8 +325,9 @@ def test_a_failed_probe_leaves_nothing_and_keeps_the_old_output(tmp_path):
     llama_source(tmp_path / "source", "llama")
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")
+    failing = RetrofitOptions(forget_gate_bias=0.0)  # forgets half of everything per token: the probe fails
     with pytest.raises(ConversionError, match="does not reproduce the source"):
-        convert(tmp_path / "source", tmp_path / "out", overwrite=True, tolerance=-1.0, progress=False)
+        convert(tmp_path / "source", tmp_path / "out", failing, overwrite=True, progress=False)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["keep.txt"]
     assert leftovers(tmp_path) == []
 
@@ -357,6 +375,14 @@ def test_a_hub_source_is_downloaded_and_named_as_base_model(tmp_path, monkeypatc
         api.create_repo("user/tiny-qwen2")
         api.upload_folder(folder_path=tmp_path / "source", repo_id="user/tiny-qwen2")
         report = convert("user/tiny-qwen2", tmp_path / "out", progress=False)
+        # The snapshot lives in the Hugging Face cache (its files are links into blobs/): OUTPUT must stay clear of it.
+        snapshot = resolve_source("user/tiny-qwen2")[0]
+        cached = tree(tmp_path / "hf_cache")
+        for output, relation in [(tmp_path / "hf_cache", "contains the source"), (snapshot / "x", "lies inside"),
+                                 (snapshot.parent.parent / "blobs", "contains")]:
+            with pytest.raises(ValueError, match=f"OUTPUT {re.escape(str(output))} {relation}"):
+                convert("user/tiny-qwen2", output, overwrite=True, progress=False)
+        assert tree(tmp_path / "hf_cache") == cached
         assert not hub.unhandled, hub.unhandled
     assert report.source == "user/tiny-qwen2" and report.max_logit_difference <= 1e-4
     assert "base_model: user/tiny-qwen2" in (tmp_path / "out" / "README.md").read_text()

@@ -1,0 +1,344 @@
+"""Writing OUTPUT without ever losing what is there: the staging directory, publishing, stale partials.
+
+A conversion writes into a staging directory beside OUTPUT and publishes it with one rename:
+
+    OUTPUT.parent/.{OUTPUT.name}.partial-<16 hex digits>/
+        .selective-rope-convert.lock   our marker; the running conversion holds an flock on it
+        model/                         the converted model, renamed to OUTPUT once everything succeeded
+        previous/                      (only where no atomic exchange exists) the replaced OUTPUT, until the new
+                                       model is in place
+
+- OUTPUT must lie apart from the source: not the source, not inside it, not containing it (:func:`refuse_overlap`).
+- Publishing never replaces anything unless asked (``renameat2(RENAME_NOREPLACE)``): an OUTPUT that appeared while
+  converting is left alone. ``overwrite`` swaps the old and the new model in one step (``RENAME_EXCHANGE``), so a
+  kill at any instant leaves one of them at OUTPUT; the old one is deleted only once the new one is in place.
+- A failure, or SIGINT / SIGTERM (which the command raises as ``KeyboardInterrupt``), removes the staging directory
+  and the parent folders the run created. SIGKILL cannot be handled in the process: the next run for the same OUTPUT
+  removes the partials whose lock no process holds, and only directories with our name *and* our marker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import signal
+import stat
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock, so no way to tell a dead partial from a live one: they are left alone
+    fcntl = None
+
+logger = logging.getLogger(__name__)
+
+MARKER = ".selective-rope-convert.lock"
+TOOL = "selective-rope convert"
+
+
+# ------------------------------------------------------------------------------------------------ source and output
+
+
+def refuse_overlap(source_dir: Path, output: Path) -> None:
+    """``ValueError`` naming both unless ``output`` lies apart from the source: it must not be the source directory
+    or a file the source reads (symlinks resolved: a Hub snapshot's files live in the cache's ``blobs/``), contain
+    one of them, or lie inside the source directory. ``--overwrite`` would otherwise delete the source."""
+    target = Path(os.path.realpath(output))
+    source = Path(os.path.realpath(source_dir))
+    if target == source or target in source.parents or source in target.parents:
+        relation = "is" if target == source else "contains" if target in source.parents else "lies inside"
+        raise ValueError(f"OUTPUT {output} {relation} the source {source_dir}: write the converted model somewhere "
+                         "else (OUTPUT must not be, contain or lie inside SOURCE)")
+    for file in source_dir.iterdir():
+        real = Path(os.path.realpath(file))
+        if target == real or target in real.parents:
+            raise ValueError(f"OUTPUT {output} {'is' if target == real else 'contains'} {real}, which the source "
+                             f"{source_dir} reads ({file.name}): write the converted model somewhere else")
+
+
+# ---------------------------------------------------------------------------------------------------------- renames
+
+AT_FDCWD, RENAME_NOREPLACE, RENAME_EXCHANGE = -100, 1, 2
+
+
+def _load_renameat2():
+    """Linux's ``renameat2`` (glibc >= 2.28), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+_renameat2 = _load_renameat2()
+
+
+def _rename_flagged(source: Path, target: Path, flags: int) -> bool:
+    """``renameat2(source, target, flags)``; False where the kernel or the filesystem lacks it (the caller falls
+    back), ``OSError`` for any other failure."""
+    if _renameat2 is None:
+        return False
+    if _renameat2(AT_FDCWD, os.fsencode(source), AT_FDCWD, os.fsencode(target), flags) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), os.fspath(source), None, os.fspath(target))
+
+
+def rename_no_replace(source: Path, target: Path) -> None:
+    """Rename ``source`` to ``target``; ``FileExistsError`` when anything is at ``target``, which is never replaced."""
+    if _rename_flagged(source, target, RENAME_NOREPLACE):
+        return
+    if os.name == "nt":  # Windows' rename never replaces
+        os.rename(source, target)
+        return
+    # POSIX rename replaces an empty directory (and a file, by a file): claim ``target`` first by creating it, which
+    # is atomic and fails if anything is there, then rename onto that empty directory of ours.
+    os.mkdir(target)
+    try:
+        os.rename(source, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.rmdir(target)  # ours, unless something was put in it meanwhile
+        raise
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM until the block is done (they are delivered then), so that publishing and cleaning up
+    never stop halfway. Only the calling thread's mask changes; Python runs its handlers in the main thread."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+# ---------------------------------------------------------------------------------------------------------- staging
+
+
+def _remove(path: Path) -> None:
+    """Remove a file, a symlink (not its target) or a directory tree."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+def _remove_partial(partial: Path) -> bool:
+    """Remove a staging directory, our marker last so that a partial interrupted here is still recognised as ours
+    (SIGKILL cannot be deferred). False, with a warning, when something could not be removed (it stays marked)."""
+    try:
+        for entry in partial.iterdir():
+            if entry.name != MARKER:
+                _remove(entry)
+        (partial / MARKER).unlink(missing_ok=True)
+        partial.rmdir()
+    except FileNotFoundError:
+        return True
+    except OSError as error:
+        logger.warning(f"could not remove {partial}: {error}")
+        return False
+    return True
+
+
+def _abandoned_marker(marker: Path) -> int | None:
+    """A descriptor holding the lock of ``marker`` when it is our marker and no process holds its lock, else None."""
+    try:
+        fd = os.open(marker, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:  # missing, a symlink, unreadable: not ours to judge
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while the conversion that wrote it runs
+        ours = json.loads(os.read(fd, 4096)).get("tool") == TOOL
+        # Its owner may have removed it (and finished) between our open and our lock: it must still be this file.
+        same = os.stat(marker, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+        if ours and same and stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+    except (OSError, ValueError, AttributeError):
+        pass
+    os.close(fd)
+    return None
+
+
+def remove_stale_partials(output: str | os.PathLike) -> None:
+    """Remove the staging directories of conversions into ``output`` that were killed (SIGKILL, power loss), saying
+    so in one line each. One is stale when it has our name and our marker and no process holds the marker's lock;
+    anything else is left alone. A partial that holds a replaced OUTPUT (``previous/``: a kill between the two
+    renames of an overwrite where no atomic exchange exists) while OUTPUT is missing gives it back first."""
+    if fcntl is None:
+        return
+    output = Path(os.path.abspath(output))
+    name = re.compile(rf"\.{re.escape(output.name)}\.partial-[0-9a-f]{{16}}")
+    try:
+        entries = [entry for entry in os.scandir(output.parent)
+                   if name.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)]
+    except OSError:
+        return
+    for entry in entries:
+        partial = Path(entry.path)
+        fd = _abandoned_marker(partial / MARKER)
+        if fd is None:
+            continue
+        try:
+            with signals_deferred():
+                previous = partial / "previous"
+                if os.path.lexists(previous) and not os.path.lexists(output):
+                    rename_no_replace(previous, output)
+                    logger.warning(f"restored {output} from {partial}: an interrupted --overwrite had moved it there")
+                if _remove_partial(partial):
+                    logger.warning(f"removed {partial}: the partial output of an interrupted conversion (no running "
+                                   "conversion holds its lock)")
+        except OSError as error:
+            logger.warning(f"could not clean up {partial}: {error}")
+        finally:
+            os.close(fd)
+
+
+def _missing_folders(folder: Path) -> list[Path]:
+    """``folder`` and its ancestors that do not exist yet, deepest first."""
+    missing = []
+    for path in (folder, *folder.parents):
+        if os.path.lexists(path):
+            break
+        missing.append(path)
+    return missing
+
+
+class Staging:
+    """A staging directory for ``output``, locked and marked as ours; :meth:`publish` moves its model to ``output``.
+
+    Use through :func:`staged_output`, which removes it (and the folders it created) whatever happens.
+    """
+
+    def __init__(self, output: Path, overwrite: bool):
+        self.output, self.overwrite = output, overwrite
+        self.partial = output.parent / f".{output.name}.partial-{secrets.token_hex(8)}"
+        self.directory = self.partial / "model"  # where the model is written
+        self.previous = self.partial / "previous"
+        self.missing = _missing_folders(output.parent)  # deepest first
+        self.created: list[Path] = []  # those of them this run made (deepest first): removed unless published
+        self.published = False
+        self._lock: int | None = None
+
+    def _create(self) -> None:
+        for folder in reversed(self.missing):
+            try:
+                os.mkdir(folder)
+            except FileExistsError:  # made by someone else meanwhile: not ours to remove
+                continue
+            self.created.insert(0, folder)
+        os.mkdir(self.partial)
+        # The marker becomes visible under its name only once locked, so that another run never sees it unlocked
+        # while we live (the lock belongs to the file, and survives the rename).
+        pending = self.partial / (MARKER + ".new")
+        self._lock = os.open(pending, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        if fcntl is not None:
+            fcntl.flock(self._lock, fcntl.LOCK_EX)
+        os.write(self._lock, json.dumps({"tool": TOOL, "output": str(self.output), "pid": os.getpid(),
+                                         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode())
+        os.rename(pending, self.partial / MARKER)
+        os.mkdir(self.directory)
+
+    def publish(self) -> None:
+        """Rename the finished model to OUTPUT: without ``overwrite`` never over anything (``FileExistsError`` when
+        OUTPUT appeared meanwhile); with it, swapping old and new in one step where the system allows."""
+        with signals_deferred():
+            while True:
+                try:
+                    rename_no_replace(self.directory, self.output)
+                    break
+                except FileExistsError:
+                    if not self.overwrite:
+                        raise FileExistsError(f"{self.output} appeared while converting and was left as it is; pass "
+                                              "overwrite=True (--overwrite) to replace it") from None
+                try:
+                    self._replace()
+                    break
+                except FileNotFoundError:
+                    if os.path.lexists(self.output):
+                        raise
+                    # OUTPUT vanished between the two calls: publish without replacing
+            self.published = True
+
+    def _replace(self) -> None:
+        if _rename_flagged(self.directory, self.output, RENAME_EXCHANGE):
+            return  # the old OUTPUT is now at self.directory, removed with the staging directory
+        # No atomic exchange here (not Linux, or a filesystem without it): move the old OUTPUT aside, then the new one
+        # in. A kill between the two renames leaves OUTPUT missing and the old model in this staging directory, which
+        # the next run for OUTPUT puts back (remove_stale_partials).
+        os.rename(self.output, self.previous)
+        try:
+            rename_no_replace(self.directory, self.output)
+        except BaseException:
+            rename_no_replace(self.previous, self.output)
+            raise
+
+    def close(self) -> None:
+        """Remove the staging directory (holding nothing, or the replaced OUTPUT) and, unless the model was
+        published, the folders this run created (those still empty)."""
+        with signals_deferred():
+            if self._lock is not None:
+                _remove_partial(self.partial)
+                os.close(self._lock)  # after the removal: until then the directory is visibly alive
+                self._lock = None
+            elif os.path.isdir(self.partial):  # _create failed before the marker existed
+                shutil.rmtree(self.partial, ignore_errors=True)
+            if not self.published:
+                for folder in self.created:
+                    try:
+                        os.rmdir(folder)
+                    except OSError:  # not empty: someone else's files are in it
+                        break
+
+    def write_error(self, error: OSError) -> OSError | None:
+        """``error`` said as a failure to write OUTPUT when it is one (full disk, read-only filesystem, ...): it
+        concerns the staging directory or a folder this run creates, or names no file."""
+        if error.errno is None:
+            return None
+        if error.filename is not None:
+            path = Path(os.path.abspath(error.filename))
+            if path not in self.missing and path != self.partial and self.partial not in path.parents:
+                return None
+        existing = os.path.lexists(self.output) and not self.published
+        return OSError(error.errno, f"cannot write {self.output}: {error.strerror or error}; "
+                                    + (f"the existing {self.output} is unchanged" if existing
+                                       else "nothing was left behind"))
+
+
+@contextlib.contextmanager
+def staged_output(output: str | os.PathLike, overwrite: bool) -> Iterator[Staging]:
+    """A :class:`Staging` for ``output``: write the model into its ``directory``, then call its ``publish()``.
+    Whatever happens, the staging directory is removed on exit, and on failure so are the parent folders it created;
+    write failures are re-raised as one ``OSError`` naming OUTPUT."""
+    output = Path(os.path.abspath(output))
+    staging = Staging(output, overwrite)
+    try:
+        with signals_deferred():
+            staging._create()
+        yield staging
+    except OSError as error:
+        translated = staging.write_error(error)
+        if translated is None:
+            raise
+        raise translated from error
+    finally:
+        staging.close()

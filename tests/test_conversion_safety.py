@@ -1,0 +1,522 @@
+"""`selective-rope convert` never loses data and always ends in one line: OUTPUT apart from SOURCE, publishing that
+never replaces unless asked, signals and kills sent to a real process, full and read-only filesystems, corrupt
+sources, bad numbers."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import math
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors import SafetensorError
+from test_conversion import leftovers, llama_source, tree
+
+from selective_rope.cli import main as cli_main
+from selective_rope.conversion import ConversionError, RetrofitOptions, convert
+
+convert_module = importlib.import_module("selective_rope.conversion.convert")
+output_module = importlib.import_module("selective_rope.conversion.output")
+
+
+def cli_error(*args: str) -> str:
+    """Run `selective-rope convert ARGS` expecting failure; its one-line message."""
+    with pytest.raises(SystemExit) as exit:
+        cli_main(["convert", *args, "--no-progress"])
+    message = exit.value.code
+    assert isinstance(message, str) and "\n" not in message, message
+    assert message.startswith("selective-rope convert: ")
+    return message
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("source") / "llama"
+    llama_source(directory, "llama")
+    return directory
+
+
+@pytest.fixture(params=["renameat2", "fallback"])
+def publishing(request, monkeypatch):
+    """Both ways of publishing: Linux's renameat2 (no-replace rename, atomic exchange) and the portable fallback."""
+    if request.param == "renameat2" and output_module._renameat2 is None:
+        pytest.skip("renameat2 is not available here")
+    if request.param == "fallback":
+        monkeypatch.setattr(output_module, "_renameat2", None)
+    return request.param
+
+
+# ---------------------------------------------------------------------------------------------- case 1: apart
+
+
+@pytest.mark.parametrize("where", ["parent", "same", "inside", "symlink-to-source", "inside-via-symlink"])
+def test_an_output_overlapping_the_source_is_refused_before_anything_is_written(where, tmp_path):
+    models = tmp_path / "models"
+    llama_source(models / "llama", "llama")
+    (models / "other-project").mkdir()
+    (models / "other-project" / "notes.txt").write_text("unrelated work")
+    (tmp_path / "link").symlink_to(models / "llama")
+    before = tree(tmp_path)
+    output = {"parent": models, "same": models / "llama", "inside": models / "llama" / "converted",
+              "symlink-to-source": tmp_path / "link", "inside-via-symlink": tmp_path / "link" / "converted"}[where]
+    relation = {"parent": "contains", "same": "is", "inside": "lies inside", "symlink-to-source": "is",
+                "inside-via-symlink": "lies inside"}[where]
+
+    message = cli_error(str(models / "llama"), str(output), "--overwrite")
+    assert f"OUTPUT {output} {relation} the source {models / 'llama'}" in message
+    assert tree(tmp_path) == before  # the source, the unrelated sibling: all there, nothing added
+    with pytest.raises(ValueError, match=f"OUTPUT .* {relation} the source"):
+        convert(models / "llama", output, overwrite=True, progress=False)
+    assert tree(tmp_path) == before
+
+
+def test_an_output_holding_a_file_the_source_reads_is_refused(tmp_path):
+    """The source's files may be symlinks (a Hub snapshot's point into the cache's blobs/): their folder is off
+    limits too."""
+    llama_source(tmp_path / "store", "llama")
+    (tmp_path / "source").mkdir()
+    for file in (tmp_path / "store").iterdir():
+        (tmp_path / "source" / file.name).symlink_to(file)
+    before = tree(tmp_path)
+    message = cli_error(str(tmp_path / "source"), str(tmp_path / "store"), "--overwrite")
+    store = tmp_path / "store"
+    assert f"OUTPUT {store} contains {os.path.realpath(store)}/" in message and "which the source" in message
+    assert tree(tmp_path) == before
+
+
+# -------------------------------------------------------------------------------------------- case 2: publish
+
+
+@pytest.mark.parametrize("appears", ["directory", "empty directory", "file"])
+def test_an_output_that_appears_while_converting_is_never_replaced(appears, publishing, source, tmp_path,
+                                                                   monkeypatch):
+    output = tmp_path / "out"
+    real_save = convert_module.save_file
+
+    def save_while_someone_creates_output(*args, **kwargs):
+        real_save(*args, **kwargs)
+        if appears == "file":
+            output.write_text("theirs")
+        else:
+            output.mkdir()
+            if appears == "directory":
+                (output / "theirs.txt").write_text("theirs")
+
+    monkeypatch.setattr(convert_module, "save_file", save_while_someone_creates_output)
+    with pytest.raises(FileExistsError, match="appeared while converting and was left as it is"):
+        convert(source, output, progress=False)
+    if appears == "file":
+        assert output.read_text() == "theirs"
+    else:  # POSIX rename would replace an empty directory: the fallback must not
+        assert [(p.name, p.read_text()) for p in output.iterdir()] == ([("theirs.txt", "theirs")]
+                                                                      if appears == "directory" else [])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize("existing", ["directory", "file", "symlink"])
+def test_overwrite_replaces_output_and_leaves_nothing_else(existing, publishing, source, tmp_path):
+    output = tmp_path / "out"
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "keep.txt").write_text("linked to, not replaced")
+    if existing == "directory":
+        output.mkdir()
+        (output / "old.txt").write_text("old")
+    elif existing == "file":
+        output.write_text("old")
+    else:
+        output.symlink_to(tmp_path / "elsewhere")
+    convert(source, output, overwrite=True, progress=False)
+    assert output.is_dir() and not output.is_symlink() and (output / "config.json").exists()
+    assert not (output / "old.txt").exists() and not (output / "keep.txt").exists()
+    assert (tmp_path / "elsewhere" / "keep.txt").read_text() == "linked to, not replaced"  # the link's target
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "out"]  # no .partial-*, no .replaced-*
+
+
+def test_a_failed_run_removes_the_folders_it_created_and_only_those(source, tmp_path):
+    (tmp_path / "existing").mkdir()
+    output = tmp_path / "existing" / "new" / "deeper" / "out"
+    failing = RetrofitOptions(forget_gate_bias=0.0)  # forgets half of everything per token: the probe fails
+    with pytest.raises(ConversionError, match="does not reproduce the source"):
+        convert(source, output, failing, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["existing"]
+    assert list((tmp_path / "existing").iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------- case 4: one line
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "missing"])
+def test_a_broken_source_shard_is_named(damage, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    llama_source(tmp_path / "whole", "llama")
+    LlamaForCausalLM.from_pretrained(tmp_path / "whole").save_pretrained(tmp_path / "source", max_shard_size="50KB")
+    index = json.loads((tmp_path / "source" / "model.safetensors.index.json").read_text())
+    shard = tmp_path / "source" / sorted(set(index["weight_map"].values()))[-1]
+    if damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[:-100])
+    elif damage == "garbage":
+        shard.write_bytes(b"this is not a safetensors file")
+    else:
+        shard.unlink()
+    message = cli_error(str(tmp_path / "source"), str(tmp_path / "out"))
+    assert str(shard) in message
+    assert ("No such file" in message) if damage == "missing" else ("not a valid safetensors file" in message)
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("failure", ["full disk at a shard", "read-only at a shard", "full disk at a code file"])
+def test_write_failures_are_one_line_and_keep_the_old_output(failure, source, tmp_path, monkeypatch):
+    """An injected write failure; the real thing (a small tmpfs) is in the next test, where the machine allows."""
+    if failure.endswith("at a shard"):  # safetensors reports I/O failures as its own error type
+        code = 28 if failure.startswith("full") else 30
+
+        def failing_save(tensors, path, metadata=None):
+            Path(path).write_bytes(b"half a shard")
+            raise SafetensorError(f"Error while serializing: I/O error: {os.strerror(code)} (os error {code})")
+
+        monkeypatch.setattr(convert_module, "save_file", failing_save)
+    else:
+        code = 28
+
+        def failing_bundle(directory, *args, **kwargs):
+            (directory / "modeling_fox.py").write_text("# half")
+            raise OSError(code, os.strerror(code))  # shutil's sendfile copy raises it naming no file
+
+        monkeypatch.setattr(convert_module, "write_code_bundle", failing_bundle)
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / "old.txt").write_text("the previous model")
+    before = tree(tmp_path)
+    message = cli_error(str(source), str(output), "--overwrite")
+    assert message == (f"selective-rope convert: cannot write {output}: {os.strerror(code)}; the existing {output} "
+                       "is unchanged")
+    assert tree(tmp_path) == before
+    message = cli_error(str(source), str(tmp_path / "new" / "out"))
+    assert message.endswith(f"{os.strerror(code)}; nothing was left behind")
+    assert tree(tmp_path) == before
+
+
+REAL_FILESYSTEM = """
+import json, os, shutil, subprocess, sys
+from pathlib import Path
+from selective_rope.cli import main
+
+source, old, mount = map(Path, sys.argv[1:4])
+
+def run(*args):
+    try:
+        main(["convert", str(source), *map(str, args), "--no-progress"])
+    except SystemExit as exit:
+        return exit.code
+    return 0
+
+def tree(root):
+    return sorted(str(p.relative_to(root)) + ("/" if p.is_dir() else " " + p.read_bytes().hex()[:64])
+                  for p in root.rglob("*"))
+
+mount_ = lambda *options: subprocess.run(["mount", *options], check=True)
+mount_("-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount))
+shutil.copytree(old, mount / "out")
+stats = os.statvfs(mount)
+used_kb = (stats.f_blocks - stats.f_bfree) * stats.f_frsize // 1024
+mount_("-o", f"remount,size={used_kb + 48}k", str(mount))  # room for less than one weights file
+results = {"old": tree(mount / "out"), "full": run(mount / "out", "--overwrite"), "after_full": tree(mount),
+           "full_new": run(mount / "made" / "here"), "after_full_new": tree(mount)}
+mount_("-o", "remount,ro", str(mount))
+results.update(read_only=run(mount / "new" / "out"), read_only_overwrite=run(mount / "out", "--overwrite"),
+               after_read_only=tree(mount))
+print(json.dumps(results))
+"""
+
+
+def _can_mount_tmpfs(directory: Path) -> bool:
+    if shutil.which("unshare") is None or not sys.platform.startswith("linux"):
+        return False
+    probe = subprocess.run(["unshare", "-Urm", "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(directory)],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+def test_a_real_full_and_read_only_filesystem(source, tmp_path):
+    """A small tmpfs in a private mount namespace (``unshare -Urm``): a full disk keeps the old OUTPUT and removes
+    the folders the run made; a read-only one fails at once; each ends in one line."""
+    mount = tmp_path / "mount"
+    mount.mkdir()
+    if not _can_mount_tmpfs(mount):
+        pytest.skip("cannot mount a tmpfs in a user namespace here (the injected failures above still run)")
+    convert(source, tmp_path / "old", progress=False)
+    script = tmp_path / "real_filesystem.py"
+    script.write_text(REAL_FILESYSTEM)
+    run = subprocess.run(["unshare", "-Urm", sys.executable, str(script), str(source), str(tmp_path / "old"),
+                          str(mount)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    old_listing = results["old"]
+    assert results["full"] == (f"selective-rope convert: cannot write {mount / 'out'}: No space left on device; "
+                               f"the existing {mount / 'out'} is unchanged")
+    assert results["after_full"] == ["out/"] + [f"out/{line}" for line in old_listing]
+    assert results["full_new"] == (f"selective-rope convert: cannot write {mount / 'made' / 'here'}: No space left "
+                                   "on device; nothing was left behind")
+    assert results["after_full_new"] == results["after_full"]  # made/ is gone again
+    assert results["read_only"] == (f"selective-rope convert: cannot write {mount / 'new' / 'out'}: Read-only file "
+                                    "system; nothing was left behind")
+    assert results["read_only_overwrite"].endswith(f"Read-only file system; the existing {mount / 'out'} is "
+                                                   "unchanged")
+    assert results["after_read_only"] == results["after_full"]
+
+
+def test_bad_numbers_are_refused_by_the_command_and_the_api(source, tmp_path, capsys):
+    for option, value, message in [("--forget-gate-bias", "inf", "inf must be a finite number"),
+                                   ("--forget-gate-bias", "nan", "nan must be a finite number"),
+                                   ("--tolerance", "nan", "nan must be a finite number"),
+                                   ("--tolerance", "-1", "-1 must be >= 0"),
+                                   ("--tolerance", "x", "'x' is not a number")]:
+        with pytest.raises(SystemExit) as exit:
+            cli_main(["convert", str(source), str(tmp_path / "out"), option, value])
+        assert exit.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (f"selective-rope convert: error: argument "
+                                                                     f"{option}: {message}")
+    for tolerance in (math.nan, -1.0, math.inf):
+        with pytest.raises(ValueError, match=rf"tolerance={tolerance!r} is invalid: must be a finite number >= 0"):
+            convert(source, tmp_path / "out", tolerance=tolerance, progress=False)
+    with pytest.raises(ValueError, match="`forget_gate_bias`=inf is invalid: must be finite"):
+        convert(source, tmp_path / "out", RetrofitOptions(forget_gate_bias=math.inf), progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------------ case 3: signals and kills
+
+# A launcher process imports the command once (seconds on a loaded machine), then forks one child per conversion:
+# a real process running the real `selective-rope convert`, which stops at a known point, says "paused" and waits
+# there (interruptibly) for the test's signal. The launcher reports how the child ended. The wrappers only add the
+# pause; everything else is the command's own code. Protocol, one JSON line each way:
+#   test -> launcher: [stop_at, args, stderr_path];  launcher -> test: {"pid": ...}, then {"exit": status}
+LAUNCHER = """
+import importlib, json, os, sys, time, traceback
+from pathlib import Path
+from selective_rope.cli import main
+
+convert_module = importlib.import_module("selective_rope.conversion.convert")
+output_module = importlib.import_module("selective_rope.conversion.output")
+
+def pause_after(owner, name, when):
+    real = getattr(owner, name)
+    def wrapper(*a, **k):
+        result = real(*a, **k)
+        if when(*a):
+            print("paused", flush=True)
+            time.sleep(3600)
+        return result
+    setattr(owner, name, wrapper)
+
+def stop(at):
+    if at == "write":  # a shard written, more to come
+        pause_after(convert_module, "save_file", lambda *a: True)
+    elif at == "exchange":  # --overwrite: right after the atomic swap of old and new
+        pause_after(output_module, "_rename_flagged", lambda *a: a[2] == output_module.RENAME_EXCHANGE)
+    elif at == "fallback":  # --overwrite without renameat2: old OUTPUT moved aside, the new one not yet in
+        output_module._renameat2 = None
+        pause_after(os, "rename", lambda *a: Path(a[1]).name == "previous")
+
+def run(args):  # `python -m selective_rope convert ARGS`, as the interpreter ends it
+    try:
+        return main(["convert", *args, "--no-progress"])
+    except SystemExit as exit:
+        if isinstance(exit.code, str):
+            print(exit.code, file=sys.stderr)
+            return 1
+        return exit.code or 0
+    except BaseException:
+        traceback.print_exc()
+        return 1
+
+for line in sys.stdin:
+    stop_at, args, stderr_path = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+        stop(stop_at)
+        code = run(args)
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(code)
+    print(json.dumps({"pid": pid}), flush=True)
+    print(json.dumps({"exit": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}), flush=True)
+"""
+
+
+class Launcher:
+    def __init__(self, directory: Path):
+        script = directory / "launcher.py"
+        script.write_text(LAUNCHER)
+        self.process = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        bufsize=0)
+        self.pending = b""
+        self.child: int | None = None
+
+    def _line(self, timeout: float = 300) -> bytes:
+        """The next line the launcher or its child prints (generous timeout: imports take long on a loaded machine)."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.pending:
+            ready, _, _ = select.select([self.process.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            chunk = os.read(self.process.stdout.fileno(), 4096) if ready else b""
+            if not chunk:
+                pytest.fail("the launcher ended or hung (see its stderr above)")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return line
+
+    def start(self, stop_at: str, *args, stderr: Path) -> None:
+        """Run `selective-rope convert ARGS` in a new child; return once it paused at ``stop_at``."""
+        self.process.stdin.write(json.dumps([stop_at, list(map(str, args)), str(stderr)]).encode() + b"\n")
+        seen = set()
+        while seen != {"pid", "paused"}:
+            line = self._line()
+            if line == b"paused":
+                seen.add("paused")
+            elif line.startswith(b'{"pid"'):
+                self.child = json.loads(line)["pid"]
+                seen.add("pid")
+            else:
+                pytest.fail(f"the conversion ended before {stop_at!r}: {line!r}, {stderr.read_text()[-3000:]}")
+
+    def finish(self, signum: int) -> int:
+        """Send ``signum`` to the paused child; its exit status (-N when a signal N ended it)."""
+        os.kill(self.child, signum)
+        self.child = None
+        return json.loads(self._line())["exit"]
+
+    def close(self) -> None:
+        if self.child is not None:  # a failed test left one paused
+            self.finish(signal.SIGKILL)
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+        self.process.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory):
+    if not hasattr(os, "fork"):
+        pytest.skip("needs fork")
+    launcher = Launcher(tmp_path_factory.mktemp("launcher"))
+    yield launcher
+    launcher.close()
+
+
+@pytest.fixture
+def paused_conversion(launcher, tmp_path):
+    """``start(stop_at, *args)`` -> ``finish(signum)`` -> (exit status, the child's stderr)."""
+    stderr = tmp_path / "child.err"
+
+    def start(stop_at: str, *args):
+        launcher.start(stop_at, *args, stderr=stderr)
+        return lambda signum: (launcher.finish(signum), stderr.read_text())
+
+    yield start
+    if launcher.child is not None:
+        launcher.finish(signal.SIGKILL)
+
+
+def partials(parent: Path) -> list[Path]:
+    return sorted(p for p in parent.iterdir() if ".partial-" in p.name)
+
+
+@pytest.mark.skipif(output_module.fcntl is None, reason="needs flock")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_and_sigint_clean_up_and_a_live_conversion_is_never_disturbed(signum, paused_conversion, source,
+                                                                             tmp_path, caplog):
+    output = tmp_path / "out"
+    finish = paused_conversion("write", source, output, "--max-shard-size", "30KB")
+    [partial] = partials(tmp_path)
+    assert (partial / output_module.MARKER).is_file() and any((partial / "model").glob("*.safetensors"))
+
+    # Another conversion into the same OUTPUT meanwhile: it must leave the live one's staging directory alone.
+    with caplog.at_level(logging.WARNING):
+        convert(source, output, progress=False)
+    assert partials(tmp_path) == [partial] and (partial / "model").is_dir()
+    assert [r for r in caplog.records if r.name == output_module.__name__] == []
+    published = tree(output)
+
+    code, stderr = finish(signum)
+    assert code == 128 + signum, stderr
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1] == (f"selective-rope convert: interrupted by {signum.name}; the partial "
+                                               "output was removed")
+    assert partials(tmp_path) == [] and tree(output) == published
+
+
+@pytest.mark.skipif(output_module.fcntl is None, reason="needs flock")
+def test_after_sigkill_the_next_run_removes_the_partial_and_nothing_else(paused_conversion, source, tmp_path,
+                                                                        caplog):
+    output = tmp_path / "out"
+    finish = paused_conversion("write", source, output, "--max-shard-size", "30KB")
+    code, _ = finish(signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    [partial] = partials(tmp_path)
+    assert any((partial / "model").glob("*.safetensors"))  # a model-sized leftover, until the next run
+
+    # Look-alikes that are not this OUTPUT's dead partials: never touched.
+    unmarked = tmp_path / ".out.partial-0123456789abcdef"  # our name, no marker
+    (unmarked / "model").mkdir(parents=True)
+    other_output = tmp_path / ".other.partial-0123456789abcdef"  # a dead partial of another OUTPUT
+    shutil.copytree(partial, other_output, ignore=shutil.ignore_patterns("model"))
+    file_named_alike = tmp_path / ".out.partial-fedcba9876543210"
+    file_named_alike.write_text("a file")
+    bad_marker = tmp_path / ".out.partial-00000000000000ff"  # a marker that is not ours
+    bad_marker.mkdir()
+    (bad_marker / output_module.MARKER).write_text('{"tool": "something else"}')
+    before = tree(tmp_path)
+
+    with caplog.at_level(logging.WARNING, logger=output_module.__name__):
+        convert(source, output, progress=False)
+    assert [r.getMessage() for r in caplog.records if r.name == output_module.__name__] == [
+        f"removed {partial}: the partial output of an interrupted conversion (no running conversion holds its lock)"]
+    assert partials(tmp_path) == sorted([unmarked, other_output, file_named_alike, bad_marker])
+    for decoy in (unmarked, other_output, file_named_alike, bad_marker):
+        name = decoy.name
+        assert {k: v for k, v in tree(tmp_path).items() if k.startswith(name)} == \
+            {k: v for k, v in before.items() if k.startswith(name)}
+    assert (output / "config.json").exists()
+
+
+@pytest.mark.skipif(output_module.fcntl is None, reason="needs flock")
+@pytest.mark.parametrize("stop_at", ["exchange", "fallback"])
+def test_a_kill_during_overwrite_leaves_the_old_or_the_new_model(stop_at, paused_conversion, source, tmp_path,
+                                                                 caplog):
+    if stop_at == "exchange" and output_module._renameat2 is None:
+        pytest.skip("renameat2 is not available here")
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / "old.txt").write_text("the previous model")
+    old = tree(output)
+    finish = paused_conversion(stop_at, source, output, "--overwrite")
+    code, _ = finish(signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    [partial] = partials(tmp_path)
+    if stop_at == "exchange":  # one atomic step: the new model is in place, the old one waits in the partial
+        assert (output / "config.json").exists() and tree(partial / "model") == old
+    else:  # two renames: between them OUTPUT is missing and the old model is in the partial, for the next run
+        assert not output.exists() and tree(partial / "previous") == old
+    new_or_nothing = tree(output) if output.exists() else None
+
+    with caplog.at_level(logging.WARNING, logger=output_module.__name__), pytest.raises(FileExistsError):
+        convert(source, output, progress=False)  # the next run, without --overwrite
+    messages = [r.getMessage() for r in caplog.records if r.name == output_module.__name__]
+    removed = (f"removed {partial}: the partial output of an interrupted conversion (no running conversion holds "
+               "its lock)")
+    if stop_at == "exchange":
+        assert messages == [removed] and tree(output) == new_or_nothing
+    else:
+        assert messages == [f"restored {output} from {partial}: an interrupted --overwrite had moved it there",
+                            removed]
+        assert tree(output) == old
+    assert partials(tmp_path) == []
