@@ -149,11 +149,12 @@ def _remove_partial(partial: Path) -> bool:
     try:
         for entry in partial.iterdir():
             if entry.name != MARKER:
-                _remove(entry)
+                with contextlib.suppress(FileNotFoundError):
+                    _remove(entry)
         (partial / MARKER).unlink(missing_ok=True)
         partial.rmdir()
-    except FileNotFoundError:
-        return True
+    except FileNotFoundError:  # already gone
+        pass
     except OSError as error:
         logger.warning(f"could not remove {partial}: {error}")
         return False
