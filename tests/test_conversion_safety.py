@@ -289,6 +289,8 @@ def test_bad_numbers_are_refused_by_the_command_and_the_api(source, tmp_path, ca
     for tolerance in (math.nan, -1.0, math.inf):
         with pytest.raises(ValueError, match=rf"tolerance={tolerance!r} is invalid: must be a finite number >= 0"):
             convert(source, tmp_path / "out", tolerance=tolerance, progress=False)
+    with pytest.raises(ValueError, match="probe_length=0 is invalid: must be an integer >= 1"):
+        convert(source, tmp_path / "out", probe_length=0, progress=False)
     with pytest.raises(ValueError, match="`forget_gate_bias`=inf is invalid: must be finite"):
         convert(source, tmp_path / "out", RetrofitOptions(forget_gate_bias=math.inf), progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
