@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .segments import packed_positions
+
 
 def causal_conv1d(
     x: torch.Tensor,
@@ -68,6 +70,7 @@ def _packed_causal_conv1d(x, weight, initial_state, activation, cu_seqlens):
     cu_seqlens = cu_seqlens.to(device=x.device, dtype=torch.long)
     starts, lengths = cu_seqlens[:-1], cu_seqlens.diff()
     num_seqs = lengths.numel()
+    seq, pos = packed_positions(cu_seqlens, total)  # (total,): each token's sequence and position in it
     if initial_state is None:
         initial_state = x.new_zeros(num_seqs, kernel_size - 1, channels)
     source = torch.cat([initial_state.to(x.dtype).reshape(-1, channels), x[0]])  # (N*(K-1) + total, C)
@@ -77,8 +80,6 @@ def _packed_causal_conv1d(x, weight, initial_state, activation, cu_seqlens):
         return torch.where(pos >= 0, num_seqs * (kernel_size - 1) + starts[seq] + pos,
                            (seq + 1) * (kernel_size - 1) + pos)
 
-    seq = torch.repeat_interleave(torch.arange(num_seqs, device=x.device), lengths, output_size=total)  # (total,)
-    pos = torch.arange(total, device=x.device) - starts[seq]  # each token's position in its sequence
     offsets = torch.arange(1 - kernel_size, 1, device=x.device)  # tap j reads x_{t-K+1+j}
     taps = rows(seq[:, None], pos[:, None] + offsets)  # (total, K)
     weight = weight.to(x.dtype)

@@ -251,7 +251,6 @@ def forgetting_attention(q, k, v, log_fgate=None, key_valid=None, *, cu_seqlens=
     return o.to(q.dtype)
 
 
-
 def _is_right_padded(key_valid: torch.Tensor) -> bool:
     """Every row is real tokens followed only by padding (one device sync)."""
     lengths = key_valid.sum(dim=1, keepdim=True)

@@ -25,6 +25,7 @@ from torch import nn
 
 from ..configuration.fox import SelectiveRopeFoXConfig
 from ..kernels.dispatch import FLA_MAX_ATTENTION_HEAD_DIM, forgetting_attention, resolve_backend
+from ..kernels.segments import packed_positions
 from .base import SelectiveRopeForCausalLMBase, SelectiveRopeModelBase, substate, with_prefix
 from .layers import RMSNorm
 from .layout import SequenceLayout, valid_mask
@@ -92,10 +93,11 @@ def token_shift(x: torch.Tensor, alpha: torch.Tensor, previous: torch.Tensor | N
         first = torch.zeros_like(x[:, :1]) if previous is None else previous.unsqueeze(1).to(x.dtype)
         shifted = torch.cat([first, x[:, :-1]], dim=1)
     else:
-        shifted = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
-        starts, nonempty = cu_seqlens[:-1].long(), cu_seqlens.diff() > 0
-        before = x.new_zeros(len(starts), *x.shape[2:]) if previous is None else previous.to(x.dtype)  # (N, H, D)
-        shifted = shifted.index_put((torch.zeros_like(starts[nonempty]), starts[nonempty]), before[nonempty])
+        sequence, position = packed_positions(cu_seqlens, x.shape[1])  # (total,)
+        before = (x.new_zeros(cu_seqlens.numel() - 1, *x.shape[2:]) if previous is None
+                  else previous.to(x.dtype))  # (N, H, D)
+        shifted = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)  # (1, total, H, D)
+        shifted = torch.where((position == 0)[None, :, None, None], before[sequence].unsqueeze(0), shifted)
     alpha = alpha.to(x.dtype).unsqueeze(-1)
     return alpha * shifted + (1 - alpha) * x
 
