@@ -15,9 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selective_rope.kernels import dispatch
+pytest.importorskip("triton", reason="the Triton path needs triton")
 
-from triton_interpreter import fla_kernels_on_cpu
+from selective_rope.kernels import dispatch  # noqa: E402
+
+from triton_interpreter import fla_kernels_on_cpu  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter check; with a GPU, "
                                 "tests/test_cuda.py runs the same comparisons on CUDA")
@@ -25,7 +27,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpret
 # The fla op each family's mixer calls for a whole sequence and for one decoding step.
 CHUNK = {"gla": "chunk_gla", "gated_deltanet": "chunk_gated_delta_rule", "fox": "parallel_forgetting_attn"}
 STEP = {"gla": "fused_recurrent_gla", "gated_deltanet": "fused_recurrent_gated_delta_rule", "fox": None}
-TOL = 1e-4  # float32 through two layers; measured differences are ~1e-6 (logits) to ~1e-5 (gradients)
+TOL = 1e-4  # float32 through two layers; measured: ~5e-6 (logits), ~2e-5 of a gradient's largest entry
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +59,10 @@ def tiny_model(family, **overrides):
 
 
 def assert_close(actual, expected, name, tol=TOL):
-    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+    """Elementwise, with the absolute part relative to the tensor's scale: the embeddings' gradients reach ~80 here,
+    where both float32 paths (torch and triton) sit ~5e-4 from a float64 run."""
+    scale = max(expected.abs().max().item(), 1.0) if expected.numel() else 1.0
+    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol * scale, msg=lambda m: f"{name}: {m}")
 
 
 def grads_of(model) -> dict[str, torch.Tensor]:
@@ -65,7 +70,7 @@ def grads_of(model) -> dict[str, torch.Tensor]:
 
 
 def assert_same_grads(actual: dict, expected: dict):
-    assert actual.keys() == expected.keys() and any("rotary" in n for n in expected)
+    assert actual.keys() == expected.keys() and expected
     for name in expected:
         assert_close(actual[name], expected[name], f"grad {name}")
 
@@ -108,6 +113,7 @@ def test_forward_backward_with_left_padding(family, monkeypatch, fla_calls):
     assert fla_calls[CHUNK[family.name]] == layers and fla_calls["selective_rotary_triton"] == layers
     real = mask.bool()
     assert_close(results["triton"][0][real], results["torch"][0][real], "logits")
+    assert any("rotary" in name for name in results["torch"][1])  # Selective RoPE's parameters are trained
     assert_same_grads(results["triton"][1], results["torch"][1])
 
 
@@ -208,6 +214,8 @@ def test_packed_sequences_stay_packed(family, options, monkeypatch, fla_calls):
     assert fla_calls[CHUNK[family.name] + "[packed]"] == (1 if family.name == "fox" else 2) * layers
     assert fla_calls["selective_rotary_triton[packed]"] == 2 * layers
     (logits_x, grads_x, cache_x), (logits_t, grads_t, cache_t) = results["triton"], results["torch"]
+    selective = model.config.position_embedding == "selective_rope"
+    assert selective == any("rotary" in name for name in grads_t)  # Selective RoPE's parameters are trained
     for name, a, e in zip(("packed", "packed continuing the cache", "decoding step"), logits_x, logits_t):
         assert_close(a, e, f"{name} logits")
     assert_same_grads(grads_x, grads_t)
