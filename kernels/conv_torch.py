@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .segments import packed_positions
+
 
 def causal_conv1d(
     x: torch.Tensor,
@@ -12,6 +14,7 @@ def causal_conv1d(
     initial_state: torch.Tensor | None = None,
     lengths: torch.Tensor | None = None,
     activation: str | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``y_t = act(Σ_j weight[:, j] · x_{t-K+1+j})`` with the history before ``x_0`` taken from ``initial_state``.
 
@@ -22,11 +25,21 @@ def causal_conv1d(
         initial_state: ``(B, K-1, C)`` the previous ``K-1`` inputs, oldest first (zeros when ``None``).
         lengths: ``(B,)`` number of real tokens per row, or ``None`` when every row is full.
         activation: ``None`` or ``"silu"``.
+        cu_seqlens: ``(N + 1,)`` offsets of sequences packed in one row (``x`` of shape ``(1, total, C)``, no
+            ``lengths``): the convolution restarts at each boundary, and ``initial_state`` and the final state hold
+            one history per sequence, ``(N, K-1, C)``.
 
     Returns:
-        ``y`` of shape ``(B, T, C)`` and the final state ``(B, K-1, C)``: the last ``K-1`` real inputs of each row
-        (continuing from ``initial_state`` when the row is shorter than ``K-1``).
+        ``y`` of shape ``(B, T, C)`` and the final state ``(B, K-1, C)`` (``(N, K-1, C)`` when packed): the last
+        ``K-1`` real inputs of each row or sequence (continuing from ``initial_state`` when it is shorter than
+        ``K-1``).
     """
+    if activation not in (None, "silu"):
+        raise ValueError(f"unsupported activation {activation!r}; expected None or 'silu'")
+    if cu_seqlens is not None:
+        if lengths is not None:
+            raise ValueError("pass lengths (padded rows) or cu_seqlens (packed sequences), not both")
+        return _packed_causal_conv1d(x, weight, initial_state, activation, cu_seqlens)
     batch, seq_len, channels = x.shape
     kernel_size = weight.shape[-1]
     if initial_state is None:
@@ -35,10 +48,7 @@ def causal_conv1d(
     weight = weight.to(x.dtype)
     # K is tiny (2-4): a sum of K shifted products is as fast as conv1d on CPU and keeps the layout (B, T, C).
     y = sum(history[:, j : j + seq_len] * weight[:, j] for j in range(kernel_size))
-    if activation == "silu":
-        y = F.silu(y)
-    elif activation is not None:
-        raise ValueError(f"unsupported activation {activation!r}; expected None or 'silu'")
+    y = F.silu(y) if activation == "silu" else y
 
     if lengths is None:
         final_state = history[:, seq_len:]
@@ -47,3 +57,33 @@ def causal_conv1d(
         index = lengths.view(batch, 1) + torch.arange(kernel_size - 1, device=x.device)  # (B, K-1)
         final_state = history.gather(1, index.unsqueeze(-1).expand(-1, -1, channels))
     return y, final_state
+
+
+def _packed_causal_conv1d(x, weight, initial_state, activation, cu_seqlens):
+    """``causal_conv1d`` over packed sequences without padding them into rows: every tap gathers its input from
+    ``source = [the N histories; the packed tokens]``, reading a sequence's own history where the tap reaches
+    before the sequence's first token."""
+    if x.shape[0] != 1:
+        raise ValueError(f"cu_seqlens needs packed sequences in a batch of 1, got x of shape {tuple(x.shape)}")
+    total, channels = x.shape[1:]
+    kernel_size = weight.shape[-1]
+    cu_seqlens = cu_seqlens.to(device=x.device, dtype=torch.long)
+    starts, lengths = cu_seqlens[:-1], cu_seqlens.diff()
+    num_seqs = lengths.numel()
+    seq, pos = packed_positions(cu_seqlens, total)  # (total,): each token's sequence and position in it
+    if initial_state is None:
+        initial_state = x.new_zeros(num_seqs, kernel_size - 1, channels)
+    source = torch.cat([initial_state.to(x.dtype).reshape(-1, channels), x[0]])  # (N*(K-1) + total, C)
+
+    def rows(seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Rows of ``source`` holding position ``pos`` of sequence ``seq``; ``pos < 0`` is its history."""
+        return torch.where(pos >= 0, num_seqs * (kernel_size - 1) + starts[seq] + pos,
+                           (seq + 1) * (kernel_size - 1) + pos)
+
+    offsets = torch.arange(1 - kernel_size, 1, device=x.device)  # tap j reads x_{t-K+1+j}
+    taps = rows(seq[:, None], pos[:, None] + offsets)  # (total, K)
+    weight = weight.to(x.dtype)
+    y = sum(source[taps[:, j]] * weight[:, j] for j in range(kernel_size)).unsqueeze(0)  # (1, total, C)
+    y = F.silu(y) if activation == "silu" else y
+    last = rows(torch.arange(num_seqs, device=x.device)[:, None], lengths[:, None] + offsets[:-1])  # (N, K-1)
+    return y, source[last]

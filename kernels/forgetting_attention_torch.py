@@ -100,8 +100,8 @@ def forgetting_attention(
             causal softmax attention.
         scale: logit scale; defaults to D ** -0.5.
         key_valid: (B, Tk) bool, False marks padding slots of the key timeline (anywhere). Invalid
-            keys are never attended and their log forget gate counts as 0. A query that sees no valid
-            key at all gets a zero output.
+            keys are never attended and their log forget gate counts as 0. A query at a padding slot
+            (the queries are the last Tq slots) gets a zero output, whatever keys it could see.
         block_size: query rows per block; by default as many as keep one block's (B, Hq, rows, Tk)
             float32 tile within ``BLOCK_ELEMENTS`` (at least ``MIN_BLOCK_SIZE``).
 
@@ -141,9 +141,9 @@ def forgetting_attention(
     else:
         o = _attention_inference(q, k, v, cum, key_valid, scale, block_size)
 
-    if key_valid is not None:  # queries that see no valid key (e.g. left padding) output zeros
-        sees_a_key = key_valid.cumsum(1)[:, Tk - Tq :] > 0  # (B, Tq)
-        o = o.masked_fill(~sees_a_key[:, None, :, None], 0.0)
+    if key_valid is not None:  # queries at padding slots output zeros, as on the fla path (see `key_valid`)
+        query_valid = key_valid[:, Tk - Tq :]  # (B, Tq)
+        o = o.masked_fill(~query_valid[:, None, :, None], 0.0)
     return o.transpose(1, 2).to(out_dtype).contiguous()  # (B, Tq, Hq, Dv), as fla returns it
 
 

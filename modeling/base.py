@@ -2,7 +2,9 @@
 
 A family provides its config class and its mixer (``mixer_class``); the mixer maps
 ``(hidden_states (N, L, D), lengths, state) -> (output (N, L, D), new_state)`` over right-padded rows (see
-:mod:`.layout`) and keeps its decoding state in a flat dict of tensors (batch first). Its ``token_states`` names the
+:mod:`.layout`) and keeps its decoding state in a flat dict of tensors (batch first). On the fla path
+(``dispatch.keeps_packed``) packed sequences stay packed: the mixer then gets ``(1, total, D)`` and ``cu_seqlens``
+instead of rows, and returns one state row per sequence all the same. Its ``token_states`` names the
 entries that are per-token histories ``(N, T_seen, ...)`` (FoX's keys and values): only those can be cropped.
 """
 
@@ -21,6 +23,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.utils import logging
 from transformers.utils.generic import can_return_tuple
 
+from ..kernels.dispatch import keeps_packed
 from .cache import SelectiveRopeCache
 from .layers import GatedMLP, RMSNorm, mlp_width
 from .layout import SequenceLayout
@@ -56,8 +59,10 @@ class SelectiveRopeDecoderBlock(GradientCheckpointingLayer):
         self.mlp = GatedMLP(config.hidden_size, width, bias=getattr(config, "mlp_bias", False))
 
     def forward(self, hidden_states: torch.Tensor, lengths: torch.Tensor | None = None,
-                state: dict[str, torch.Tensor] | None = None, use_cache: bool = False):
-        mixed, new_state = self.attn(self.attn_norm(hidden_states), lengths=lengths, state=state, use_cache=use_cache)
+                state: dict[str, torch.Tensor] | None = None, use_cache: bool = False,
+                cu_seqlens: torch.Tensor | None = None):
+        mixed, new_state = self.attn(self.attn_norm(hidden_states), lengths=lengths, state=state, use_cache=use_cache,
+                                     cu_seqlens=cu_seqlens)
         hidden_states = hidden_states + mixed
         hidden_states = hidden_states + self.mlp(self.mlp_norm(hidden_states))
         return hidden_states, new_state
@@ -243,17 +248,21 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
 
         hidden_states = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         layout = self._layout(hidden_states.shape[:2], attention_mask, cu_seqlens)
-        rows = hidden_states if layout is None else layout.to_rows(hidden_states)  # (N, L, D)
+        packed = None  # offsets of the sequences packed in `rows` when the mixers take them as they are
+        if cu_seqlens is not None and keeps_packed(self.config.backend, hidden_states.device):
+            # fla's kernels and our Triton rotary kernel take packed sequences natively: no padding to pay for.
+            layout, packed = None, cu_seqlens.to(device=hidden_states.device, dtype=torch.int32)
+        rows = hidden_states if layout is None else layout.to_rows(hidden_states)  # (N, L, D), or (1, total, D)
         lengths = None if layout is None else layout.lengths
         restore = (lambda x: x) if layout is None else layout.from_rows
-        self._check_cache_batch(past_key_values, rows.shape[0])
+        self._check_cache_batch(past_key_values, rows.shape[0] if packed is None else packed.numel() - 1)
 
         all_hidden_states = [] if output_hidden_states else None
         for layer_idx, block in enumerate(self.layers):
             if all_hidden_states is not None:
                 all_hidden_states.append(restore(rows))
             state = past_key_values.layers[layer_idx].states if past_key_values is not None else None
-            rows, new_state = block(rows, lengths=lengths, state=state, use_cache=use_cache)
+            rows, new_state = block(rows, lengths=lengths, state=state, use_cache=use_cache, cu_seqlens=packed)
             if use_cache:
                 past_key_values.layers[layer_idx].set(new_state, num_new_tokens=hidden_states.shape[1],
                                                       token_states=block.attn.token_states)

@@ -24,10 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..configuration.fox import SelectiveRopeFoXConfig
-from ..kernels.dispatch import forgetting_attention, resolve_backend
+from ..kernels.dispatch import FLA_MAX_ATTENTION_HEAD_DIM, forgetting_attention, resolve_backend
+from ..kernels.segments import packed_positions
 from .base import SelectiveRopeForCausalLMBase, SelectiveRopeModelBase, substate, with_prefix
 from .layers import RMSNorm
-from .layout import valid_mask
+from .layout import SequenceLayout, valid_mask
 from .rotary import SelectiveRotaryEmbedding
 
 
@@ -67,22 +68,36 @@ def _room(cached: torch.Tensor) -> int:
     return capacity if fits else cached.shape[1]
 
 
-def last_real(x: torch.Tensor, lengths: torch.Tensor | None, previous: torch.Tensor | None) -> torch.Tensor:
-    """The last real token of each right-padded row of ``x`` ``(B, T, ...)``; ``previous`` (or zeros) for empty rows."""
-    if lengths is None:
+def last_real(x: torch.Tensor, lengths: torch.Tensor | None, previous: torch.Tensor | None,
+              cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """The last real token of each right-padded row of ``x`` ``(B, T, ...)``, or of each sequence packed in ``x``
+    ``(1, total, ...)`` with ``cu_seqlens``; ``previous`` (or zeros) for empty rows."""
+    if cu_seqlens is not None:
+        lengths = cu_seqlens.diff()
+        last = x[0, (cu_seqlens[1:].long() - 1).clamp(min=0)]  # (N, ...)
+    elif lengths is None:
         return x[:, -1]
-    index = (lengths - 1).clamp(min=0)
-    last = x[torch.arange(x.shape[0], device=x.device), index]
+    else:
+        last = x[torch.arange(x.shape[0], device=x.device), (lengths - 1).clamp(min=0)]
     fallback = torch.zeros_like(last) if previous is None else previous.to(last.dtype)
     empty = (lengths == 0).view(-1, *([1] * (last.dim() - 1)))
     return torch.where(empty, fallback, last)
 
 
-def token_shift(x: torch.Tensor, alpha: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
+def token_shift(x: torch.Tensor, alpha: torch.Tensor, previous: torch.Tensor | None,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """``α_t x_{t-1} + (1 - α_t) x_t`` for ``x`` ``(B, T, H, D)`` and ``α`` ``(B, T, H)``; ``x_{-1}`` is ``previous``
-    ``(B, H, D)`` (zeros at a sequence start)."""
-    first = torch.zeros_like(x[:, :1]) if previous is None else previous.unsqueeze(1).to(x.dtype)
-    shifted = torch.cat([first, x[:, :-1]], dim=1)
+    ``(B, H, D)`` (zeros at a sequence start). Packed sequences (``x`` ``(1, total, H, D)``, ``cu_seqlens``): each
+    sequence's first token reads its own row of ``previous`` ``(N, H, D)``."""
+    if cu_seqlens is None:
+        first = torch.zeros_like(x[:, :1]) if previous is None else previous.unsqueeze(1).to(x.dtype)
+        shifted = torch.cat([first, x[:, :-1]], dim=1)
+    else:
+        sequence, position = packed_positions(cu_seqlens, x.shape[1])  # (total,)
+        before = (x.new_zeros(cu_seqlens.numel() - 1, *x.shape[2:]) if previous is None
+                  else previous.to(x.dtype))  # (N, H, D)
+        shifted = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)  # (1, total, H, D)
+        shifted = torch.where((position == 0)[None, :, None, None], before[sequence].unsqueeze(0), shifted)
     alpha = alpha.to(x.dtype).unsqueeze(-1)
     return alpha * shifted + (1 - alpha) * x
 
@@ -113,8 +128,11 @@ class ForgettingAttention(nn.Module):
         self.g_proj = nn.Linear(hidden, heads * head_dim, bias=False) if config.use_output_gate else None
 
     def forward(self, x: torch.Tensor, lengths: torch.Tensor | None = None,
-                state: dict[str, torch.Tensor] | None = None, use_cache: bool = False):
-        """``x``: ``(B, T, D)`` right-padded rows -> ``(B, T, D)`` and the new state (empty unless ``use_cache``)."""
+                state: dict[str, torch.Tensor] | None = None, use_cache: bool = False,
+                cu_seqlens: torch.Tensor | None = None):
+        """``x``: ``(B, T, D)`` right-padded rows -> ``(B, T, D)`` and the new state (empty unless ``use_cache``).
+        Packed sequences: ``x`` ``(1, total, D)`` with ``cu_seqlens`` (fla path only); the cache then holds one
+        right-padded row per sequence, as on the torch path."""
         batch, seq_len, _ = x.shape
         state = state or {}
         new_state: dict[str, torch.Tensor] = {}
@@ -125,12 +143,12 @@ class ForgettingAttention(nn.Module):
         v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim)
         if self.k_shift_proj is not None:  # the shift state is the last unshifted key / value
             if use_cache:
-                new_state["k_shift"] = last_real(k, lengths, state.get("k_shift"))
-            k = token_shift(k, torch.sigmoid(self.k_shift_proj(x).float()), state.get("k_shift"))
+                new_state["k_shift"] = last_real(k, lengths, state.get("k_shift"), cu_seqlens)
+            k = token_shift(k, torch.sigmoid(self.k_shift_proj(x).float()), state.get("k_shift"), cu_seqlens)
         if self.v_shift_proj is not None:
             if use_cache:
-                new_state["v_shift"] = last_real(v, lengths, state.get("v_shift"))
-            v = token_shift(v, torch.sigmoid(self.v_shift_proj(x).float()), state.get("v_shift"))
+                new_state["v_shift"] = last_real(v, lengths, state.get("v_shift"), cu_seqlens)
+            v = token_shift(v, torch.sigmoid(self.v_shift_proj(x).float()), state.get("v_shift"), cu_seqlens)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
 
@@ -140,24 +158,16 @@ class ForgettingAttention(nn.Module):
             if valid is not None:
                 log_fgate = log_fgate * valid[..., None]
 
-        q, k, rotary_state = self.rotary(x, q, k, self._rotary_state(state), lengths)
+        q, k, rotary_state = self.rotary(x, q, k, self._rotary_state(state), lengths, cu_seqlens)
         if self.rotary.mode == "selective_rope":
             new_state.update(with_prefix(rotary_state, "rotary"))
 
-        # The key timeline: cached slots followed by this call's tokens.
-        new_valid = valid if valid is not None else torch.ones(batch, seq_len, dtype=torch.bool, device=x.device)
-        if "key" in state:
-            k, v = append_tokens(state["key"], k), append_tokens(state["value"], v)
-            new_valid = append_tokens(state["valid"], new_valid)
-            if log_fgate is not None:
-                log_fgate = append_tokens(state["log_fgate"], log_fgate)
-        key_valid = None if bool(new_valid.all()) else new_valid
-        o = forgetting_attention(q, k, v, log_fgate, key_valid=key_valid,
-                                 backend=resolve_backend(self.backend, x.device))  # (B, T, Hq, D)
-        if use_cache:
-            new_state.update(key=k, value=v, valid=new_valid)
-            if log_fgate is not None:
-                new_state["log_fgate"] = log_fgate
+        backend = resolve_backend(self.backend, x.device)
+        if cu_seqlens is None:
+            o, timeline = self._attend(q, k, v, log_fgate, valid, state, use_cache, backend)  # (B, T, Hq, D)
+        else:
+            o, timeline = self._attend_packed(q, k, v, log_fgate, state, use_cache, backend, cu_seqlens)
+        new_state.update(timeline)
 
         if self.o_norm is not None:
             o = self.o_norm(o)
@@ -166,6 +176,39 @@ class ForgettingAttention(nn.Module):
             o = o * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o), (new_state if use_cache else {})
 
+    @staticmethod
+    def _attend(q, k, v, log_fgate, valid, state, use_cache, backend):
+        """Attention over right-padded rows continuing the cached key timeline: ``(o, the new timeline or {})``."""
+        batch, seq_len = q.shape[:2]
+        # The key timeline: cached slots followed by this call's tokens.
+        new_valid = valid if valid is not None else torch.ones(batch, seq_len, dtype=torch.bool, device=q.device)
+        if "key" in state:
+            k, v = append_tokens(state["key"], k), append_tokens(state["value"], v)
+            new_valid = append_tokens(state["valid"], new_valid)
+            if log_fgate is not None:
+                log_fgate = append_tokens(state["log_fgate"], log_fgate)
+        key_valid = None if bool(new_valid.all()) else new_valid
+        o = forgetting_attention(q, k, v, log_fgate, key_valid=key_valid, backend=backend)
+        return o, (_timeline(k, v, log_fgate, new_valid) if use_cache else {})
+
+    def _attend_packed(self, q, k, v, log_fgate, state, use_cache, backend, cu_seqlens):
+        """Attention over sequences packed in ``(1, total, ...)``: ``(o, the new timeline or {})``. fla's kernel takes
+        whole sequences as they are; the cached timeline is one right-padded row per sequence, as on the torch path
+        (the layout decoding continues from)."""
+        native = "key" not in state and self.head_dim <= FLA_MAX_ATTENTION_HEAD_DIM
+        o = forgetting_attention(q, k, v, log_fgate, cu_seqlens=cu_seqlens, backend=backend) if native else None
+        if native and not use_cache:
+            return o, {}
+        layout = SequenceLayout.from_cu_seqlens(cu_seqlens, total=q.shape[1])
+        valid = layout.valid  # (N, L)
+        k_rows, v_rows = layout.to_rows(k), layout.to_rows(v)
+        gates = None if log_fgate is None else layout.to_rows(log_fgate) * valid[..., None]  # zero at pads, as on rows
+        if native:
+            return o, _timeline(k_rows, v_rows, gates, valid)
+        # fla cannot continue a cached timeline: attend through the rows, as the torch path does
+        o, timeline = self._attend(layout.to_rows(q), k_rows, v_rows, gates, valid, state, use_cache, backend)
+        return layout.from_rows(o), timeline
+
     def _rotary_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.rotary.mode != "rope" or "valid" not in state:
             return substate(state, "rotary")
@@ -173,6 +216,14 @@ class ForgettingAttention(nn.Module):
         # so that cropping the cache keeps it exact.
         seen = state["valid"].sum(dim=1).float()  # (B,)
         return {"phase": seen[:, None, None].expand(-1, self.num_kv_heads, self.rotary.half)}
+
+
+def _timeline(key, value, log_fgate, valid) -> dict[str, torch.Tensor]:
+    """The cache entries of the key timeline (rows ``(B, T_seen, ...)``)."""
+    timeline = dict(key=key, value=value, valid=valid)
+    if log_fgate is not None:
+        timeline["log_fgate"] = log_fgate
+    return timeline
 
 
 class SelectiveRopeFoXModel(SelectiveRopeModelBase):

@@ -80,17 +80,19 @@ class GatedDeltaNet(nn.Module):
         init.copy_(self.dt_bias, dt + torch.log(-torch.expm1(-dt)))
 
     def forward(self, x: torch.Tensor, lengths: torch.Tensor | None = None,
-                state: dict[str, torch.Tensor] | None = None, use_cache: bool = False):
-        """``x``: ``(B, T, D)`` right-padded rows -> ``(B, T, D)`` and the new state (empty unless ``use_cache``)."""
+                state: dict[str, torch.Tensor] | None = None, use_cache: bool = False,
+                cu_seqlens: torch.Tensor | None = None):
+        """``x``: ``(B, T, D)`` right-padded rows -> ``(B, T, D)`` and the new state (empty unless ``use_cache``).
+        Packed sequences: ``x`` ``(1, total, D)`` with ``cu_seqlens`` (fla path only), one state row per sequence."""
         batch, seq_len, _ = x.shape
         state = state or {}
         new_state: dict[str, torch.Tensor] = {}
 
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.use_short_conv:
-            q, new_state["q_conv"] = self.q_conv1d(q, state.get("q_conv"), lengths)
-            k, new_state["k_conv"] = self.k_conv1d(k, state.get("k_conv"), lengths)
-            v, new_state["v_conv"] = self.v_conv1d(v, state.get("v_conv"), lengths)
+            q, new_state["q_conv"] = self.q_conv1d(q, state.get("q_conv"), lengths, cu_seqlens=cu_seqlens)
+            k, new_state["k_conv"] = self.k_conv1d(k, state.get("k_conv"), lengths, cu_seqlens=cu_seqlens)
+            v, new_state["v_conv"] = self.v_conv1d(v, state.get("v_conv"), lengths, cu_seqlens=cu_seqlens)
         else:
             q, k, v = F.silu(q), F.silu(k), F.silu(v)
         q = l2_normalize(q.view(batch, seq_len, self.num_heads, self.head_k_dim)).to(x.dtype)
@@ -102,7 +104,7 @@ class GatedDeltaNet(nn.Module):
             beta = beta * 2
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())  # (B, T, HV)
 
-        q, k, rotary_state = self.rotary(x, q, k, substate(state, "rotary"), lengths)
+        q, k, rotary_state = self.rotary(x, q, k, substate(state, "rotary"), lengths, cu_seqlens)
         new_state.update(with_prefix(rotary_state, "rotary"))
 
         if lengths is not None:  # β = 0 and g = 0: pads leave the state exactly as it was
@@ -110,7 +112,7 @@ class GatedDeltaNet(nn.Module):
             beta, g = beta * valid, g * valid
         # Grouped value heads: value head j reads key head j // (num_v_heads / num_heads), inside the op.
         o, recurrent_state = gated_delta_rule(q, k, v, g, beta, initial_state=state.get("recurrent"),
-                                              output_final_state=use_cache,
+                                              output_final_state=use_cache, cu_seqlens=cu_seqlens,
                                               backend=resolve_backend(self.backend, x.device))
         if use_cache:
             new_state["recurrent"] = recurrent_state

@@ -54,17 +54,19 @@ class GatedLinearAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_v_dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, lengths: torch.Tensor | None = None,
-                state: dict[str, torch.Tensor] | None = None, use_cache: bool = False):
-        """``x``: ``(B, T, D)`` right-padded rows -> ``(B, T, D)`` and the new state (empty unless ``use_cache``)."""
+                state: dict[str, torch.Tensor] | None = None, use_cache: bool = False,
+                cu_seqlens: torch.Tensor | None = None):
+        """``x``: ``(B, T, D)`` right-padded rows -> ``(B, T, D)`` and the new state (empty unless ``use_cache``).
+        Packed sequences: ``x`` ``(1, total, D)`` with ``cu_seqlens`` (fla path only), one state row per sequence."""
         batch, seq_len, _ = x.shape
         state = state or {}
         new_state: dict[str, torch.Tensor] = {}
 
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.use_short_conv:
-            q, new_state["q_conv"] = self.q_conv1d(q, state.get("q_conv"), lengths)
-            k, new_state["k_conv"] = self.k_conv1d(k, state.get("k_conv"), lengths)
-            v, new_state["v_conv"] = self.v_conv1d(v, state.get("v_conv"), lengths)
+            q, new_state["q_conv"] = self.q_conv1d(q, state.get("q_conv"), lengths, cu_seqlens=cu_seqlens)
+            k, new_state["k_conv"] = self.k_conv1d(k, state.get("k_conv"), lengths, cu_seqlens=cu_seqlens)
+            v, new_state["v_conv"] = self.v_conv1d(v, state.get("v_conv"), lengths, cu_seqlens=cu_seqlens)
         q = q.view(batch, seq_len, self.num_heads, self.head_k_dim)
         k = k.view(batch, seq_len, self.num_kv_heads, self.head_k_dim)
         v = v.view(batch, seq_len, self.num_kv_heads, self.head_v_dim)
@@ -73,7 +75,7 @@ class GatedLinearAttention(nn.Module):
             gk = gk.clamp_min(self.clamp_min)
         gk = gk.view(batch, seq_len, self.num_kv_heads, self.head_k_dim)
 
-        q, k, rotary_state = self.rotary(x, q, k, substate(state, "rotary"), lengths)
+        q, k, rotary_state = self.rotary(x, q, k, substate(state, "rotary"), lengths, cu_seqlens)
         new_state.update(with_prefix(rotary_state, "rotary"))
 
         if lengths is not None:  # pads neither write to nor decay the recurrent state
@@ -84,7 +86,7 @@ class GatedLinearAttention(nn.Module):
             k, v, gk = (t.repeat_interleave(groups, dim=2) for t in (k, v, gk))
 
         o, recurrent_state = gated_linear_attention(q, k, v, gk, initial_state=state.get("recurrent"),
-                                                    output_final_state=use_cache,
+                                                    output_final_state=use_cache, cu_seqlens=cu_seqlens,
                                                     backend=resolve_backend(self.backend, x.device))
         if use_cache:
             new_state["recurrent"] = recurrent_state

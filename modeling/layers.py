@@ -53,8 +53,10 @@ class ShortConvolution(nn.Conv1d):
         self.activation = activation
 
     def forward(self, x: torch.Tensor, state: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
-                dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x``: ``(B, T, C)`` -> ``(B, T, C)`` and the new state ``(B, K-1, C)``; computed in ``dtype`` if given."""
+                dtype: torch.dtype | None = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``: ``(B, T, C)`` -> ``(B, T, C)`` and the new state ``(B, K-1, C)``; computed in ``dtype`` if given.
+        Packed sequences (``cu_seqlens``, ``x`` of shape ``(1, total, C)``): one state per sequence, ``(N, K-1, C)``."""
         if dtype is not None:
             x = x.to(dtype)
-        return causal_conv1d(x, self.weight.squeeze(1), state, lengths, self.activation)
+        return causal_conv1d(x, self.weight.squeeze(1), state, lengths, self.activation, cu_seqlens=cu_seqlens)

@@ -179,8 +179,10 @@ class SelectiveRotaryEmbedding(nn.Module):
         return rotary_temperature(kind, theta, self.rotary_dim, scale, seed)
 
     def phase_increment(self, x: torch.Tensor, valid: torch.Tensor | None,
-                        conv_state: torch.Tensor | None, lengths: torch.Tensor | None):
-        """``c_t`` of shape ``(B, T, Hk, R)`` float32 (zero at padding) and the new convolution history."""
+                        conv_state: torch.Tensor | None, lengths: torch.Tensor | None,
+                        cu_seqlens: torch.Tensor | None = None):
+        """``c_t`` of shape ``(B, T, Hk, R)`` float32 (zero at padding) and the new convolution history (packed
+        sequences, ``cu_seqlens``: the convolution restarts at each boundary, one history per sequence)."""
         batch, seq_len, _ = x.shape
         if self.mode == "rope":
             ones = x.new_ones(batch, seq_len, 1, 1, dtype=torch.float32)
@@ -193,7 +195,7 @@ class SelectiveRotaryEmbedding(nn.Module):
         new_conv_state = None
         if self.phase_conv is not None:
             flat, new_conv_state = self.phase_conv(a.reshape(batch, seq_len, -1), conv_state, lengths,
-                                                   dtype=torch.float32)
+                                                   dtype=torch.float32, cu_seqlens=cu_seqlens)
             a = flat.view(batch, seq_len, self.num_key_heads, self.half)
         if self.phase_bias is not None:
             a = a + self.phase_bias.float().exp()
@@ -230,17 +232,19 @@ class SelectiveRotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         if self.mode == "nope":
             return q, k, {}
-        if cu_seqlens is not None:
+        backend = resolve_backend(self.backend, q.device)
+        if cu_seqlens is not None and backend != "triton":  # the torch op takes one dense row per sequence
             return self._forward_packed(x, q, k, state, cu_seqlens)
         state = state or {}
         seq_len = x.shape[1]
-        backend = resolve_backend(self.backend, q.device)
-        if backend == "triton" and seq_len == 1 and self.mode == "selective_rope" and not torch.is_grad_enabled():
+        if (backend == "triton" and seq_len == 1 and cu_seqlens is None and self.mode == "selective_rope"
+                and not torch.is_grad_enabled()):
             return self._decode_step(x, q, k, state, lengths)
         valid = None if lengths is None else valid_mask(lengths, seq_len)  # (B, T)
         with no_autocast(x):
-            increment, conv_state = self.phase_increment(x, valid, state.get("phase_conv"), lengths)
-        q, k, phase = selective_rotary(q, k, increment, self.temperature, state.get("phase"), backend=backend)
+            increment, conv_state = self.phase_increment(x, valid, state.get("phase_conv"), lengths, cu_seqlens)
+        q, k, phase = selective_rotary(q, k, increment, self.temperature, state.get("phase"), cu_seqlens=cu_seqlens,
+                                       backend=backend)
         return q, k, self._state(phase, conv_state)
 
     def _decode_step(self, x, q, k, state, lengths):
@@ -269,7 +273,8 @@ class SelectiveRotaryEmbedding(nn.Module):
         return {"phase": phase} if conv_state is None else {"phase": phase, "phase_conv": conv_state}
 
     def _forward_packed(self, x, q, k, state, cu_seqlens):
-        """Packed sequences ``(1, total, ...)``: each sequence restarts phase and convolution; state is per sequence."""
+        """Packed sequences ``(1, total, ...)`` on the torch path, through one dense row per sequence (the Triton
+        kernel takes them as they are): each sequence restarts phase and convolution; state is per sequence."""
         layout = SequenceLayout.from_cu_seqlens(cu_seqlens, total=x.shape[1])
         q_rows, k_rows, new_state = self.forward(layout.to_rows(x), layout.to_rows(q), layout.to_rows(k),
                                                  state=state, lengths=layout.lengths)

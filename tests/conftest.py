@@ -1,9 +1,17 @@
+import os
 import warnings
 
-import pytest
 import torch
 
-from families import FAMILIES
+if not torch.cuda.is_available():
+    # No GPU: Triton kernels (ours, and fla's in test_fla_interpreter.py) run on CPU in Triton's interpreter. Triton
+    # reads the setting when it is first imported, which transformers does through torch._dynamo: so before anything
+    # else is imported.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+from families import FAMILIES  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*Triton is not supported.*")
 

@@ -1,6 +1,8 @@
 """On a CUDA GPU: the default backend (our Triton rotary kernels + flash-linear-attention's mixer kernels) against the
-torch backend, for every family, in float32 and bfloat16: forward, backward, cached decoding and generate; and the
-Triton rotary ops against the torch reference, eager and under torch.compile.
+torch backend, for every family, in float32 and bfloat16: forward, backward, cached decoding and generate (float32
+also: one-token training steps, packed training kept packed with the caches it ends with); and the Triton rotary ops
+against the torch reference, eager and under torch.compile. The same comparisons at tiny sizes run on CPU, with fla's
+kernels in Triton's interpreter, in tests/test_fla_interpreter.py (float32 only).
 
 Marked ``cuda`` and skipped without a GPU. Comparisons use the relative RMS error ``rms(a - b) / rms(b)`` (as
 flash-linear-attention's own tests do): fla's kernels use TF32 matmuls even for float32 inputs, so float32 agreement
@@ -19,12 +21,15 @@ if not torch.cuda.is_available():  # before importing fla: it registers its own 
 pytest.importorskip("triton", reason="the CUDA path needs triton")
 pytest.importorskip("fla", reason="the CUDA path needs flash-linear-attention")
 
+from collections import Counter  # noqa: E402
+
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from selective_rope.kernels import dispatch  # noqa: E402
 from selective_rope.kernels.rotary_torch import selective_rotary  # noqa: E402
 
 from families import FAMILIES  # noqa: E402
+from triton_interpreter import counting  # noqa: E402
 
 DEVICE = "cuda"
 TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 5e-2}  # relative RMS error, models through two layers
@@ -61,19 +66,29 @@ def _clean(monkeypatch):
 
 @pytest.fixture
 def fla_calls(monkeypatch):
-    """Counts the calls of each fla kernel, so that a silent fallback to the torch mixers fails the test."""
+    """Counts the calls of each fla kernel (packed ones also under ``"<name>[packed]"``), so that a silent fallback to
+    the torch mixers fails the test."""
     ops = dispatch._import_fla()
-    calls: dict[str, int] = {}
-
-    def counted(name, fn):
-        def wrapper(*args, **kwargs):
-            calls[name] = calls.get(name, 0) + 1
-            return fn(*args, **kwargs)
-        return wrapper
-
-    for name, fn in list(vars(ops).items()):
-        monkeypatch.setattr(ops, name, counted(name, fn))
+    calls: Counter = Counter()
+    for name, fn in vars(counting(ops, calls)).items():
+        monkeypatch.setattr(ops, name, fn)
     return calls
+
+
+def assert_caches_ratio(actual, expected, tol):
+    """Every cached state; per-token histories (FoX's key timeline) on their valid slots only: padding slots hold
+    nothing anyone reads."""
+    for index, (layer_a, layer_e) in enumerate(zip(actual.layers, expected.layers)):
+        assert layer_a.states.keys() == layer_e.states.keys(), index
+        valid = layer_e.states.get("valid")
+        if valid is not None:
+            assert torch.equal(layer_a.states["valid"], valid), f"layer {index}: valid slots"
+        for name, state in layer_e.states.items():
+            mine = layer_a.states[name]
+            if name in layer_e.token_states and name != "valid":
+                mine, state = mine[valid], state[valid]
+            if name != "valid":
+                assert_ratio(mine, state, f"layer {index} cache {name}", tol)
 
 
 def load_model(family_name: str, dtype: torch.dtype, tmp_path):
@@ -143,9 +158,7 @@ def test_family_cached_decoding_and_generate(family_name, dtype, tmp_path, monke
     tol = TOLERANCE[dtype]
     for i, (a, e) in enumerate(zip(results["auto"][0], results["torch"][0])):
         assert_ratio(a, e, f"logits of call {i}", tol)
-    for layer_auto, layer_torch in zip(results["auto"][1].layers, results["torch"][1].layers):
-        for name in layer_torch.states:
-            assert_ratio(layer_auto.states[name], layer_torch.states[name], f"cache {name}", tol)
+    assert_caches_ratio(results["auto"][1], results["torch"][1], tol)
     gen_auto, gen_torch = results["auto"][2], results["torch"][2]
     assert_ratio(gen_auto.logits[0], gen_torch.logits[0], "first generated logits", tol)
     if dtype == torch.float32:  # in bf16 a near tie may legitimately flip a greedy choice
@@ -153,16 +166,56 @@ def test_family_cached_decoding_and_generate(family_name, dtype, tmp_path, monke
 
 
 @pytest.mark.parametrize("family_name", sorted(CUDA_CONFIGS))
-def test_family_packed_sequences(family_name, tmp_path, monkeypatch):
-    model = load_model(family_name, torch.float32, tmp_path).eval()
-    ids = torch.randint(3, 512, (1, 150), device=DEVICE)
-    offsets = torch.tensor([0, 40, 41, 150], dtype=torch.int32, device=DEVICE)
-    logits = {}
+def test_family_one_token_training_step(family_name, tmp_path, monkeypatch, fla_calls):
+    """Gradients through a one-token call continuing a cache (fla's recurrent gated-delta kernel has no backward)."""
+    model = load_model(family_name, torch.float32, tmp_path).train()
+    prompt = torch.randint(3, 512, (2, 20), device=DEVICE)
+    token = torch.randint(3, 512, (2, 1), device=DEVICE)
+    weights = torch.randn(2, 1, 512, device=DEVICE)  # a loss reaching every logit
+    results = {}
     for backend in ("torch", "auto"):
         monkeypatch.setenv(dispatch.ENV_VAR, backend)
+        model.zero_grad()
         with torch.no_grad():
-            logits[backend] = model(ids, cu_seqlens=offsets).logits
-    assert_ratio(logits["auto"], logits["torch"], "packed logits", TOLERANCE[torch.float32])
+            cache = model(prompt, use_cache=True).past_key_values
+        out = model(token, past_key_values=cache, use_cache=True)
+        (out.logits * weights).sum().backward()
+        results[backend] = out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                                 if p.grad is not None}
+    assert fla_calls and not fla_calls["fused_recurrent_gated_delta_rule"]
+    tol = TOLERANCE[torch.float32]
+    assert_ratio(results["auto"][0], results["torch"][0], "logits", tol)
+    for name, grad in results["torch"][1].items():
+        assert_ratio(results["auto"][1][name], grad, f"grad {name}", 4 * tol)
+
+
+@pytest.mark.parametrize("family_name", sorted(CUDA_CONFIGS))
+def test_family_packed_sequences(family_name, tmp_path, monkeypatch, fla_calls):
+    """Packed training (forward, backward, the cache of each sequence) stays packed on the fla path; then a decoding
+    step from those caches."""
+    model = load_model(family_name, torch.float32, tmp_path).train()
+    ids = torch.randint(3, 512, (1, 150), device=DEVICE)
+    offsets = torch.tensor([0, 40, 41, 150], dtype=torch.int32, device=DEVICE)
+    step = torch.randint(3, 512, (3, 1), device=DEVICE)
+    weights = torch.randn(1, 150, 512, device=DEVICE)  # a loss reaching every logit
+    results = {}
+    for backend in ("torch", "auto"):
+        monkeypatch.setenv(dispatch.ENV_VAR, backend)
+        model.zero_grad()
+        out = model(ids, cu_seqlens=offsets, use_cache=True)
+        (out.logits * weights).sum().backward()
+        with torch.no_grad():
+            next_logits = model(step, past_key_values=out.past_key_values, use_cache=True).logits
+        results[backend] = out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                                 if p.grad is not None}, out.past_key_values, next_logits
+    assert sum(n for name, n in fla_calls.items() if name.endswith("[packed]")) == model.config.num_hidden_layers
+    tol = TOLERANCE[torch.float32]
+    (logits_a, grads_a, cache_a, next_a), (logits_t, grads_t, cache_t, next_t) = results["auto"], results["torch"]
+    assert_ratio(logits_a, logits_t, "packed logits", tol)
+    for name, grad in grads_t.items():
+        assert_ratio(grads_a[name], grad, f"grad {name}", 4 * tol)
+    assert_caches_ratio(cache_a, cache_t, tol)
+    assert_ratio(next_a, next_t, "logits after the packed prefill", tol)
 
 
 # --------------------------------------------------------------------------------------------------------------------

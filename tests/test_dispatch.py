@@ -8,7 +8,6 @@ forward and backward with padding, packed sequences, cached decoding with a padd
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,13 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # no GPU: our Triton kernels run on CPU in Triton's interpreter
-    os.environ["TRITON_INTERPRET"] = "1"
+from selective_rope.kernels import dispatch
 
-from selective_rope.kernels import dispatch  # noqa: E402
-
-from families import FAMILIES  # noqa: E402
-from isolation import import_blocker  # noqa: E402
+from families import FAMILIES
+from isolation import import_blocker
 
 REPO = Path(__file__).resolve().parents[1]
 needs_interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter check; tests/test_cuda.py "
@@ -104,6 +100,15 @@ def test_mixers_never_reach_fla_on_cpu(monkeypatch):
     dispatch.gated_linear_attention(q, k, v, g, backend="triton")
     dispatch.gated_delta_rule(q, k, v, g[..., 0], torch.rand(1, 5, 2), backend="triton")
     dispatch.forgetting_attention(q, k, v, g[..., 0], backend="triton")
+    # so packed sequences reach the torch mixers as dense rows; the torch ops refuse cu_seqlens
+    assert not dispatch.keeps_packed("triton", "cpu")
+    offsets = torch.tensor([0, 2, 5])
+    for call in (lambda: dispatch.gated_linear_attention(q, k, v, g, cu_seqlens=offsets, backend="triton"),
+                 lambda: dispatch.gated_delta_rule(q, k, v, g[..., 0], torch.rand(1, 5, 2), cu_seqlens=offsets),
+                 lambda: dispatch.forgetting_attention(q, k, v, g[..., 0], cu_seqlens=offsets, backend="triton"),
+                 lambda: dispatch.selective_rotary(q, k, g, torch.ones(4), cu_seqlens=offsets)):
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            call()
 
 
 def test_gated_delta_rule_groups_value_heads_for_the_torch_op():

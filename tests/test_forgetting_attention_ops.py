@@ -50,7 +50,8 @@ def make_inputs(seq_len, heads=(HQ, HK), dtype=torch.float32, gate_shift=2.0):
 
 
 def reference(q, k, v, log_fgate=None, scale=None, key_valid=None, rows=None):
-    """The definition, in float64, materialising everything; returns float64 (B, Tq, Hq, Dv).
+    """The definition, in float64, materialising everything; returns float64 (B, Tq, Hq, Dv), zeros at queries on
+    padding slots (the op's convention, shared with the fla path).
 
     rows: evaluate only these query rows (indices into Tq), in that order.
     """
@@ -69,6 +70,7 @@ def reference(q, k, v, log_fgate=None, scale=None, key_valid=None, rows=None):
     visible = (torch.arange(tk) <= pos[:, None]) & valid[:, None, None, :]  # (B, 1, rows, Tk)
     logits = logits.masked_fill(~visible, float("-inf"))
     probs = logits.softmax(-1).nan_to_num(0.0)  # a row with no visible key: zeros
+    probs = probs * valid[:, None, pos, None]  # a query at a padding slot outputs zeros
     return torch.einsum("bhij,bjhd->bihd", probs, v)
 
 
@@ -237,11 +239,11 @@ def padded_inputs(seq_len, gate_shift=2.0):
 
 def test_key_holes_equal_the_sequence_without_them():
     q, k, v, g, valid = padded_inputs(60)
-    # queries at padding positions still read the valid keys before them, but the sequence without the
-    # padding has no such queries: no upstream gradient from them
-    do = torch.randn(B, 60, HQ, DV) * valid[..., None, None]
+    # queries at padding positions output zeros (and pass no gradient back), whatever their upstream gradient
+    do = torch.randn(B, 60, HQ, DV)
     with torch.no_grad():
         o = forgetting_attention(q, k, v, g, key_valid=valid, block_size=16)
+    assert (o[~valid] == 0).all()
     op = functools.partial(forgetting_attention, key_valid=valid, block_size=16)
     dq, dk, dv, dg = grads(op, (q, k, v, g), do)
     for b in range(B):

@@ -5,15 +5,10 @@ torch.compile without graph breaks) and the rotary module with ``backend="triton
 With a GPU the same tests run on CUDA tensors.
 """
 
-import importlib
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # no GPU: the kernels run on CPU in Triton's interpreter
-    os.environ["TRITON_INTERPRET"] = "1"
-
+# Without a GPU, conftest.py has set TRITON_INTERPRET=1 (before triton was imported): the kernels run on CPU.
 pytest.importorskip("triton", reason="triton is not installed: the Triton rotary kernel cannot be tested")
 
 from selective_rope import SelectiveRopeGLAConfig  # noqa: E402
@@ -22,9 +17,6 @@ from selective_rope.kernels.conv_torch import causal_conv1d  # noqa: E402
 from selective_rope.kernels.rotary_torch import selective_rotary  # noqa: E402
 from selective_rope.modeling.rotary import SelectiveRotaryEmbedding  # noqa: E402
 
-# `@triton.jit` picks compiled or interpreted when the module is imported: re-import it in case something imported
-# it before TRITON_INTERPRET was set above.
-rotary_triton = importlib.reload(rotary_triton)
 selective_rotary_triton = rotary_triton.selective_rotary_triton
 selective_rotary_decode_triton = rotary_triton.selective_rotary_decode_triton
 
@@ -386,10 +378,10 @@ def make_rotary(num_query_heads=4, num_key_heads=2, head_dim=8, **options):
     return module
 
 
-def run_module(module, backend, x, q, k, state=None, lengths=None):
+def run_module(module, backend, x, q, k, state=None, lengths=None, cu_seqlens=None):
     module.backend = backend
     try:
-        return module(x, q, k, state=state, lengths=lengths)
+        return module(x, q, k, state=state, lengths=lengths, cu_seqlens=cu_seqlens)
     finally:
         module.backend = "torch"
 
@@ -436,6 +428,42 @@ def test_module_prefill_then_decode(options, monkeypatch):
                 assert_close(results["triton"][2][name], results["torch"][2][name], name, rtol=1e-5, atol=1e-5)
             states = {b: r[2] for b, r in results.items()}
     assert len(decode_calls) == (3 if module.mode == "selective_rope" else 0)
+
+
+@pytest.mark.parametrize("options", MODULE_OPTIONS[:3], ids=option_id)
+def test_module_packed_sequences_stay_packed(options, monkeypatch):
+    """Packed sequences, starting and continuing per-sequence states: the Triton path runs the prefill kernel once
+    on the packed tensors (cu_seqlens) and gives the torch path's (one dense row per sequence) q, k, states and
+    parameter gradients."""
+    from selective_rope.kernels import dispatch
+
+    dispatch.triton_rotary()  # imported before the patch below (it finds the module from the function it imports)
+    packed_calls = []
+    prefill = rotary_triton.selective_rotary_triton
+    monkeypatch.setattr(rotary_triton, "selective_rotary_triton",
+                        lambda *a, **kw: packed_calls.append(kw.get("cu_seqlens") is not None) or prefill(*a, **kw))
+    module = make_rotary(**options)
+    offsets = torch.tensor([0, 3, 3, 4, 9], dtype=torch.int32)  # an empty sequence, a one-token one
+    x, q, k = torch.randn(1, 9, HIDDEN), torch.randn(1, 9, 4, 8), torch.randn(1, 9, 2, 8)
+    params = [p for p in module.parameters() if p.requires_grad]
+    states = {"torch": None, "triton": None}
+    for call in range(2):  # the second call continues the states the first one ended with
+        outputs = {}
+        for backend in ("torch", "triton"):
+            q_rot, k_rot, state = run_module(module, backend, x, q, k, states[backend], cu_seqlens=offsets)
+            loss = (q_rot * torch.linspace(-1, 1, 8)).sum() + (k_rot ** 2 * torch.linspace(0, 1, 8)).sum()
+            outputs[backend] = q_rot, k_rot, state, torch.autograd.grad(loss, params)
+            states[backend] = {name: t.detach() for name, t in state.items()}
+        (tq, tk, tstate, tgrads), (xq, xk, xstate, xgrads) = outputs["torch"], outputs["triton"]
+        assert_close(xq, tq, f"q of call {call}", rtol=1e-5, atol=1e-5)
+        assert_close(xk, tk, f"k of call {call}", rtol=1e-5, atol=1e-5)
+        assert tstate.keys() == xstate.keys() and tstate["phase"].shape[0] == 4
+        for name in tstate:
+            assert_close(xstate[name], tstate[name], name, rtol=1e-5, atol=1e-5)
+        for a, e in zip(xgrads, tgrads):
+            assert_close(a, e, "parameter grad", rtol=1e-4, atol=1e-4)
+        x, q, k = torch.randn(1, 9, HIDDEN), torch.randn(1, 9, 4, 8), torch.randn(1, 9, 2, 8)
+    assert packed_calls == [True, True]
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
