@@ -1,8 +1,8 @@
 """Multi-process training with transformers' Trainer: DDP or FSDP2, sharded checkpoints, resuming, a final
-``save_pretrained`` directory. Launch it with torchrun (or ``accelerate launch``), one process per GPU:
+``save_pretrained`` directory. Launch it with torchrun, one process per GPU (README: Multi-process training):
 
     torchrun --nproc_per_node 2 examples/train_distributed.py --strategy fsdp --output-dir fsdp_run
-    torchrun --nproc_per_node 2 examples/train_distributed.py --strategy fsdp --output-dir fsdp_run --resume
+    torchrun --nproc_per_node 2 examples/train_distributed.py --output-dir fsdp_run --resume --max-steps 300
     torchrun --nproc_per_node 2 examples/train_distributed.py --strategy ddp --output-dir ddp_run
 
 The data is the demo's synthetic task (continue arithmetic progressions mod 32, ``selective_rope.demo``); put your
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 from pathlib import Path
 
 import torch
@@ -83,16 +82,17 @@ def main(argv: list[str] | None = None) -> None:
         output_dir=str(args.output_dir), max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
         learning_rate=args.learning_rate, lr_scheduler_type="cosine", warmup_steps=10, bf16=args.bf16,
         save_strategy="steps", save_steps=args.save_steps, logging_steps=20, seed=args.seed, report_to="none",
-        use_cpu=on_cpu, ddp_backend="gloo" if on_cpu else None,
-        fsdp=fsdp, fsdp_config=FSDP_CONFIG if fsdp else None,
+        use_cpu=on_cpu, fsdp=fsdp, fsdp_config=FSDP_CONFIG if fsdp else None,
         activation_checkpointing=not fsdp,  # under FSDP, fsdp_config's activation_checkpointing does it
         ddp_find_unused_parameters=False,  # every parameter gets a gradient at every step
     )
+    if fsdp and training_args.world_size == 1:
+        parser.error("FSDP shards over several processes: launch with torchrun --nproc_per_node N")
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = (AutoModelForCausalLM.from_pretrained(args.init) if args.init
              else AutoModelForCausalLM.from_config(demo_config(args.family)))
-    if fsdp:
-        model.shard_rotary_in_float32()  # before the Trainer shards the rest (matters with --bf16)
+    if fsdp:  # before the Trainer shards the rest; in every run of a training (the optimizer groups depend on it)
+        model.shard_rotary_in_float32()
     with accelerate_fsdp_on_cpu() if fsdp and on_cpu else contextlib.nullcontext():
         trainer = Trainer(model=model, args=training_args, train_dataset=dataset(4096, 24, args.seed))
     trainer.train(resume_from_checkpoint=True if args.resume else None)
@@ -112,10 +112,10 @@ def main(argv: list[str] | None = None) -> None:
         with torch.no_grad():
             difference = (reloaded(probe).logits - trained_logits).abs().max().item()
         accuracy = continuation_accuracy(reloaded, torch.Generator().manual_seed(args.seed + 2))
+        precision = " (which ran with bf16 weights)" if args.bf16 else ""
         print(f"{args.strategy} on {training_args.world_size} processes: saved {final}/; reloaded logits differ from "
-              f"the trained model's by {difference:.1e}; greedy continuation accuracy {accuracy:.1%}")
+              f"the trained model's{precision} by {difference:.1e}; greedy continuation accuracy {accuracy:.1%}")
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     main()

@@ -103,20 +103,22 @@ class SelectiveRopePreTrainedModel(PreTrainedModel):
         inside each decoder block would run on bf16 copies of the temperature and phase weights (a bf16 temperature
         is off by up to 0.4 %, which turns into radians of rotation error after a few hundred tokens). Call it after
         torch.distributed is initialised (``TrainingArguments(fsdp=True, ...)`` does that) and before the model is
-        sharded (``Trainer(model, ...)``): accelerate then shards the rest and leaves these units alone. ``mesh``: the
-        device mesh accelerate shards over (default: all ranks on the current accelerator, accelerate's default).
+        sharded (``Trainer(model, ...)``): accelerate then shards the rest and leaves these units alone. Call it in
+        every run of a training, resumed ones too: the Trainer gives these parameters optimizer groups of their own,
+        which a checkpoint must match. ``mesh``: the device mesh to shard over (default: all ranks, as accelerate).
 
         Not with ``fsdp_config["cpu_ram_efficient_loading"]``, which re-loads rank 0's full weights into the model
         after this and cannot handle units that are already sharded.
         """
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-        if not torch.distributed.is_initialized():
-            raise RuntimeError("shard_rotary_in_float32() needs torch.distributed: call it after "
-                               "TrainingArguments(fsdp=True, ...) or init_process_group()")
         if os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() in ("1", "true"):
             raise ValueError("shard_rotary_in_float32() cannot be combined with "
                              "fsdp_config['cpu_ram_efficient_loading']=True (FSDP_CPU_RAM_EFFICIENT_LOADING)")
+        if not torch.distributed.is_initialized():
+            raise RuntimeError("shard_rotary_in_float32() needs an initialised torch.distributed process group: "
+                               "launch several processes (torchrun) and call it after TrainingArguments(fsdp=True, "
+                               "...) or init_process_group()")
         # Inputs (bf16 activations) are not cast: the module casts what it needs and returns q, k in their dtype.
         policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
         for module in self.modules():

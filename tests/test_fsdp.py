@@ -2,18 +2,17 @@
 
 The test saves each model once (the three families, and a tiny Llama converted to FoX), then launches this file as
 the worker script (``python -m torch.distributed.run --nproc_per_node 2 tests/test_fsdp.py OUT``). Both ranks load
-the same checkpoint and train under FSDP2 with the example's configuration (``examples/train_distributed.py``: every
-decoder block its own unit, FSDP's activation checkpointing, sharded checkpoints); the same training in this process,
-on the same global batches in the same order, is the reference. No dropout, a sequential sampler and gradients
-averaged over the ranks make the two runs the same computation up to the order of floating-point sums.
+the same checkpoint and train under FSDP2 as ``examples/train_distributed.py`` sets it up (float32 units for the
+Selective RoPE modules, one unit per decoder block, FSDP's activation checkpointing, sharded checkpoints); the same
+training in this process, on the same global batches in the same order, is the reference. No dropout, a sequential
+sampler and gradients averaged over the ranks make the two the same computation up to the order of float sums.
 
 Per model, the workers:
 - train STEPS optimizer steps (2 micro-batches of 2 rows per rank and step, AdamW, gradient clipping, weight decay),
   saving a sharded checkpoint (torch.distributed.checkpoint) every SAVE_EVERY steps, then save the final model as a
   full state dict with ``save_pretrained`` and run it on a probe batch;
 - resume a second Trainer from the first checkpoint and train to the end;
-- train one step in bf16 mixed precision after ``model.shard_rotary_in_float32()``, recording what the Selective RoPE
-  modules compute with.
+- train one step in bf16 mixed precision, recording what the Selective RoPE modules compute with.
 """
 
 from __future__ import annotations
@@ -122,8 +121,7 @@ def fsdp_units(model) -> list[str]:
 
 def train_under_fsdp(init: Path, run: Path) -> tuple[dict, dict]:
     """The three trainings of one model: (this rank's report, what rank 0 saves for the test)."""
-    trainer = fsdp_trainer(init, run / "trained", save_strategy="steps",
-                           save_steps=SAVE_EVERY)
+    trainer = fsdp_trainer(init, run / "trained", save_strategy="steps", save_steps=SAVE_EVERY)
     calls = []
     trainer.model.model.layers[0].attn.register_forward_hook(lambda *_: calls.append(1))
     trainer.train()
@@ -285,6 +283,16 @@ def test_full_state_dict_save_loads_with_from_pretrained(runs, references, name)
         torch.testing.assert_close(reloaded, reference(probe).logits, rtol=1e-4, atol=1e-4)
 
 
+def test_shard_rotary_in_float32_refuses_what_cannot_work(monkeypatch):
+    model = FAMILIES["gla"].lm_class(FAMILIES["gla"].config_class(**FAMILIES["gla"].tiny))
+    with pytest.raises(RuntimeError, match="needs an initialised torch.distributed process group"):
+        model.shard_rotary_in_float32()
+    # accelerate re-loads rank 0's full weights into the model after this: it cannot handle sharded units
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
+    with pytest.raises(ValueError, match="cpu_ram_efficient_loading"):
+        model.shard_rotary_in_float32()
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_rotary_stays_float32_under_mixed_precision(runs, name):
     """bf16 mixed precision (TrainingArguments(bf16=True): float32 weights, bf16 copies for the forward)."""
@@ -346,6 +354,30 @@ def test_rotary_stays_float32_in_a_model_loaded_in_bf16(tmp_path):
     for name in names:
         assert all(torch.isfinite(torch.tensor(step)).all() for step in reports[0][name])
         assert_rotary_computed_in_float32(torch.load(tmp_path / "runs" / name / "rank0.pt"), tmp_path / "init" / name)
+
+
+@pytest.mark.slow
+def test_example_commands(tmp_path):
+    """The README's commands for examples/train_distributed.py, with fewer steps: FSDP2 with checkpoints, resumed,
+    and DDP; each ends by reloading its final directory and comparing logits with the trained model's."""
+    example = Path(__file__).resolve().parent.parent / "examples" / "train_distributed.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    for options in (["--strategy", "fsdp", "--output-dir", "fsdp_run", "--max-steps", "20", "--save-steps", "10"],
+                    ["--strategy", "fsdp", "--output-dir", "fsdp_run", "--resume", "--max-steps", "30",
+                     "--save-steps", "10"],
+                    ["--strategy", "ddp", "--output-dir", "ddp_run", "--max-steps", "10", "--save-steps", "10"]):
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
+                              str(example), *options], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                             env=env)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+        strategy, output = options[1], options[3]
+        assert f"{strategy} on 2 processes: saved {output}/final/; reloaded logits differ from the trained model's " \
+               "by 0.0e+00" in run.stdout
+    assert sorted(p.name for p in (tmp_path / "fsdp_run").iterdir()) == [
+        "checkpoint-10", "checkpoint-20", "checkpoint-30", "final"]
+    trainer_state = json.loads((tmp_path / "fsdp_run" / "checkpoint-30" / "trainer_state.json").read_text())
+    assert trainer_state["global_step"] == 30
 
 
 if __name__ == "__main__":
