@@ -51,7 +51,7 @@ def causal_conv1d(
     y = F.silu(y) if activation == "silu" else y
 
     if lengths is None:
-        final_state = history[:, seq_len:]
+        final_state = history[:, seq_len:].clone()  # not a view: the cache must not keep all of `history` alive
     else:
         # The K-1 inputs just before each row's end sit at history[len : len+K-1].
         index = lengths.view(batch, 1) + torch.arange(kernel_size - 1, device=x.device)  # (B, K-1)

@@ -54,4 +54,6 @@ def selective_rotary(
         final_phase = initial_phase.float()
     else:
         final_phase = phase.new_zeros(batch, num_key_heads, half)
-    return rotate(q, q_cos, q_sin), rotate(k, cos, sin), final_phase.contiguous()
+    # A copy, never a view of `phase`: the cache must not keep the whole (B, T, Hk, R) tensor alive, and FSDP2
+    # warns about (and cannot guard) view outputs of a sharded module.
+    return rotate(q, q_cos, q_sin), rotate(k, cos, sin), final_phase.clone(memory_format=torch.contiguous_format)
