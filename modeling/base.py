@@ -247,11 +247,7 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
         if self.gradient_checkpointing and self.training and use_cache:
             logger.warning_once("use_cache=True is incompatible with gradient checkpointing; setting use_cache=False")
             use_cache = False
-        if past_key_values is not None:
-            if not isinstance(past_key_values, SelectiveRopeCache):
-                raise TypeError(f"past_key_values must be a SelectiveRopeCache (these models carry recurrent state), "
-                                f"got {type(past_key_values).__name__}")
-            check_cache(past_key_values, len(self.layers))
+        check_cache(past_key_values, len(self.layers))
         past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
         mask = padding_mask(attention_mask, batch, seq_len, past_len)
         cu_seqlens = packed_offsets(cu_seqlens, position_ids, markers, batch, seq_len, mask, past_len)

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .layout import check_offsets
+from .cache import SelectiveRopeCache
+from .layout import check_offsets, is_integer
 
 # Keyword arguments transformers' callers may pass that need nothing from us, or only a value we support.
 IGNORED_KWARGS = {
@@ -54,8 +55,7 @@ def check_tokens(input_ids, inputs_embeds, vocab_size: int, hidden_size: int) ->
         raise ValueError("pass exactly one of input_ids and inputs_embeds")
     if input_ids is not None:
         _require_tensor("input_ids", input_ids, "an integer tensor of shape (B, T)")
-        if input_ids.dim() != 2 or input_ids.dtype in (torch.bool,) or input_ids.is_floating_point() \
-                or input_ids.is_complex():
+        if input_ids.dim() != 2 or not is_integer(input_ids):
             raise ValueError(f"input_ids must be an integer tensor of shape (B, T); got {input_ids.dtype} of shape "
                              f"{tuple(input_ids.shape)}")
         _require_nonempty("input_ids", input_ids.shape[:2])
@@ -73,6 +73,12 @@ def check_tokens(input_ids, inputs_embeds, vocab_size: int, hidden_size: int) ->
 
 
 def check_cache(cache, num_layers: int) -> None:
+    """``past_key_values``: None or a :class:`SelectiveRopeCache` with one layer per model layer."""
+    if cache is None:
+        return
+    if not isinstance(cache, SelectiveRopeCache):
+        raise TypeError(f"past_key_values must be a SelectiveRopeCache (these models carry recurrent state), "
+                        f"got {type(cache).__name__}")
     if len(cache.layers) != num_layers:
         raise ValueError(f"past_key_values has {len(cache.layers)} layers but the model has {num_layers}: build it "
                          "with SelectiveRopeCache(model.config)")
@@ -113,7 +119,7 @@ def padding_mask(attention_mask, batch: int, seq_len: int, past_len: int) -> tor
 
 def packed_offsets(cu_seqlens, position_ids, markers: dict, batch: int, seq_len: int, mask: torch.Tensor | None,
                    past_len: int) -> torch.Tensor | None:
-    """One validated ``cu_seqlens`` (int32 on the inputs' device) from every packing marker given, or None.
+    """One validated ``cu_seqlens`` (int32) from every packing marker given, or None.
 
     Markers that are given must agree. ``position_ids`` that mark no packing must be the implicit positions.
     """
@@ -163,7 +169,7 @@ def _flash_offsets(markers: dict, seq_len: int) -> torch.Tensor:
 def _offsets_from_seq_idx(seq_idx, seq_len: int) -> torch.Tensor:
     """``seq_idx`` ``(1, T)``: 0, 0, 1, 1, 1, 2, ... (each sequence's index on its tokens)."""
     _require_tensor("seq_idx", seq_idx, f"an integer tensor of shape (1, {seq_len})")
-    if seq_idx.shape != (1, seq_len) or seq_idx.is_floating_point() or seq_idx.dtype == torch.bool:
+    if seq_idx.shape != (1, seq_len) or not is_integer(seq_idx):
         raise ValueError(f"seq_idx must be an integer tensor of shape (1, {seq_len}); got {seq_idx.dtype} of shape "
                          f"{tuple(seq_idx.shape)}")
     index = seq_idx[0].long()
@@ -180,7 +186,7 @@ def _offsets_from_positions(position_ids, batch: int, seq_len: int, mask: torch.
     are the implicit positions; otherwise an error."""
     _require_tensor("position_ids", position_ids, f"an integer tensor of shape (B, {seq_len})")
     if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != seq_len \
-            or position_ids.is_floating_point() or position_ids.dtype == torch.bool:
+            or not is_integer(position_ids):
         raise ValueError(f"position_ids must be an integer tensor of shape ({batch}, {seq_len}) or (1, {seq_len}); "
                          f"got {position_ids.dtype} of shape {tuple(position_ids.shape)}")
     positions = position_ids.long().expand(batch, seq_len)

@@ -16,14 +16,18 @@ from dataclasses import dataclass
 import torch
 
 
+def is_integer(tensor: torch.Tensor) -> bool:
+    """An integer tensor (not bool, floating or complex)."""
+    return not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool)
+
+
 def check_offsets(name: str, offsets, total: int) -> torch.Tensor:
     """``offsets`` as given, checked: a 1-D integer tensor ``[0, ..., total]``, non-decreasing (flash-linear-attention's
     ``cu_seqlens``); a one-line ``ValueError`` naming ``name`` otherwise."""
     if not isinstance(offsets, torch.Tensor):
         raise ValueError(f"{name} must be a 1-D integer tensor of offsets [0, ..., {total}]; got "
                          f"{type(offsets).__name__}")
-    if offsets.dim() != 1 or offsets.numel() < 2 or offsets.is_floating_point() or offsets.is_complex() \
-            or offsets.dtype == torch.bool:
+    if offsets.dim() != 1 or offsets.numel() < 2 or not is_integer(offsets):
         raise ValueError(f"{name} must be a 1-D integer tensor of offsets [0, ..., {total}]; got {offsets.dtype} of "
                          f"shape {tuple(offsets.shape)}")
     if int(offsets[0]) != 0 or int(offsets[-1]) != total or bool((offsets.diff() < 0).any()):

@@ -197,9 +197,9 @@ class SelectiveRotaryEmbedding(nn.Module):
 
         ``_keep_in_fp32_modules_strict`` keeps this module float32 when a checkpoint loads in bf16, but a later
         ``model.to(torch.bfloat16)`` or ``model.half()`` goes through ``_apply`` and would round the temperature:
-        bf16 keeps 8 bits of each frequency, which at 32k tokens moves RoPE's angles by up to ~60 rad (measured in
-        ``benchmarks/phase_precision.py``). ``_apply`` is how ``nn.Module`` casts, so this guard covers every cast
-        that goes through it (not, e.g., FSDP's mixed-precision parameter copies).
+        bf16 keeps 8 bits of each frequency, which for a Llama-3-style head (128 dims, base 500000) moves RoPE's
+        angles by up to 59 rad at 32k tokens (README, "Numerical precision"). ``_apply`` is how ``nn.Module`` casts,
+        so this covers every cast that goes through it (not, e.g., a framework's own low-precision parameter copies).
         """
         low_precision = (torch.bfloat16, torch.float16)
 
