@@ -159,7 +159,7 @@ def test_generate_accepts_position_ids(family):
     assert torch.equal(plain, with_positions)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lengths=st.lists(st.integers(1, 6), min_size=1, max_size=4), convention=st.sampled_from(
     ["cu_seqlens", "position_ids", "flash", "seq_idx"]))
 def test_every_packing_convention_equals_sequences_alone(gla_model, lengths, convention):
@@ -186,7 +186,7 @@ def gla_model():
     return build(FAMILIES["gla"], num_hidden_layers=1)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=st.lists(st.lists(st.booleans(), min_size=5, max_size=5).filter(any), min_size=1, max_size=3))
 def test_padding_anywhere_equals_rows_alone(gla_model, rows):
     mask = torch.tensor(rows)
