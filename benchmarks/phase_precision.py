@@ -34,7 +34,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from selective_rope import SelectiveRopeGLAConfig, SelectiveRopeGLAForCausalLM  # noqa: E402
-from selective_rope.modeling.layout import valid_mask  # noqa: E402,F401
 
 PREFILL = 16
 

@@ -54,10 +54,10 @@ def check_tokens(input_ids, inputs_embeds, vocab_size: int, hidden_size: int) ->
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids and inputs_embeds")
     if input_ids is not None:
-        _require_tensor("input_ids", input_ids, "an integer tensor of shape (B, T)")
-        if input_ids.dim() != 2 or not is_integer(input_ids):
-            raise ValueError(f"input_ids must be an integer tensor of shape (B, T); got {input_ids.dtype} of shape "
-                             f"{tuple(input_ids.shape)}")
+        _require_tensor("input_ids", input_ids, "an int64 or int32 tensor of shape (B, T)")
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):  # what nn.Embedding takes
+            raise ValueError(f"input_ids must be an int64 or int32 tensor of shape (B, T); got {input_ids.dtype} of "
+                             f"shape {tuple(input_ids.shape)}")
         _require_nonempty("input_ids", input_ids.shape[:2])
         low, high = (int(v) for v in torch.aminmax(input_ids))
         if low < 0 or high >= vocab_size:

@@ -230,7 +230,8 @@ def test_malformed_inputs_are_refused_naming_the_argument(family):
     cases = [
         (dict(input_ids=ids[:, :0]), "input_ids", "at least one token"),
         (dict(input_ids=ids[:0]), "input_ids", "batch of at least 1"),
-        (dict(input_ids=ids.float()), "input_ids", "integer tensor"),
+        (dict(input_ids=ids.float()), "input_ids", "int64 or int32 tensor"),
+        (dict(input_ids=ids.to(torch.uint8)), "input_ids", "torch.uint8"),
         (dict(input_ids=ids[0]), "input_ids", "shape (B, T)"),
         (dict(input_ids=ids.tolist()), "input_ids", "got list"),
         (dict(input_ids=ids + 100), "input_ids", "[0, 61)"),
