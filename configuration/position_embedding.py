@@ -39,11 +39,8 @@ PhaseProjection = Literal["low_rank", "full_rank", "scalar"]
 TemperatureType = Literal["rope", "rfa", "gaussian", "laplace", "uniform"]
 Backend = Literal["auto", "torch", "triton"]
 
-POSITION_EMBEDDINGS = get_args(PositionEmbedding)
-PHASE_GATE_TYPES = get_args(PhaseGateType)
+PHASE_GATE_TYPES = get_args(PhaseGateType)  # the converter's command-line choices
 PHASE_PROJECTIONS = get_args(PhaseProjection)
-TEMPERATURE_TYPES = get_args(TemperatureType)
-SAMPLED_TEMPERATURE_TYPES = ("gaussian", "laplace", "uniform")
 
 
 class InvalidConfigError(StrictDataclassError, ValueError):
