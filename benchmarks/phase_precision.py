@@ -13,7 +13,9 @@ phase bias, a gate; ``trained_looking_model``):
    ``model.to(torch.bfloat16)`` would do without the module's float32 guard): ``θ_t · |τ - bf16(τ)|``.
 
 Run: ``nice -n 19 python benchmarks/phase_precision.py [--lengths 1024 8192 16384 32768] [--backends torch triton]``;
-writes ``benchmarks/results/phase_precision.json`` (``--output`` to change it).
+writes ``benchmarks/results/phase_precision.json`` (``--output`` to change it). The committed file combines a run of
+the version before issue 19 (float32 phase) with a run of this one. At 32k tokens the Triton interpreter takes ~15 min
+of CPU for the decoding loop (a kernel launch per token).
 """
 
 from __future__ import annotations
