@@ -1,11 +1,18 @@
 """Configuration of SelectiveRopeFoX (field names follow transformers' ``LlamaConfig``, so Llama-family checkpoints
-map onto it field by field)."""
+map onto it field by field).
 
-from __future__ import annotations
+Every field is type- and range-checked (see :mod:`.position_embedding`); no postponed annotations here, so the
+checks stay on.
+"""
 
-from .position_embedding import SelectiveRopeConfigBase, _require
+from typing import Literal
+
+from huggingface_hub.dataclasses import validated_field
+
+from .position_embedding import Number, SelectiveRopeConfigBase, _require, at_least, interval, positive, strict_config
 
 
+@strict_config
 class SelectiveRopeFoXConfig(SelectiveRopeConfigBase):
     """Forgetting Transformer (softmax attention with a forget gate) with Selective RoPE: a superset of Llama.
 
@@ -30,15 +37,15 @@ class SelectiveRopeFoXConfig(SelectiveRopeConfigBase):
     keys_to_ignore_at_inference = ["past_key_values"]
     attribute_map = {"norm_eps": "rms_norm_eps"}  # the name the shared block reads
 
-    vocab_size: int = 32000
-    hidden_size: int = 4096
-    intermediate_size: int = 11008
-    num_hidden_layers: int = 32
-    num_attention_heads: int = 32
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    hidden_act: str = "silu"
-    rms_norm_eps: float = 1e-6
+    vocab_size: int = validated_field(at_least(1), default=32000)
+    hidden_size: int = validated_field(at_least(1), default=4096)
+    intermediate_size: int = validated_field(at_least(1), default=11008)
+    num_hidden_layers: int = validated_field(at_least(1), default=32)
+    num_attention_heads: int = validated_field(at_least(1), default=32)
+    num_key_value_heads: int | None = validated_field(at_least(1), default=None)
+    head_dim: int | None = validated_field(at_least(1), default=None)
+    hidden_act: Literal["silu", "swish"] = "silu"
+    rms_norm_eps: Number = validated_field(positive, default=1e-6)
     attention_bias: bool = False
     attention_output_bias: bool | None = None
     mlp_bias: bool = False
@@ -48,7 +55,7 @@ class SelectiveRopeFoXConfig(SelectiveRopeConfigBase):
     use_output_norm: bool = False
     use_k_shift: bool = False
     use_v_shift: bool = False
-    initializer_range: float = 0.02
+    initializer_range: Number = validated_field(interval(0), default=0.02)
     use_cache: bool = True
     pad_token_id: int | None = None
     bos_token_id: int | None = 1
@@ -59,19 +66,22 @@ class SelectiveRopeFoXConfig(SelectiveRopeConfigBase):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
+            _require(self.hidden_size >= self.num_attention_heads, "hidden_size", self.hidden_size,
+                     f"head_dim defaults to hidden_size // num_attention_heads ({self.num_attention_heads}), which "
+                     "must be >= 1; pass head_dim or more hidden units")
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.attention_output_bias is None:
             self.attention_output_bias = self.attention_bias
         super().__post_init__(**kwargs)
-        self.validate_fox()
-        self.validate_position_embedding(head_dim=self.head_dim, num_key_heads=self.num_key_value_heads)
+
+    @property
+    def rotary_head_dim(self) -> int:
+        return self.head_dim
+
+    @property
+    def num_phase_heads(self) -> int:
+        return self.num_key_value_heads
 
     def validate_fox(self) -> None:
-        _require(self.num_attention_heads >= 1, "num_attention_heads", self.num_attention_heads, "must be >= 1")
-        _require(self.num_key_value_heads >= 1 and self.num_attention_heads % self.num_key_value_heads == 0,
-                 "num_key_value_heads", self.num_key_value_heads,
-                 f"num_attention_heads ({self.num_attention_heads}) must be a positive multiple of it")
-        _require(self.head_dim >= 1, "head_dim", self.head_dim, "must be >= 1")
-        _require(self.intermediate_size >= 1, "intermediate_size", self.intermediate_size, "must be >= 1")
-        _require(self.hidden_act in ("silu", "swish"), "hidden_act", self.hidden_act,
-                 "expected 'silu' or 'swish' (the SwiGLU MLP)")
+        _require(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
+                 self.num_key_value_heads, f"num_attention_heads ({self.num_attention_heads}) must be a multiple of it")

@@ -1,14 +1,18 @@
-"""Configuration of SelectiveRopeGatedDeltaNet (field names follow flash-linear-attention's ``GatedDeltaNetConfig``)."""
+"""Configuration of SelectiveRopeGatedDeltaNet (field names follow flash-linear-attention's ``GatedDeltaNetConfig``).
 
-from __future__ import annotations
+Every field is type- and range-checked (see :mod:`.position_embedding`); no postponed annotations here, so the
+checks stay on.
+"""
 
 import math
+from typing import Literal
 
-from .position_embedding import SelectiveRopeConfigBase, _one_of, _require
+from huggingface_hub.dataclasses import validated_field
 
-OUTPUT_GATE_ACTIVATIONS = ("swish", "silu", "sigmoid")
+from .position_embedding import Number, SelectiveRopeConfigBase, _require, at_least, interval, positive, strict_config
 
 
+@strict_config
 class SelectiveRopeGatedDeltaNetConfig(SelectiveRopeConfigBase):
     """Gated DeltaNet with Selective RoPE.
 
@@ -25,25 +29,25 @@ class SelectiveRopeGatedDeltaNetConfig(SelectiveRopeConfigBase):
     model_type = "selective_rope_gated_deltanet"
     keys_to_ignore_at_inference = ["past_key_values"]
 
-    vocab_size: int = 32000
-    hidden_size: int = 2048
-    num_hidden_layers: int = 21
+    vocab_size: int = validated_field(at_least(1), default=32000)
+    hidden_size: int = validated_field(at_least(1), default=2048)
+    num_hidden_layers: int = validated_field(at_least(1), default=21)
     # fla's default is 6 heads of 256; Selective RoPE splits hidden_size into one chunk per head, and 2048 does not
     # split into 6, so the default here is 4 heads of 256 (key width 1024, value width 2048).
-    num_heads: int = 4
-    num_v_heads: int | None = None
-    head_dim: int = 256
-    expand_v: float = 2.0
+    num_heads: int = validated_field(at_least(1), default=4)
+    num_v_heads: int | None = validated_field(at_least(1), default=None)
+    head_dim: int = validated_field(at_least(1), default=256)
+    expand_v: Number = validated_field(positive, default=2.0)
     use_short_conv: bool = True
-    conv_size: int = 4
+    conv_size: int = validated_field(at_least(1), default=4)
     allow_neg_eigval: bool = False
     use_gate: bool = True
-    output_gate_activation: str = "swish"
-    hidden_ratio: int | None = 4
-    intermediate_size: int | None = None
-    hidden_act: str = "swish"
-    norm_eps: float = 1e-6
-    initializer_range: float = 0.02
+    output_gate_activation: Literal["swish", "silu", "sigmoid"] = "swish"
+    hidden_ratio: int | None = validated_field(at_least(1), default=4)
+    intermediate_size: int | None = validated_field(at_least(1), default=None)
+    hidden_act: Literal["swish", "silu"] = "swish"
+    norm_eps: Number = validated_field(positive, default=1e-6)
+    initializer_range: Number = validated_field(interval(0), default=0.02)
     use_cache: bool = True
     pad_token_id: int | None = None
     bos_token_id: int | None = 1
@@ -54,8 +58,6 @@ class SelectiveRopeGatedDeltaNetConfig(SelectiveRopeConfigBase):
         if self.num_v_heads is None:
             self.num_v_heads = self.num_heads
         super().__post_init__(**kwargs)
-        self.validate_gated_deltanet()
-        self.validate_position_embedding(head_dim=self.head_dim, num_key_heads=self.num_heads)
 
     @property
     def head_v_dim(self) -> int:
@@ -69,15 +71,17 @@ class SelectiveRopeGatedDeltaNetConfig(SelectiveRopeConfigBase):
     def value_dim(self) -> int:
         return self.num_v_heads * self.head_v_dim
 
+    @property
+    def rotary_head_dim(self) -> int:
+        return self.head_dim
+
+    @property
+    def num_phase_heads(self) -> int:
+        return self.num_heads
+
     def validate_gated_deltanet(self) -> None:
-        _require(self.num_heads >= 1, "num_heads", self.num_heads, "must be >= 1")
-        _require(self.num_v_heads >= 1 and self.num_v_heads % self.num_heads == 0, "num_v_heads", self.num_v_heads,
-                 f"must be a positive multiple of num_heads ({self.num_heads})")
-        _require(self.head_dim >= 1, "head_dim", self.head_dim, "must be >= 1")
+        _require(self.num_v_heads % self.num_heads == 0, "num_v_heads", self.num_v_heads,
+                 f"must be a multiple of num_heads ({self.num_heads})")
         width = self.head_dim * self.expand_v
-        _require(self.expand_v > 0 and math.isclose(width, round(width)), "expand_v", self.expand_v,
+        _require(math.isclose(width, round(width)) and round(width) > 0, "expand_v", self.expand_v,
                  f"head_dim * expand_v = {width} must be a positive integer (the value head size)")
-        _require(self.conv_size >= 1 or not self.use_short_conv, "conv_size", self.conv_size, "must be >= 1")
-        _one_of("output_gate_activation", self.output_gate_activation, OUTPUT_GATE_ACTIVATIONS)
-        _require(self.hidden_act in ("swish", "silu"), "hidden_act", self.hidden_act,
-                 "expected 'swish' or 'silu' (the SwiGLU MLP)")

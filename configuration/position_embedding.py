@@ -1,31 +1,139 @@
-"""The position-embedding options shared by every selective-rope family (SPEC §2).
+"""The position-embedding options shared by every selective-rope family (SPEC §2), and how configs are validated.
 
-One definition, inherited by the GLA, Gated DeltaNet and FoX configs. Values are checked when the config is
-constructed; an invalid value raises a ``ValueError`` that names the field, the value and what is allowed.
+Validation uses transformers' own mechanism, huggingface_hub's strict dataclasses (as ``LlamaConfig`` and
+``Qwen3Config`` do), applied to each family config by :func:`strict_config`:
+
+- a field's annotation is its type, checked on every assignment: ``"false"`` in a ``bool`` field is refused (never
+  read as truthy), ``True`` in an ``int`` field too; number fields are ``int | float`` so that ``10000`` is a valid
+  ``temperature_theta``;
+- a field's range is a validator attached to it (``validated_field(at_least(1), default=...)``), also checked on
+  every assignment;
+- rules between fields are methods named ``validate_*`` (strict's class validators, taking only ``self``), run after
+  construction and again by ``save_pretrained``.
+
+Every error is an :class:`InvalidConfigError`, a ``ValueError`` (SPEC §2) naming the field, the value and what is
+allowed. To add an option: one annotated field here (with a validator if its type does not say everything), and a line
+in ``validate_position_embedding`` if it constrains other fields.
+
+No ``from __future__ import annotations`` in this package's config modules: strict skips fields whose annotation is a
+string, so postponed annotations would switch the type checks off.
 """
 
-from __future__ import annotations
-
 import math
+import types
+from typing import Literal, Union, get_args, get_origin
 
+from huggingface_hub.dataclasses import strict, validated_field
+from huggingface_hub.errors import (
+    StrictDataclassClassValidationError,
+    StrictDataclassError,
+    StrictDataclassFieldValidationError,
+)
 from transformers import PreTrainedConfig
 
-POSITION_EMBEDDINGS = ("selective_rope", "rope", "nope")
-PHASE_GATE_TYPES = ("head", "low_rank", "channel")
-PHASE_PROJECTIONS = ("low_rank", "full_rank", "scalar")
-PHASE_CONV_ACTIVATIONS = (None, "silu")
-TEMPERATURE_TYPES = ("rope", "rfa", "gaussian", "laplace", "uniform")
-SAMPLED_TEMPERATURE_TYPES = ("gaussian", "laplace", "uniform")
-BACKENDS = ("auto", "torch", "triton")
+Number = int | float
+
+PositionEmbedding = Literal["selective_rope", "rope", "nope"]
+PhaseGateType = Literal["head", "low_rank", "channel"]
+PhaseProjection = Literal["low_rank", "full_rank", "scalar"]
+TemperatureType = Literal["rope", "rfa", "gaussian", "laplace", "uniform"]
+Backend = Literal["auto", "torch", "triton"]
+
+PHASE_GATE_TYPES = get_args(PhaseGateType)  # the converter's command-line choices
+PHASE_PROJECTIONS = get_args(PhaseProjection)
+
+
+class InvalidConfigError(StrictDataclassError, ValueError):
+    """An invalid config value. A ``ValueError`` (SPEC §2), and the strict-dataclass error transformers' own configs
+    raise, so code catching either catches it."""
 
 
 def _require(ok: bool, field: str, value, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"`{field}`={value!r} is invalid: {allowed}.")
+        raise InvalidConfigError(f"`{field}`={value!r} is invalid: {allowed}.")
 
 
 def _one_of(field: str, value, choices: tuple) -> None:
     _require(value in choices, field, value, f"expected one of {list(choices)}")
+
+
+# -- field validators: called with the value only, after its type was checked; ``None`` passes (optional fields) --
+def interval(low: Number | None = None, high: Number | None = None, *, low_open: bool = False,
+             high_open: bool = False):
+    """A validator: the value is a finite number in the interval, e.g. ``interval(0, 1, low_open=True)``: (0, 1]."""
+    if low is not None and high is not None:
+        allowed = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    elif low is not None:
+        allowed = f"{'>' if low_open else '>='} {low}"
+    elif high is not None:
+        allowed = f"{'<' if high_open else '<='} {high}"
+    else:
+        allowed = "(not inf or nan)"
+
+    def check(value) -> None:
+        if value is None:
+            return
+        ok = math.isfinite(value)
+        if low is not None:
+            ok = ok and (value > low if low_open else value >= low)
+        if high is not None:
+            ok = ok and (value < high if high_open else value <= high)
+        if not ok:
+            raise ValueError(f"must be a finite number {allowed}")
+
+    return check
+
+
+def at_least(low: int):
+    """A validator for integer fields: ``value >= low``."""
+    def check(value) -> None:
+        if value is not None and value < low:
+            raise ValueError(f"must be an integer >= {low}")
+
+    return check
+
+
+positive = interval(0, low_open=True)
+
+
+def _describe(annotation) -> str:
+    """``bool``, ``int or float``, ``one of 'a', 'b'``, ... for an error message."""
+    origin = get_origin(annotation)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(choice) for choice in get_args(annotation))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(part) for part in get_args(annotation))
+    if annotation is type(None):
+        return "None"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def strict_config(cls: type[PreTrainedConfig]) -> type[PreTrainedConfig]:
+    """Apply huggingface_hub's ``strict`` (type and range checks on every assignment, class validators after
+    construction) and raise its errors as one-line :class:`InvalidConfigError` messages naming the field and value."""
+    cls = strict(cls)
+    strict_setattr, strict_validate = cls.__setattr__, cls.validate
+
+    def __setattr__(self, name, value):
+        try:
+            strict_setattr(self, name, value)
+        except StrictDataclassFieldValidationError as error:
+            cause = error.__cause__
+            if isinstance(cause, TypeError) and name in cls.__dataclass_fields__:
+                allowed = f"expected {_describe(cls.__dataclass_fields__[name].type)}"
+            else:
+                allowed = str(cause)
+            raise InvalidConfigError(f"`{name}`={value!r} is invalid: {allowed}.") from cause
+
+    def validate(self) -> None:
+        try:
+            strict_validate(self)
+        except StrictDataclassClassValidationError as error:
+            raise InvalidConfigError(str(error.__cause__)) from error.__cause__
+
+    validate.__is_defined_by_strict_decorator__ = True  # lets a subclass apply `strict` again
+    cls.__setattr__, cls.validate = __setattr__, validate
+    return cls
 
 
 class SelectiveRopeConfigBase(PreTrainedConfig):
@@ -40,53 +148,55 @@ class SelectiveRopeConfigBase(PreTrainedConfig):
         phase_bias: add a learned positive bias ``exp(b)`` (``b`` starts at 0) to the phase increment.
         phase_proj: ``"low_rank"``, ``"full_rank"`` (per-head block-diagonal, weight-normalised) or
             ``"scalar"`` (one value per head shared by all frequencies).
-        phase_proj_rank: rank of the ``"low_rank"`` projection.
+        phase_proj_rank: rank of the ``"low_rank"`` projection (>= 1).
         phase_conv_size: kernel size of the causal depthwise convolution on the phase increment; 0 disables it.
         phase_conv_activation: ``None`` or ``"silu"``.
         temperature_type: ``"rope"``, ``"rfa"`` (tan schedule), or sampled ``"gaussian"``/``"laplace"``/``"uniform"``.
         temperature_theta: ``rope``: base (>= 1); ``rfa``: angle bound in (0, 1); sampled types: scale (> 0).
-        temperature_max: overall scale of the temperature schedule.
+        temperature_max: overall scale of the temperature schedule (> 0).
         temperature_trainable: learn the temperature.
         temperature_seed: seed of the sampled temperature types.
-        partial_rotary_factor: fraction of each head's q/k dims that rotate (the rotary part must be even).
+        partial_rotary_factor: fraction in (0, 1] of each head's q/k dims that rotate (the rotary part must be even).
         backend: ``"auto"`` (Triton kernels and flash-linear-attention on CUDA, PyTorch elsewhere), ``"torch"``
             (PyTorch everywhere) or ``"triton"`` (as auto on CUDA; on CPU our Triton rotary kernels under
             ``TRITON_INTERPRET=1``). The environment variable ``SELECTIVE_ROPE_BACKEND``, when set, overrides it.
+
+    Rules that only matter when rotating (the rotary part of a head, the input split per key head, the range of
+    ``temperature_theta`` per type) are checked for ``"rope"`` and ``"selective_rope"`` only; a ``"nope"`` config only
+    needs valid values.
     """
 
-    position_embedding: str = "selective_rope"
+    position_embedding: PositionEmbedding = "selective_rope"
     phase_gate: bool = True
-    phase_gate_type: str = "head"
+    phase_gate_type: PhaseGateType = "head"
     phase_bias: bool = False
-    phase_proj: str = "low_rank"
-    phase_proj_rank: int = 32
-    phase_conv_size: int = 4
-    phase_conv_activation: str | None = None
-    temperature_type: str = "rope"
-    temperature_theta: float = 500000.0
-    temperature_max: float = 1.0
+    phase_proj: PhaseProjection = "low_rank"
+    phase_proj_rank: int = validated_field(at_least(1), default=32)
+    phase_conv_size: int = validated_field(at_least(0), default=4)
+    phase_conv_activation: Literal["silu"] | None = None
+    temperature_type: TemperatureType = "rope"
+    temperature_theta: Number = validated_field(interval(), default=500000.0)  # range per type: see below
+    temperature_max: Number = validated_field(positive, default=1.0)
     temperature_trainable: bool = False
     temperature_seed: int = 0
-    partial_rotary_factor: float = 1.0
-    backend: str = "auto"
+    partial_rotary_factor: Number = validated_field(interval(0, 1, low_open=True), default=1.0)
+    backend: Backend = "auto"
 
-    def validate_position_embedding(self, head_dim: int, num_key_heads: int) -> None:
-        """Check every Selective RoPE field; ``head_dim`` and ``num_key_heads`` come from the family config."""
-        _one_of("position_embedding", self.position_embedding, POSITION_EMBEDDINGS)
-        _one_of("phase_gate_type", self.phase_gate_type, PHASE_GATE_TYPES)
-        _one_of("phase_proj", self.phase_proj, PHASE_PROJECTIONS)
-        _one_of("phase_conv_activation", self.phase_conv_activation, PHASE_CONV_ACTIVATIONS)
-        _one_of("temperature_type", self.temperature_type, TEMPERATURE_TYPES)
-        _one_of("backend", self.backend, BACKENDS)
-        _require(isinstance(self.phase_proj_rank, int) and self.phase_proj_rank >= 1,
-                 "phase_proj_rank", self.phase_proj_rank, "must be an integer >= 1")
-        _require(isinstance(self.phase_conv_size, int) and self.phase_conv_size >= 0,
-                 "phase_conv_size", self.phase_conv_size, "must be an integer >= 0 (0 disables the convolution)")
-        _require(isinstance(self.temperature_seed, int), "temperature_seed", self.temperature_seed,
-                 "must be an integer")
-        _require(math.isfinite(self.temperature_max) and self.temperature_max > 0,
-                 "temperature_max", self.temperature_max, "must be a finite number > 0")
+    @property
+    def rotary_head_dim(self) -> int:
+        """The size of the q/k heads the rotation applies to (set by each family)."""
+        raise NotImplementedError
 
+    @property
+    def num_phase_heads(self) -> int:
+        """The number of key heads, each with its own phase (set by each family)."""
+        raise NotImplementedError
+
+    def validate_position_embedding(self) -> None:
+        """The rules between fields that matter when rotating (strict runs it after the family's ``validate_*``
+        checks, in name order, so the head sizes it reads are valid)."""
+        if self.position_embedding == "nope":
+            return
         theta, kind = self.temperature_theta, self.temperature_type
         if kind == "rope":
             _require(theta >= 1, "temperature_theta", theta, "the RoPE base must be >= 1 for temperature_type='rope'")
@@ -94,15 +204,16 @@ class SelectiveRopeConfigBase(PreTrainedConfig):
             _require(0 < theta < 1, "temperature_theta", theta,
                      "the angle bound must be in (0, 1) for temperature_type='rfa' (e.g. 0.999)")
         else:
-            _require(math.isfinite(theta) and theta > 0, "temperature_theta", theta,
-                     f"the frequency scale must be > 0 for temperature_type={kind!r}")
+            _require(theta > 0, "temperature_theta", theta, f"the frequency scale must be > 0 for "
+                     f"temperature_type={kind!r}")
 
-        factor = self.partial_rotary_factor
-        _require(0 < factor <= 1, "partial_rotary_factor", factor, "must be in (0, 1]")
+        head_dim, factor = self.rotary_head_dim, self.partial_rotary_factor
         rotary_dim = head_dim * factor
         _require(rotary_dim == int(rotary_dim) and int(rotary_dim) % 2 == 0 and rotary_dim >= 2,
                  "partial_rotary_factor", factor,
-                 f"head_dim * partial_rotary_factor = {rotary_dim} must be an even integer >= 2 (head_dim={head_dim})")
-        _require(self.hidden_size % num_key_heads == 0, "hidden_size", self.hidden_size,
-                 f"must be divisible by the number of key heads ({num_key_heads}): Selective RoPE splits the "
-                 "input into one chunk per key head")
+                 f"head_dim * partial_rotary_factor = {rotary_dim} must be an even integer >= 2 (head_dim={head_dim}; "
+                 "position_embedding='nope' does not rotate and has no such rule)")
+        if self.position_embedding == "selective_rope":
+            _require(self.hidden_size % self.num_phase_heads == 0, "hidden_size", self.hidden_size,
+                     f"must be divisible by the number of key heads ({self.num_phase_heads}): Selective RoPE splits "
+                     "the input into one chunk per key head")

@@ -1,8 +1,38 @@
-"""Selective RoPE's cumulative phase and rotation, pure PyTorch (the reference the Triton kernel must match)."""
+"""Selective RoPE's cumulative phase and rotation, pure PyTorch (the reference the Triton kernel must match).
+
+Precision. The phase ``θ_t`` is a running sum over the whole sequence: after 32k tokens of order-1 increments it is
+~10⁴, where a float32 step is ~10⁻³ rad, and a float32 running sum drifts much further (cached decoding adds one
+increment at a time, a prefill sums a whole sequence at once: they disagree). So the phase is carried in float64
+(``phase_dtype``), and each angle ``τ_i θ_t`` is reduced modulo 2π in float64 before it is rounded to float32 for
+sin/cos (``rotary_angles``): prefill, decoding and the Triton kernels then compute the same angles from the same
+phase, to ~1e-6 rad at any length. The increments are float32 here; ``SelectiveRotaryEmbedding`` computes them in
+float64 and rounds them once, so that a decoding step and a prefill give the same ones.
+"""
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+TWO_PI = 2 * math.pi
+
+
+def phase_dtype(device: torch.device | str) -> torch.dtype:
+    """float64, except on Apple's MPS, which has no float64: there the phase is float32 (and drifts at long context,
+    see the module docstring)."""
+    return torch.float32 if torch.device(device).type == "mps" else torch.float64
+
+
+def rotary_angles(phase: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """``τ · θ`` reduced to ``(-2π, 2π)`` in ``phase``'s precision, then float32.
+
+    ``phase`` broadcastable against ``temperature`` ``(R,)``. Computed in turns, ``θ · τ / 2π`` minus its integer part,
+    so no 2π constant is rounded before the subtraction (the Triton kernels do exactly this). Differentiable: the
+    integer part has no gradient, so ``d angle = τ dθ + θ dτ``.
+    """
+    turns = phase * (temperature.to(phase.dtype) / TWO_PI)
+    return (turns - turns.detach().trunc()).float() * TWO_PI
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -26,24 +56,25 @@ def selective_rotary(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Accumulate the phase and rotate q and k.
 
-    ``θ_t = θ_0 + Σ_{s<=t} increment_s`` (float32), ``angle_t = temperature · θ_t``, then each query head rotates with
-    the phase of its key head (``h // (Hq / Hk)``).
+    ``θ_t = θ_0 + Σ_{s<=t} increment_s`` (float64, see ``phase_dtype``), ``angle_t = temperature · θ_t`` reduced mod
+    2π, then each query head rotates with the phase of its key head (``h // (Hq / Hk)``).
 
     Args:
         q: ``(B, T, Hq, D)``; k: ``(B, T, Hk, D)``.
-        increment: phase increments broadcastable to ``(B, T, Hk, R)`` (zero at padding positions).
+        increment: phase increments broadcastable to ``(B, T, Hk, R)`` (zero at padding positions), float32.
         temperature: ``(R,)``.
         initial_phase: ``(B, Hk, R)`` cached phase, or ``None`` for a sequence start.
 
     Returns:
-        Rotated ``q`` and ``k`` (input dtypes) and the final phase ``(B, Hk, R)`` float32.
+        Rotated ``q`` and ``k`` (input dtypes) and the final phase ``(B, Hk, R)`` in ``phase_dtype``.
     """
     batch, seq_len, num_key_heads = k.shape[:3]
     half = temperature.shape[-1]
-    phase = torch.cumsum(increment.float(), dim=1).expand(batch, seq_len, num_key_heads, half)  # (B, T, Hk, R)
+    dtype = phase_dtype(q.device)
+    phase = torch.cumsum(increment.to(dtype), dim=1).expand(batch, seq_len, num_key_heads, half)  # (B, T, Hk, R)
     if initial_phase is not None:
-        phase = phase + initial_phase.float().unsqueeze(1)
-    angle = phase * temperature.float()
+        phase = phase + initial_phase.to(dtype).unsqueeze(1)
+    angle = rotary_angles(phase, temperature)
     cos, sin = angle.cos(), angle.sin()
     groups = q.shape[2] // num_key_heads
     q_cos, q_sin = (t.repeat_interleave(groups, dim=2) for t in (cos, sin)) if groups > 1 else (cos, sin)
@@ -51,7 +82,7 @@ def selective_rotary(
     if seq_len > 0:
         final_phase = phase[:, -1]
     elif initial_phase is not None:
-        final_phase = initial_phase.float()
+        final_phase = initial_phase.to(dtype)
     else:
         final_phase = phase.new_zeros(batch, num_key_heads, half)
     # A copy, never a view of `phase`: the cache must not keep the whole (B, T, Hk, R) tensor alive, and FSDP2

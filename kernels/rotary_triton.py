@@ -4,7 +4,7 @@ Same semantics as the PyTorch reference (:func:`selective_rope.kernels.rotary_to
 token with a cache, ``SelectiveRotaryEmbedding``'s torch path), plus packed sequences (``cu_seqlens``).
 
 **Prefill / training** (``selective_rotary_triton``). One program per (sequence, key head, block of frequency pairs)
-walks over time in tiles with a running float32 carry of the phase, so the cumulative sum never leaves the program:
+walks over time in tiles with a running carry of the phase, so the cumulative sum never leaves the program:
 
     θ_t = θ_0 + Σ_{s<=t} c_s,   angle_t = τ · θ_t,   (x_i, x_{i+R}) -> (x_i cos − x_{i+R} sin, x_i sin + x_{i+R} cos)
 
@@ -18,8 +18,15 @@ reduced from per-program partials in PyTorch (no atomics).
 **Decode** (``selective_rotary_decode_triton``): one token per row, one program per (row, key head). From the phase
 projection ``a`` (the matmuls stay in PyTorch, so hooks and adapters on those modules keep working) it does SPEC §3
 steps 3-8 in training order: the causal convolution over the cached history (then its activation), ``+ exp(b)``,
-``* sigmoid(gate)``, the phase update and the rotation of q and k, and writes the new phase and convolution history.
+``* sigmoid(gate)``, the phase update (float64) and the rotation of q and k, and writes the new phase and convolution
+history.
 A row whose token is padding adds 0 to its phase and keeps its convolution history, as the torch path does.
+
+Precision, as in the torch path (see ``rotary_torch``): the phase is summed in float64 (the scan inside a tile too: a
+float32 scan over 64 tokens is off by up to ~5e-5 rad, which decoding would not reproduce), every angle is reduced
+modulo 2π in float64 (``_angle``) before sin/cos in float32, and the decode step computes the increment in float64
+and rounds it to float32 as the torch path does. That is ~10 float64 operations per element against ~20 bytes of
+memory traffic, so by estimate (not measured yet) still memory-bound where float64 runs at 1/64 rate.
 
 Both are ``torch.library`` custom ops (``selective_rope::rotary_forward`` / ``rotary_backward`` / ``rotary_decode``,
 with fake implementations, the forward with a registered autograd formula), so ``torch.compile`` treats them as
@@ -33,6 +40,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from .rotary_torch import TWO_PI
 
 # Inside try/except: transformers' remote-code loader requires every library a shipped file imports outside such
 # blocks, and this file travels with saved models while triton is optional (the caller falls back to torch).
@@ -77,6 +86,15 @@ def _sum0(x):
 
 
 @triton.jit
+def _angle(phase, turns_per_phase):
+    """``τ θ`` reduced mod 2π: float64 ``phase`` and ``τ / 2π`` in, float32 angle in (-2π, 2π) out, computed as
+    ``rotary_torch.rotary_angles`` does (the 2π factor comes last, in float32: a float constant in a Triton kernel is
+    float32, so a float64 2π could not be written)."""
+    turns = phase * turns_per_phase
+    return (turns - turns.to(tl.int64).to(tl.float64)).to(tl.float32) * 6.283185307179586
+
+
+@triton.jit
 def _span(n, cu_ptr, T, IS_VARLEN: tl.constexpr):
     """(batch row, first token, end token) of sequence ``n``."""
     if IS_VARLEN:
@@ -92,7 +110,7 @@ def _span(n, cu_ptr, T, IS_VARLEN: tl.constexpr):
 
 @triton.jit
 def _selective_rotary_fwd_kernel(
-    q_ptr, k_ptr, inc_ptr, temp_ptr, init_ptr, oq_ptr, ok_ptr, final_ptr, cu_ptr,
+    q_ptr, k_ptr, inc_ptr, turns_ptr, init_ptr, oq_ptr, ok_ptr, final_ptr, cu_ptr,
     T, Hk, G, R, D,
     sq_b, sq_t, sq_h, sq_d,
     sk_b, sk_t, sk_h, sk_d,
@@ -110,12 +128,12 @@ def _selective_rotary_fwd_kernel(
 
     rs = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = rs < R
-    temp = tl.load(temp_ptr + rs, mask=mask_r, other=0.0).to(tl.float32)
+    turns = tl.load(turns_ptr + rs, mask=mask_r, other=0.0)  # τ / 2π, float64
     state_offs = pid_nh.to(tl.int64) * R + rs  # (n, hk, r) in a contiguous (N, Hk, R) tensor
     if HAS_INIT:
-        carry = tl.load(init_ptr + state_offs, mask=mask_r, other=0.0).to(tl.float32)
+        carry = tl.load(init_ptr + state_offs, mask=mask_r, other=0.0).to(tl.float64)
     else:
-        carry = tl.full([BLOCK_R], 0.0, tl.float32)
+        carry = tl.full([BLOCK_R], 0.0, tl.float64)
 
     inc_base = inc_ptr + b * si_b + hk * si_h
     k_base = k_ptr + b * sk_b + hk * sk_h
@@ -124,10 +142,10 @@ def _selective_rotary_fwd_kernel(
         ts = t0 + tl.arange(0, BLOCK_T)
         mask_t = ts < eos
         mask = mask_t[:, None] & mask_r[None, :]
-        inc = tl.load(inc_base + ts[:, None] * si_t + rs[None, :] * si_r, mask=mask, other=0.0).to(tl.float32)
+        inc = tl.load(inc_base + ts[:, None] * si_t + rs[None, :] * si_r, mask=mask, other=0.0).to(tl.float64)
         phase = _cumsum(inc, False) + carry[None, :]
         carry += _sum0(inc)
-        angle = phase * temp[None, :]
+        angle = _angle(phase, turns[None, :])
         cos = tl.cos(angle)
         sin = tl.sin(angle)
 
@@ -168,7 +186,7 @@ def _selective_rotary_fwd_kernel(
 
 @triton.jit
 def _selective_rotary_bwd_kernel(
-    q_ptr, k_ptr, dyq_ptr, dyk_ptr, inc_ptr, temp_ptr, init_ptr, dfinal_ptr, cu_ptr,
+    q_ptr, k_ptr, dyq_ptr, dyk_ptr, inc_ptr, temp_ptr, turns_ptr, init_ptr, dfinal_ptr, cu_ptr,
     dq_ptr, dk_ptr, dinc_ptr, dtemp_ptr, dinit_ptr,
     T, Hk, G, R, D,
     sq_b, sq_t, sq_h, sq_d,
@@ -192,13 +210,14 @@ def _selective_rotary_bwd_kernel(
     rs = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = rs < R
     temp = tl.load(temp_ptr + rs, mask=mask_r, other=0.0).to(tl.float32)
+    turns = tl.load(turns_ptr + rs, mask=mask_r, other=0.0)  # τ / 2π, float64
     state_offs = pid_nh.to(tl.int64) * R + rs
     if HAS_INIT:
-        carry = tl.load(init_ptr + state_offs, mask=mask_r, other=0.0).to(tl.float32)
+        carry = tl.load(init_ptr + state_offs, mask=mask_r, other=0.0).to(tl.float64)
     else:
-        carry = tl.full([BLOCK_R], 0.0, tl.float32)
+        carry = tl.full([BLOCK_R], 0.0, tl.float64)
     dphase_total = tl.full([BLOCK_R], 0.0, tl.float32)
-    dtemp_acc = tl.full([BLOCK_R], 0.0, tl.float32)
+    dtemp_acc = tl.full([BLOCK_R], 0.0, tl.float64)  # Σ θ_t dangle_t: θ is large, keep its bits
 
     inc_base = inc_ptr + b * si_b + hk * si_h
     dinc_base = dinc_ptr + b * sdi_b + hk * sdi_h
@@ -208,10 +227,10 @@ def _selective_rotary_bwd_kernel(
         ts = t0 + tl.arange(0, BLOCK_T)
         mask_t = ts < eos
         mask = mask_t[:, None] & mask_r[None, :]
-        inc = tl.load(inc_base + ts[:, None] * si_t + rs[None, :] * si_r, mask=mask, other=0.0).to(tl.float32)
+        inc = tl.load(inc_base + ts[:, None] * si_t + rs[None, :] * si_r, mask=mask, other=0.0).to(tl.float64)
         phase = _cumsum(inc, False) + carry[None, :]
         carry += _sum0(inc)
-        angle = phase * temp[None, :]
+        angle = _angle(phase, turns[None, :])
         cos = tl.cos(angle)
         sin = tl.sin(angle)
 
@@ -242,7 +261,7 @@ def _selective_rotary_bwd_kernel(
         dphase = dangle * temp[None, :]
         dphase_total += _sum0(dphase)
         if NEED_DTEMP:
-            dtemp_acc += _sum0(tl.where(mask, phase * dangle, 0.0))
+            dtemp_acc += _sum0(tl.where(mask, phase * dangle.to(tl.float64), 0.0))
         tl.store(dinc_base + ts[:, None] * sdi_t + rs[None, :], dphase, mask=mask)
 
         if HAS_PASS:  # pass-through dims: the gradient is copied by the first frequency block only
@@ -278,9 +297,9 @@ def _selective_rotary_bwd_kernel(
         suffix += _sum0(dphase)
 
     if NEED_DINIT:
-        tl.store(dinit_ptr + state_offs, dphase_total, mask=mask_r)
+        tl.store(dinit_ptr + state_offs, dphase_total.to(tl.float64), mask=mask_r)
     if NEED_DTEMP:
-        tl.store(dtemp_ptr + state_offs, dtemp_acc, mask=mask_r)
+        tl.store(dtemp_ptr + state_offs, dtemp_acc.to(tl.float32), mask=mask_r)
 
 
 @triton.jit
@@ -305,7 +324,7 @@ def _rotate_head(x_ptr, o_ptr, rs, mask_r, cos, sin, R, D, s_d, so_d,
 
 @triton.jit
 def _selective_rotary_decode_kernel(
-    q_ptr, k_ptr, proj_ptr, temp_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, gate_ptr, valid_ptr,
+    q_ptr, k_ptr, proj_ptr, turns_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, gate_ptr, valid_ptr,
     oq_ptr, ok_ptr, ophase_ptr, oconv_ptr,
     Hk, G, R, D,
     sq_b, sq_h, sq_d,
@@ -324,11 +343,12 @@ def _selective_rotary_decode_kernel(
     rs = tl.arange(0, BLOCK_R)
     mask_r = rs < R
 
-    # Step 2's output, zeroed for a padding token (the torch path multiplies by the valid mask: same bits).
-    a = tl.load(proj_ptr + b * sp_b + hk * sp_h + rs * sp_r, mask=mask_r, other=0.0).to(tl.float32)
+    # Steps 3-5 in float64, as the torch path computes them (``SelectiveRotaryEmbedding.phase_increment``), so both
+    # round the increment to the same float32 value. Step 2's output, zeroed for a padding token.
+    a = tl.load(proj_ptr + b * sp_b + hk * sp_h + rs * sp_r, mask=mask_r, other=0.0).to(tl.float64)
     if HAS_VALID:
         keep = tl.load(valid_ptr + b) != 0
-        valid = keep.to(tl.float32)
+        valid = keep.to(tl.float64)
         a = a * valid
 
     # Step 3: causal depthwise convolution over (history, a), taps oldest first, summed in the torch path's order.
@@ -336,35 +356,36 @@ def _selective_rotary_decode_kernel(
     if CONV_K > 0:
         channels = Hk * R
         ch = hk * R + rs
-        history = conv_ptr + b * (CONV_K - 1) * channels + ch  # (B, K-1, Hk*R) contiguous
+        history = conv_ptr + b * (CONV_K - 1) * channels + ch  # (B, K-1, Hk*R) contiguous, float64
         new_history = oconv_ptr + b * (CONV_K - 1) * channels + ch
-        c = tl.full([BLOCK_R], 0.0, tl.float32)
+        c = tl.full([BLOCK_R], 0.0, tl.float64)
         for j in tl.static_range(CONV_K - 1):
-            h_j = tl.load(history + j * channels, mask=mask_r, other=0.0)
-            c += h_j * tl.load(weight_ptr + ch * CONV_K + j, mask=mask_r, other=0.0)
+            h_j = tl.load(history + j * channels, mask=mask_r, other=0.0).to(tl.float64)
+            c += h_j * tl.load(weight_ptr + ch * CONV_K + j, mask=mask_r, other=0.0).to(tl.float64)
             # The history moves on by one input, unless the token is padding (then it stays as it was).
             if j + 1 < CONV_K - 1:
-                shifted = tl.load(history + (j + 1) * channels, mask=mask_r, other=0.0)
+                shifted = tl.load(history + (j + 1) * channels, mask=mask_r, other=0.0).to(tl.float64)
             else:
                 shifted = a
             if HAS_VALID:
                 shifted = tl.where(keep, shifted, h_j)
             tl.store(new_history + j * channels, shifted, mask=mask_r)
-        c += a * tl.load(weight_ptr + ch * CONV_K + CONV_K - 1, mask=mask_r, other=0.0)
+        c += a * tl.load(weight_ptr + ch * CONV_K + CONV_K - 1, mask=mask_r, other=0.0).to(tl.float64)
         if SILU:
             c = c * _sigmoid(c)
     # Steps 4-5: bias, then the gate (which scales the bias too), then pads contribute nothing.
     if HAS_BIAS:
-        c += tl.exp(tl.load(bias_ptr + hk * R + rs, mask=mask_r, other=0.0))
+        c += tl.exp(tl.load(bias_ptr + hk * R + rs, mask=mask_r, other=0.0).to(tl.float64))
     if HAS_GATE:
-        c *= _sigmoid(tl.load(gate_ptr + b * sg_b + hk * sg_h + rs * sg_r, mask=mask_r, other=0.0).to(tl.float32))
+        c *= _sigmoid(tl.load(gate_ptr + b * sg_b + hk * sg_h + rs * sg_r, mask=mask_r, other=0.0).to(tl.float64))
     if HAS_VALID:
         c = c * valid
 
-    # Step 6-8: phase update, angle, rotation of the key head and of its query heads.
-    phase = c + tl.load(phase_ptr + pid * R + rs, mask=mask_r, other=0.0)
+    # Step 6-8: the increment rounded to float32 (as the torch path's), the phase update in float64, the angle reduced
+    # mod 2π, the rotation of the key head and of its query heads.
+    phase = tl.load(phase_ptr + pid * R + rs, mask=mask_r, other=0.0).to(tl.float64) + c.to(tl.float32).to(tl.float64)
     tl.store(ophase_ptr + pid * R + rs, phase, mask=mask_r)
-    angle = phase * tl.load(temp_ptr + rs, mask=mask_r, other=0.0)
+    angle = _angle(phase, tl.load(turns_ptr + rs, mask=mask_r, other=0.0))
     cos = tl.cos(angle)
     sin = tl.sin(angle)
     _rotate_head(k_ptr + b * sk_b + hk * sk_h, ok_ptr + b * sok_b + hk * sok_h, rs, mask_r, cos, sin, R, D,
@@ -382,6 +403,11 @@ def _num_seqs(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> int:
     return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
 
+def _turns_per_phase(temperature: torch.Tensor) -> torch.Tensor:
+    """``τ / 2π`` in float64, as ``rotary_torch.rotary_angles`` computes it."""
+    return (temperature.double() / TWO_PI).contiguous()
+
+
 @torch.library.custom_op("selective_rope::rotary_forward", mutates_args=())
 def _rotary_forward(
     q: torch.Tensor,
@@ -392,13 +418,13 @@ def _rotary_forward(
     cu_seqlens: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``increment`` ``(B, T, Hk, R)`` float32 (may be an expanded view), ``temperature`` ``(R,)`` float32,
-    ``initial_phase`` ``(N, Hk, R)`` float32 -> rotated q, k and the final phase ``(N, Hk, R)`` float32."""
+    ``initial_phase`` ``(N, Hk, R)`` float64 -> rotated q, k and the final phase ``(N, Hk, R)`` float64."""
     batch, seq_len, num_query_heads, head_dim = q.shape
     num_key_heads, half = k.shape[2], temperature.shape[0]
     num_seqs = _num_seqs(q, cu_seqlens)
     init = None if initial_phase is None else initial_phase.contiguous()
     out_q, out_k = torch.empty_like(q), torch.empty_like(k)
-    final = torch.empty(num_seqs, num_key_heads, half, dtype=torch.float32, device=q.device)
+    final = torch.empty(num_seqs, num_key_heads, half, dtype=torch.float64, device=q.device)
     if seq_len == 0 or num_seqs == 0 or half == 0:
         out_q.copy_(q)
         out_k.copy_(k)
@@ -407,7 +433,7 @@ def _rotary_forward(
     cfg = _config(half, head_dim - 2 * half)
     grid = (num_seqs * num_key_heads, triton.cdiv(half, cfg["BLOCK_R"]))
     _selective_rotary_fwd_kernel[grid](
-        q, k, increment, temperature.contiguous(), init if init is not None else final, out_q, out_k, final,
+        q, k, increment, _turns_per_phase(temperature), init if init is not None else final, out_q, out_k, final,
         cu_seqlens if cu_seqlens is not None else final,
         seq_len, num_key_heads, num_query_heads // num_key_heads, half, head_dim,
         *q.stride(), *k.stride(), *out_q.stride(), *out_k.stride(), *increment.stride(),
@@ -419,7 +445,7 @@ def _rotary_forward(
 
 @_rotary_forward.register_fake
 def _(q, k, increment, temperature, initial_phase, cu_seqlens):
-    final = q.new_empty(_num_seqs(q, cu_seqlens), k.shape[2], temperature.shape[0], dtype=torch.float32)
+    final = q.new_empty(_num_seqs(q, cu_seqlens), k.shape[2], temperature.shape[0], dtype=torch.float64)
     return torch.empty_like(q), torch.empty_like(k), final
 
 
@@ -437,14 +463,14 @@ def _rotary_backward(
     need_temperature_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``rotary_forward``: ``(dq, dk, d_increment (B, T, Hk, R), d_temperature (R,),
-    d_initial_phase (N, Hk, R))``, all float32 but dq/dk (in q's and k's dtypes)."""
+    d_initial_phase (N, Hk, R))``: dq/dk in q's and k's dtypes, d_initial_phase float64, the others float32."""
     batch, seq_len, num_query_heads, head_dim = q.shape
     num_key_heads, half = k.shape[2], temperature.shape[0]
     num_seqs = _num_seqs(q, cu_seqlens)
     init = None if initial_phase is None else initial_phase.contiguous()
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dinc = torch.zeros(batch, seq_len, num_key_heads, half, dtype=torch.float32, device=q.device)
-    dinit = torch.zeros(num_seqs, num_key_heads, half, dtype=torch.float32, device=q.device)
+    dinit = torch.zeros(num_seqs, num_key_heads, half, dtype=torch.float64, device=q.device)
     dtemp_partial = torch.zeros(num_seqs, num_key_heads, half, dtype=torch.float32, device=q.device)
     dfinal = None if grad_final is None else grad_final.float().contiguous()
     if seq_len == 0 or num_seqs == 0 or half == 0:
@@ -456,7 +482,8 @@ def _rotary_backward(
     cfg = _config(half, head_dim - 2 * half)
     grid = (num_seqs * num_key_heads, triton.cdiv(half, cfg["BLOCK_R"]))
     _selective_rotary_bwd_kernel[grid](
-        q, k, grad_q, grad_k, increment, temperature.contiguous(), init if init is not None else dinit,
+        q, k, grad_q, grad_k, increment, temperature.contiguous(), _turns_per_phase(temperature),
+        init if init is not None else dinit,
         dfinal if dfinal is not None else dinit, cu_seqlens if cu_seqlens is not None else dinit,
         dq, dk, dinc, dtemp_partial, dinit,
         seq_len, num_key_heads, num_query_heads // num_key_heads, half, head_dim,
@@ -473,7 +500,7 @@ def _rotary_backward(
 def _(q, k, grad_q, grad_k, grad_final, increment, temperature, initial_phase, cu_seqlens, need_temperature_grad):
     batch, seq_len, num_key_heads = k.shape[:3]
     half = temperature.shape[0]
-    dinit = q.new_empty(_num_seqs(q, cu_seqlens), num_key_heads, half, dtype=torch.float32)
+    dinit = q.new_empty(_num_seqs(q, cu_seqlens), num_key_heads, half, dtype=torch.float64)
     dinc = q.new_empty(batch, seq_len, num_key_heads, half, dtype=torch.float32)
     return torch.empty_like(q), torch.empty_like(k), dinc, q.new_empty(half, dtype=torch.float32), dinit
 
@@ -523,12 +550,12 @@ def selective_rotary_triton(
         q: ``(B, T, Hq, D)``; k: ``(B, T, Hk, D)`` with ``Hq % Hk == 0``.
         increment: phase increments broadcastable to ``(B, T, Hk, R)`` (e.g. ``(B, T, 1, 1)`` for RoPE).
         temperature: ``(R,)``, ``2R <= D`` (dims ``>= 2R`` pass through).
-        initial_phase: ``(B, Hk, R)`` (``(N, Hk, R)`` with ``cu_seqlens``) cached phase, or ``None``.
+        initial_phase: ``(B, Hk, R)`` (``(N, Hk, R)`` with ``cu_seqlens``) cached phase (float64), or ``None``.
         cu_seqlens: optional ``(N + 1,)`` integer offsets of packed sequences (``B == 1``); the phase restarts
             at each boundary. As in flash-linear-attention, ``cu_seqlens[0] == 0`` and ``cu_seqlens[-1] == T``.
 
     Returns:
-        Rotated ``q`` and ``k`` (input dtypes) and the final phase ``(B, Hk, R)`` (``(N, Hk, R)``) float32.
+        Rotated ``q`` and ``k`` (input dtypes) and the final phase ``(B, Hk, R)`` (``(N, Hk, R)``) float64.
         Differentiable in q, k, increment, temperature and initial_phase.
     """
     _check_shapes(q, k, temperature, cu_seqlens)
@@ -536,11 +563,11 @@ def selective_rotary_triton(
     half = temperature.shape[-1]
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
-    # Broadcasts and float32 casts happen here, outside the op, so that autograd reduces their gradients back to the
-    # shapes and dtypes the caller passed (e.g. a (B, T, 1, 1) RoPE increment).
+    # Broadcasts and casts happen here, outside the op, so that autograd reduces their gradients back to the shapes
+    # and dtypes the caller passed (e.g. a (B, T, 1, 1) RoPE increment).
     increment = increment.float().expand(batch, seq_len, num_key_heads, half)
     if initial_phase is not None:
-        initial_phase = initial_phase.float().expand(_num_seqs(q, cu_seqlens), num_key_heads, half)
+        initial_phase = initial_phase.double().expand(_num_seqs(q, cu_seqlens), num_key_heads, half)
     return _rotary_forward(q, k, increment, temperature.float(), initial_phase, cu_seqlens)
 
 
@@ -561,14 +588,15 @@ def _rotary_decode(
     valid: torch.Tensor | None,
     silu: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Shapes as in ``selective_rotary_decode_triton``, all float32 but q/k; ``phase`` and ``conv_state`` are given
-    (zeros at a sequence start). Returns q, k, the new phase and the new history (``(B, 0, C)`` without conv)."""
+    """Shapes as in ``selective_rotary_decode_triton``: ``projection``, ``phase``, ``conv_state`` and ``gate_logits``
+    float64, ``temperature``, ``conv_weight`` and ``bias`` float32; ``phase`` and ``conv_state`` are given (zeros at a
+    sequence start). Returns q, k, the new phase and the new history (``(B, 0, C)`` without conv), float64."""
     batch, num_query_heads, head_dim = q.shape
     num_key_heads, half = k.shape[1], temperature.shape[0]
     out_q, out_k = torch.empty_like(q), torch.empty_like(k)
-    new_phase = torch.empty(batch, num_key_heads, half, dtype=torch.float32, device=q.device)
+    new_phase = torch.empty(batch, num_key_heads, half, dtype=torch.float64, device=q.device)
     conv_k = 0 if conv_weight is None else conv_weight.shape[-1]
-    new_conv = q.new_empty(batch, max(conv_k - 1, 0), num_key_heads * half, dtype=torch.float32)
+    new_conv = q.new_empty(batch, max(conv_k - 1, 0), num_key_heads * half, dtype=torch.float64)
     if batch == 0 or half == 0:
         out_q.copy_(q)
         out_k.copy_(k)
@@ -581,7 +609,7 @@ def _rotary_decode(
     block_r = triton.next_power_of_2(half)  # one program holds all R pairs of its head
     placeholder = new_phase  # for pointers a disabled branch never reads
     _selective_rotary_decode_kernel[(batch * num_key_heads,)](
-        q, k, projection, temperature.contiguous(), phase.contiguous(),
+        q, k, projection, _turns_per_phase(temperature), phase.contiguous(),
         conv_state.contiguous() if conv_state is not None else placeholder,
         conv_weight.contiguous() if conv_weight is not None else placeholder,
         bias.contiguous() if bias is not None else placeholder, gate,
@@ -600,8 +628,8 @@ def _rotary_decode(
 def _(q, k, projection, temperature, phase, conv_state, conv_weight, bias, gate_logits, valid, silu):
     batch, num_key_heads, half = k.shape[0], k.shape[1], temperature.shape[0]
     conv_k = 0 if conv_weight is None else conv_weight.shape[-1]
-    new_conv = q.new_empty(batch, max(conv_k - 1, 0), num_key_heads * half, dtype=torch.float32)
-    new_phase = q.new_empty(batch, num_key_heads, half, dtype=torch.float32)
+    new_conv = q.new_empty(batch, max(conv_k - 1, 0), num_key_heads * half, dtype=torch.float64)
+    new_phase = q.new_empty(batch, num_key_heads, half, dtype=torch.float64)
     return torch.empty_like(q), torch.empty_like(k), new_phase, new_conv
 
 
@@ -622,20 +650,21 @@ def selective_rotary_decode_triton(
 
     Args:
         q: ``(B, Hq, D)``; k: ``(B, Hk, D)``: this step's query and key, ``Hq % Hk == 0``.
-        projection: ``(B, Hk, R)`` the phase projection ``P(u)`` of this step's input (any strides, e.g. the
-            expanded output of the ``scalar`` projection).
+        projection: ``(B, Hk, R)`` the phase projection ``P(u)`` of this step's input, float64 (any strides, e.g.
+            the expanded output of the ``scalar`` projection).
         temperature: ``(R,)``.
-        phase: ``(B, Hk, R)`` the cached phase (``None``: a sequence start, zeros).
-        conv_state: ``(B, K-1, Hk*R)`` the convolution's history, oldest first (``None``: zeros).
+        phase: ``(B, Hk, R)`` the cached phase, float64 (``None``: a sequence start, zeros).
+        conv_state: ``(B, K-1, Hk*R)`` the convolution's history, oldest first, float64 (``None``: zeros).
         conv_weight: ``(Hk*R, K)`` the taps (the last multiplies this step), or ``None`` for no convolution.
         conv_activation: ``None`` or ``"silu"``, after the convolution.
         bias: ``(Hk, R)`` the raw bias ``b`` (``exp(b)`` is added), or ``None``.
-        gate_logits: ``G(u)`` before the sigmoid, ``(B, Hk, 1)`` (one per head) or ``(B, Hk, R)``, or ``None``.
+        gate_logits: ``G(u)`` before the sigmoid, ``(B, Hk, 1)`` (one per head) or ``(B, Hk, R)``, float64, or
+            ``None``.
         valid: ``(B,)`` bool, False where this step's token is padding (adds 0, history unchanged), or ``None``.
 
     Returns:
-        Rotated ``q`` and ``k`` (input dtypes), the new phase ``(B, Hk, R)`` float32 and the new convolution history
-        ``(B, K-1, Hk*R)`` float32 (``None`` without convolution). Not differentiable: for inference.
+        Rotated ``q`` and ``k`` (input dtypes), the new phase ``(B, Hk, R)`` and the new convolution history
+        ``(B, K-1, Hk*R)`` (``None`` without convolution), both float64. Not differentiable: for inference.
     """
     if conv_activation not in (None, "silu"):
         raise ValueError(f"unsupported activation {conv_activation!r}; expected None or 'silu'")
@@ -643,17 +672,17 @@ def selective_rotary_decode_triton(
     half = temperature.shape[-1]
     if q.shape[1] % num_key_heads or 2 * half > q.shape[-1] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and R={half} disagree")
-    projection = projection.float().expand(batch, num_key_heads, half)
+    projection = projection.double().expand(batch, num_key_heads, half)
     if phase is None:
         phase = projection.new_zeros(batch, num_key_heads, half)
     if conv_weight is not None and conv_state is None:
         conv_state = projection.new_zeros(batch, conv_weight.shape[-1] - 1, num_key_heads * half)
     q_out, k_out, new_phase, new_conv = _rotary_decode(
-        q, k, projection, temperature.float(), phase.float(),
-        None if conv_weight is None else conv_state.float(),
+        q, k, projection, temperature.float(), phase.double(),
+        None if conv_weight is None else conv_state.double(),
         None if conv_weight is None else conv_weight.float(),
         None if bias is None else bias.float(),
-        None if gate_logits is None else gate_logits.float(),
+        None if gate_logits is None else gate_logits.double(),
         None if valid is None else valid.to(torch.int32),
         conv_activation == "silu",
     )

@@ -25,6 +25,7 @@ from transformers.utils.generic import can_return_tuple
 
 from ..kernels.dispatch import keeps_packed
 from .cache import SelectiveRopeCache
+from .inputs import check_cache, check_kwargs, check_tokens, packed_offsets, padding_mask
 from .layers import GatedMLP, RMSNorm, mlp_width
 from .layout import SequenceLayout
 from .model_card import render_model_card, template_texts
@@ -152,6 +153,7 @@ class SelectiveRopePreTrainedModel(PreTrainedModel):
         if model_card not in (None, False) and kwargs.get("push_to_hub"):
             raise ValueError("save_pretrained(push_to_hub=True) uploads transformers' generic model card; to upload "
                              "this model's card use model.push_to_hub(repo_id, model_card=...)")
+        self.config.validate()  # transformers validates the config too, but only after the files below are written
         base_class, lm_class = self._auto_classes()
         self.config.auto_map = bundle_auto_map(lm_class, type(self.config), base_class)
         if is_main_process:
@@ -256,6 +258,7 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
         past_key_values: SelectiveRopeCache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
@@ -265,32 +268,42 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
     ) -> BaseModelOutputWithPast:
         """
         Args:
-            input_ids: ``(B, T)``; or ``inputs_embeds``: ``(B, T, D)``.
-            attention_mask: ``(B, T_past + T)`` or ``(B, T)`` padding mask (1 = real token, padding anywhere). Only
-                its last ``T`` columns are read: earlier tokens live in the cache.
+            input_ids: ``(B, T)`` token ids; or ``inputs_embeds``: ``(B, T, hidden_size)``.
+            attention_mask: padding mask (1 or True = real token, 0 = padding, anywhere in a row) of shape ``(B, T)``
+                or ``(B, T_past + T)`` (``T_past``: the tokens already in ``past_key_values``, as ``generate`` passes
+                it). Only its last ``T`` columns mark this call's tokens. Values other than 0 and 1 are refused (an
+                additive 0 / -inf mask would read inverted).
+            position_ids: positions are implicit (the phase counts real tokens); ``position_ids`` are read only as
+                transformers' packing convention (batch 1, restarting at 0 at each sequence, as
+                ``DataCollatorWithFlattening`` gives), otherwise they must equal the implicit positions.
             past_key_values: a :class:`SelectiveRopeCache` to continue from (created when ``use_cache`` and None).
             cu_seqlens: packed sequences: ``input_ids`` of shape ``(1, total)`` and offsets ``[0, ..., total]``; each
                 sequence gets exactly the outputs it has alone (the cache then holds one row per sequence).
+            kwargs: transformers' packing keywords ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` /
+                ``max_length_k`` and ``seq_idx`` (the same packed path as ``cu_seqlens``), ``num_items_in_batch``
+                and ``cache_position`` (not needed here), ``output_attentions`` / ``output_router_logits`` (False)
+                and ``is_causal`` (True). Any other name raises a ``TypeError``; see :mod:`.inputs`.
         """
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        markers = check_kwargs(kwargs, type(self).__name__)
+        batch, seq_len = check_tokens(input_ids, inputs_embeds, self.config.vocab_size, self.config.hidden_size)
         if use_cache is None:  # in training the final states would only be thrown away
             use_cache = self.config.use_cache and not self.training
         if self.gradient_checkpointing and self.training and use_cache:
             logger.warning_once("use_cache=True is incompatible with gradient checkpointing; setting use_cache=False")
             use_cache = False
-        if past_key_values is not None and not isinstance(past_key_values, SelectiveRopeCache):
-            raise TypeError(f"past_key_values must be a SelectiveRopeCache (these models carry recurrent state), "
-                            f"got {type(past_key_values).__name__}")
+        check_cache(past_key_values, len(self.layers))
+        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+        mask = padding_mask(attention_mask, batch, seq_len, past_len)
+        cu_seqlens = packed_offsets(cu_seqlens, position_ids, markers, batch, seq_len, mask, past_len)
         if use_cache and past_key_values is None:
             past_key_values = SelectiveRopeCache(self.config)
 
         hidden_states = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
-        layout = self._layout(hidden_states.shape[:2], attention_mask, cu_seqlens)
         packed = None  # offsets of the sequences packed in `rows` when the mixers take them as they are
         if cu_seqlens is not None and keeps_packed(self.config.backend, hidden_states.device):
             # fla's kernels and our Triton rotary kernel take packed sequences natively: no padding to pay for.
-            layout, packed = None, cu_seqlens.to(device=hidden_states.device, dtype=torch.int32)
+            packed = cu_seqlens.to(device=hidden_states.device, dtype=torch.int32)
+        layout = None if packed is not None else self._layout(hidden_states.shape[:2], mask, cu_seqlens)
         rows = hidden_states if layout is None else layout.to_rows(hidden_states)  # (N, L, D), or (1, total, D)
         lengths = None if layout is None else layout.lengths
         restore = (lambda x: x) if layout is None else layout.from_rows
@@ -324,20 +337,15 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
                              "(with cu_seqlens, one per packed sequence)")
 
     @staticmethod
-    def _layout(grid, attention_mask, cu_seqlens) -> SequenceLayout | None:
-        batch, seq_len = grid
+    def _layout(grid, mask, cu_seqlens) -> SequenceLayout | None:
+        """Rows for the mixers from the inputs ``forward`` checked: the bool padding ``mask`` ``(B, T_past + T)``
+        or ``(B, T)``, or the packed sequences' ``cu_seqlens``."""
+        seq_len = grid[1]
         if cu_seqlens is not None:
-            if attention_mask is not None:
-                raise ValueError("pass either cu_seqlens (packed sequences) or attention_mask (padding), not both")
-            if batch != 1:
-                raise ValueError(f"packed sequences (cu_seqlens) need a batch of 1, got {batch}")
             return SequenceLayout.from_cu_seqlens(cu_seqlens, total=seq_len)
-        if attention_mask is None:
+        if mask is None:
             return None
-        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] < seq_len:
-            raise ValueError(f"attention_mask must be a 2-D padding mask (B, T_past + T) with B={batch}, "
-                             f"T={seq_len}; got shape {tuple(attention_mask.shape)}")
-        return SequenceLayout.from_attention_mask(attention_mask[:, -seq_len:])
+        return SequenceLayout.from_attention_mask(mask[:, -seq_len:])
 
 
 class SelectiveRopeForCausalLMBase(SelectiveRopePreTrainedModel, GenerationMixin):
@@ -360,6 +368,7 @@ class SelectiveRopeForCausalLMBase(SelectiveRopePreTrainedModel, GenerationMixin
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
         past_key_values: SelectiveRopeCache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
@@ -370,22 +379,27 @@ class SelectiveRopeForCausalLMBase(SelectiveRopePreTrainedModel, GenerationMixin
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """``labels`` ``(B, T)`` (-100 = ignored) gives the shifted next-token loss through ``self.loss_function``,
-        which honours Trainer's ``num_items_in_batch``. ``logits_to_keep`` keeps only the last N positions."""
+        which honours Trainer's ``num_items_in_batch``. ``logits_to_keep`` keeps only the last N positions. The other
+        arguments are the base model's (see ``SelectiveRopeModelBase.forward``)."""
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)  # the loss's; every other keyword is the model's
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
+            position_ids=position_ids,
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
             cu_seqlens=cu_seqlens,
+            **kwargs,
         )
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, keep, :])
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
+                                      num_items_in_batch=num_items_in_batch)
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,

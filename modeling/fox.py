@@ -25,6 +25,7 @@ from torch import nn
 
 from ..configuration.fox import SelectiveRopeFoXConfig
 from ..kernels.dispatch import FLA_MAX_ATTENTION_HEAD_DIM, forgetting_attention, resolve_backend
+from ..kernels.rotary_torch import phase_dtype
 from ..kernels.segments import packed_positions
 from .base import SelectiveRopeForCausalLMBase, SelectiveRopeModelBase, substate, with_prefix
 from .layers import RMSNorm
@@ -214,7 +215,7 @@ class ForgettingAttention(nn.Module):
             return substate(state, "rotary")
         # RoPE's phase is the number of real tokens so far: recomputed from the key timeline rather than cached,
         # so that cropping the cache keeps it exact.
-        seen = state["valid"].sum(dim=1).float()  # (B,)
+        seen = state["valid"].sum(dim=1).to(phase_dtype(state["valid"].device))  # (B,)
         return {"phase": seen[:, None, None].expand(-1, self.num_kv_heads, self.rotary.half)}
 
 

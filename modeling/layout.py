@@ -16,6 +16,26 @@ from dataclasses import dataclass
 import torch
 
 
+def is_integer(tensor: torch.Tensor) -> bool:
+    """An integer tensor (not bool, floating or complex)."""
+    return not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool)
+
+
+def check_offsets(name: str, offsets, total: int) -> torch.Tensor:
+    """``offsets`` as given, checked: a 1-D integer tensor ``[0, ..., total]``, non-decreasing (flash-linear-attention's
+    ``cu_seqlens``); a one-line ``ValueError`` naming ``name`` otherwise."""
+    if not isinstance(offsets, torch.Tensor):
+        raise ValueError(f"{name} must be a 1-D integer tensor of offsets [0, ..., {total}]; got "
+                         f"{type(offsets).__name__}")
+    if offsets.dim() != 1 or offsets.numel() < 2 or not is_integer(offsets):
+        raise ValueError(f"{name} must be a 1-D integer tensor of offsets [0, ..., {total}]; got {offsets.dtype} of "
+                         f"shape {tuple(offsets.shape)}")
+    if int(offsets[0]) != 0 or int(offsets[-1]) != total or bool((offsets.diff() < 0).any()):
+        raise ValueError(f"{name} must be non-decreasing offsets starting at 0 and ending at the packed length "
+                         f"{total}; got {offsets.tolist()}")
+    return offsets
+
+
 def valid_mask(lengths: torch.Tensor, seq_len: int) -> torch.Tensor:
     """``(N, seq_len)`` bool, True at the first ``lengths[n]`` positions of each right-padded row."""
     return torch.arange(seq_len, device=lengths.device) < lengths[:, None]
@@ -41,13 +61,8 @@ class SequenceLayout:
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, total: int) -> SequenceLayout:
         """``cu_seqlens``: int offsets ``[0, l_1, l_1 + l_2, ..., total]`` of sequences packed in one row."""
-        cu_seqlens = cu_seqlens.long()
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total:
-            raise ValueError(f"cu_seqlens must be 1-D offsets starting at 0 and ending at the packed length {total}; "
-                             f"got {cu_seqlens.tolist()}")
+        cu_seqlens = check_offsets("cu_seqlens", cu_seqlens, total).long()
         lengths = cu_seqlens.diff()
-        if bool((lengths < 0).any()):
-            raise ValueError(f"cu_seqlens must be non-decreasing; got {cu_seqlens.tolist()}")
         longest = max(int(lengths.max()), 1)
         slots = torch.arange(longest, device=cu_seqlens.device)
         # Pad slots point at a real token of the same row (or token 0): their content is never used.

@@ -7,11 +7,21 @@ Per token ``t`` and key head ``h`` (frequency pairs ``i < R``):
     c_t   = act(conv(a)_t)                          causal depthwise convolution over time (optional)
     c_t  += exp(b)                                  optional positive bias
     c_t  *= sigmoid(G(u_t))                         optional phase gate
-    θ_t   = θ_0 + Σ_{s<=t} c_s                      float32, θ_0 = cached phase
+    θ_t   = θ_0 + Σ_{s<=t} c_s                      θ_0 = cached phase
     q_t, k_t rotated by τ_i · θ_t                   GPT-NeoX halves of the rotary part
 
 ``position_embedding="rope"`` is the same module with ``c_t ≡ 1`` (standard RoPE with inverse frequencies τ);
 ``"nope"`` leaves q and k untouched. The rotation must be the last transform applied to q and k.
+
+Precision, whatever the model dtype (SPEC §3 asks for float32 at least; why more: ``kernels/rotary_torch.py``):
+
+- ``c_t`` is computed in float64 (``phase_dtype``) from float32 parameters and rounded once to float32. A decoding
+  step computes it for one token, a prefill for thousands at once; in float32 the two differ in the last bits
+  (matrix products are blocked by shape, vectorised and scalar ``sigmoid``/``exp`` round differently, TF32 on GPUs),
+  and over 32k tokens those bits add up to a visible drift of θ. In float64 both round to the same float32 values.
+- θ is summed in float64 and each angle ``τ_i θ_t`` is reduced modulo 2π in float64 before sin/cos in float32.
+- The parameters stay float32 when the model is cast to bf16/fp16 (``_apply``); q and k are rotated in float32 and
+  returned in their own dtype.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from transformers import initialization as init
 
 from ..configuration.position_embedding import SelectiveRopeConfigBase
 from ..kernels.dispatch import resolve_backend, selective_rotary, selective_rotary_decode
+from ..kernels.rotary_torch import phase_dtype
 from .layers import ShortConvolution
 from .layout import SequenceLayout, valid_mask
 
@@ -57,7 +68,7 @@ def rotary_temperature(kind: str, theta: float, rotary_dim: int, scale: float = 
 
 
 def no_autocast(x: torch.Tensor):
-    """The phase path is float32 by design; under autocast (e.g. Trainer's ``bf16=True``) its projections would
+    """The phase path has its own precision; under autocast (e.g. Trainer's ``bf16=True``) its projections would
     otherwise run in bf16."""
     return torch.autocast(device_type=x.device.type, enabled=False)
 
@@ -97,15 +108,26 @@ class PhaseProjection(nn.Module):
             init.copy_(self.scale, self.weight.norm(dim=-1))
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
-        """``u``: ``(B, T, Hk, Dc)`` float32 -> ``(B, T, Hk, R)`` float32."""
+        """``u``: ``(B, T, Hk, Dc)`` -> ``(B, T, Hk, R)``, computed in ``u``'s dtype (float64 on the phase path)."""
         if self.kind == "low_rank":
-            low = torch.einsum("bthd,hrd->bthr", u, self.down.float())
-            return torch.einsum("bthr,hfr->bthf", low, self.up.float())
+            low = torch.einsum("bthd,hrd->bthr", u, self.down.to(u.dtype))
+            return torch.einsum("bthr,hfr->bthf", low, self.up.to(u.dtype))
         if self.kind == "full_rank":
-            weight = self.scale.float().unsqueeze(-1) * F.normalize(self.weight.float(), dim=-1)
+            weight = self.scale.to(u.dtype).unsqueeze(-1) * F.normalize(self.weight.to(u.dtype), dim=-1)
             return torch.einsum("bthd,hfd->bthf", u, weight)
-        a = torch.einsum("bthd,hfd->bthf", u, self.weight.float())  # (B, T, Hk, 1)
+        a = torch.einsum("bthd,hfd->bthf", u, self.weight.to(u.dtype))  # (B, T, Hk, 1)
         return a.expand(*a.shape[:-1], self.half)
+
+
+class PhaseLinear(nn.Linear):
+    """An ``nn.Linear`` computed in its input's dtype (float64 on the phase path) from its own (float32) weights.
+
+    Still a ``Linear``, with the same parameter names: hooks, PEFT adapters and DeepSpeed's parameter gathering see
+    the module they expect (an adapter adds its output, computed in its own dtype).
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
 
 class PhaseConvolution(ShortConvolution):
@@ -134,7 +156,10 @@ class SelectiveRotaryEmbedding(nn.Module):
 
     ``forward(x, q, k, state=None, lengths=None, cu_seqlens=None) -> (q, k, state)`` where ``x`` is the mixer input
     ``(B, T, D)``, ``q`` is ``(B, T, Hq, Dh)``, ``k`` is ``(B, T, Hk, Dh)`` and ``state`` is a dict with the cached
-    ``phase`` ``(B, Hk, R)`` and ``phase_conv`` history ``(B, K-1, Hk*R)``, both float32.
+    ``phase`` ``(B, Hk, R)`` and ``phase_conv`` history ``(B, K-1, Hk*R)``, both float64 (``rotary_torch.phase_dtype``).
+
+    Its parameters stay float32 when the model is cast to a lower precision (``model.to(torch.bfloat16)``,
+    ``.half()``): see ``_apply``.
     """
 
     def __init__(self, config: SelectiveRopeConfigBase, num_query_heads: int, num_key_heads: int, head_dim: int):
@@ -167,12 +192,31 @@ class SelectiveRotaryEmbedding(nn.Module):
         self.phase_bias = nn.Parameter(torch.zeros(num_key_heads, self.half)) if config.phase_bias else None
         self.phase_gate_proj = self._build_gate(config, hidden_size) if config.phase_gate else None
 
+    def _apply(self, fn, recurse: bool = True):
+        """Device moves apply; casts to bf16 or fp16 do not.
+
+        ``_keep_in_fp32_modules_strict`` keeps this module float32 when a checkpoint loads in bf16, but a later
+        ``model.to(torch.bfloat16)`` or ``model.half()`` goes through ``_apply`` and would round the temperature:
+        bf16 keeps 8 bits of each frequency, which for a Llama-3-style head (128 dims, base 500000) moves RoPE's
+        angles by up to 59 rad at 32k tokens (README, "Numerical precision"). ``_apply`` is how ``nn.Module`` casts,
+        so this covers every cast that goes through it (not, e.g., a framework's own low-precision parameter copies).
+        """
+        low_precision = (torch.bfloat16, torch.float16)
+
+        def keep_precision(tensor: torch.Tensor) -> torch.Tensor:
+            applied = fn(tensor)
+            if applied.dtype in low_precision and tensor.dtype not in low_precision:
+                return tensor.to(applied.device)
+            return applied
+
+        return super()._apply(keep_precision, recurse)
+
     def _build_gate(self, config: SelectiveRopeConfigBase, hidden_size: int) -> nn.Module:
         if config.phase_gate_type == "head":
-            return nn.Linear(hidden_size, self.num_key_heads, bias=True)
+            return PhaseLinear(hidden_size, self.num_key_heads, bias=True)
         width = self.num_key_heads * (self.half if config.phase_gate_type == "channel" else 1)
-        return nn.Sequential(nn.Linear(hidden_size, GATE_LOW_RANK, bias=False),
-                             nn.Linear(GATE_LOW_RANK, width, bias=True))
+        return nn.Sequential(PhaseLinear(hidden_size, GATE_LOW_RANK, bias=False),
+                             PhaseLinear(GATE_LOW_RANK, width, bias=True))
 
     def initial_temperature(self) -> torch.Tensor:
         kind, theta, scale, seed = self.temperature_config
@@ -181,8 +225,10 @@ class SelectiveRotaryEmbedding(nn.Module):
     def phase_increment(self, x: torch.Tensor, valid: torch.Tensor | None,
                         conv_state: torch.Tensor | None, lengths: torch.Tensor | None,
                         cu_seqlens: torch.Tensor | None = None):
-        """``c_t`` of shape ``(B, T, Hk, R)`` float32 (zero at padding) and the new convolution history (packed
-        sequences, ``cu_seqlens``: the convolution restarts at each boundary, one history per sequence)."""
+        """``c_t`` of shape ``(B, T, Hk, R)`` float32 (zero at padding) and the new convolution history (float64;
+        packed sequences, ``cu_seqlens``: the convolution restarts at each boundary, one history per sequence).
+
+        Computed in float64 and rounded to float32 once, at the end (see the module docstring)."""
         batch, seq_len, _ = x.shape
         if self.mode == "rope":
             ones = x.new_ones(batch, seq_len, 1, 1, dtype=torch.float32)
@@ -194,31 +240,30 @@ class SelectiveRotaryEmbedding(nn.Module):
             a = a * valid[..., None, None]  # pads never enter the convolution history
         new_conv_state = None
         if self.phase_conv is not None:
-            flat, new_conv_state = self.phase_conv(a.reshape(batch, seq_len, -1), conv_state, lengths,
-                                                   dtype=torch.float32, cu_seqlens=cu_seqlens)
+            flat, new_conv_state = self.phase_conv(a.reshape(batch, seq_len, -1), conv_state, lengths, dtype=u.dtype,
+                                                   cu_seqlens=cu_seqlens)
             a = flat.view(batch, seq_len, self.num_key_heads, self.half)
         if self.phase_bias is not None:
-            a = a + self.phase_bias.float().exp()
+            a = a + self.phase_bias.to(u.dtype).exp()
         if self.phase_gate_proj is not None:
             a = a * torch.sigmoid(self._gate(u))
         if valid is not None:
             a = a * valid[..., None, None]  # pads never advance the phase
-        return a, new_conv_state
+        return a.float(), new_conv_state
 
     def _normalized_chunks(self, x: torch.Tensor) -> torch.Tensor:
-        """``u``: ``(B, T, D)`` -> ``(B, T, Hk, D / Hk)`` float32, each chunk L2-normalised."""
+        """``u``: ``(B, T, D)`` -> ``(B, T, Hk, D / Hk)`` in ``phase_dtype`` (float64), each chunk L2-normalised."""
         batch, seq_len, _ = x.shape
-        return F.normalize(x.float().view(batch, seq_len, self.num_key_heads, self.chunk_dim), dim=-1)
+        chunks = x.to(phase_dtype(x.device)).view(batch, seq_len, self.num_key_heads, self.chunk_dim)
+        return F.normalize(chunks, dim=-1)
 
     def _gate(self, u: torch.Tensor) -> torch.Tensor:
-        """``G(u)`` as float32, shaped to broadcast against ``(B, T, Hk, R)``.
+        """``G(u)`` in ``u``'s dtype, shaped to broadcast against ``(B, T, Hk, R)``.
 
-        The module is called (not its weights read) so hooks and adapters on it take effect; its parameters are
-        float32 unless the user cast the model by hand, hence the cast to the weights' dtype.
+        The module is called (not its weights read), so hooks and adapters on it take effect.
         """
         batch, seq_len = u.shape[:2]
-        weight_dtype = next(self.phase_gate_proj.parameters()).dtype
-        gate = self.phase_gate_proj(u.flatten(2).to(weight_dtype)).float()  # (B, T, Hk) or (B, T, Hk * R)
+        gate = self.phase_gate_proj(u.flatten(2))  # (B, T, Hk) or (B, T, Hk * R)
         return gate.view(batch, seq_len, self.num_key_heads, -1)
 
     def forward(
@@ -252,8 +297,8 @@ class SelectiveRotaryEmbedding(nn.Module):
         ``selective_rotary`` compute, in one kernel after the projections. The projection and gate modules are
         called (hooks and adapters apply); the convolution's taps are read directly."""
         with no_autocast(x):
-            u = self._normalized_chunks(x)  # (B, 1, Hk, Dc)
-            projection = self.phase_proj(u)[:, 0]  # (B, Hk, R)
+            u = self._normalized_chunks(x)  # (B, 1, Hk, Dc) float64
+            projection = self.phase_proj(u)[:, 0]  # (B, Hk, R) float64
             gate_logits = None if self.phase_gate_proj is None else self._gate(u)[:, 0]  # (B, Hk, 1 or R)
         conv = self.phase_conv
         q_out, k_out, phase, conv_state = selective_rotary_decode(

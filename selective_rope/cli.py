@@ -106,7 +106,7 @@ def add_generate_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=None, help="random seed (sampling)")
     parser.add_argument("--print-ids", action="store_true", help="print token ids even when there is a tokenizer")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                        help="weights dtype (default float32; Selective RoPE's phase math stays float32)")
+                        help="weights dtype (default float32; the Selective RoPE module keeps its own precision)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     return parser
 

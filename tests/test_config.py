@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import math
 import subprocess
 import sys
+from dataclasses import fields
 
 import pytest
+import torch
+from huggingface_hub.dataclasses import type_validator
+from huggingface_hub.errors import StrictDataclassError
+from transformers import AutoConfig, PreTrainedConfig
+
+from selective_rope.configuration.position_embedding import InvalidConfigError
 
 from families import FAMILIES
 from isolation import import_blocker
@@ -108,3 +117,168 @@ print('ok')
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr
+
+
+# -- every field is type- and range-checked (issue 19) -----------------------------------------------------------------
+
+BASE_FIELDS = {f.name for f in fields(PreTrainedConfig)}
+
+
+def own_fields(config_class):
+    return [f for f in fields(config_class) if f.name not in BASE_FIELDS]
+
+
+def wrong_types(annotation) -> list:
+    """Values of the wrong type for ``annotation`` among a few that configs receive by mistake."""
+    def fits(value):
+        try:
+            type_validator("field", value, annotation)
+        except TypeError:
+            return False
+        return True
+
+    return [value for value in ("false", "1", 2.5, True, None, [1]) if not fits(value)]
+
+
+def test_every_field_refuses_wrong_types(family):
+    """Strings in bool fields (not truthy!), bools or floats in int fields, None where not optional, ..."""
+    checked = 0
+    for field in own_fields(family.config_class):
+        for value in wrong_types(field.type):
+            with pytest.raises(ValueError) as error:
+                family.config_class(**{**family.tiny, field.name: value})
+            assert f"`{field.name}`={value!r}" in str(error.value) and "\n" not in str(error.value)
+            checked += 1
+    assert checked > 3 * len(own_fields(family.config_class))
+
+
+@pytest.mark.parametrize("field, value", [("use_k_shift", "false"), ("tie_word_embeddings", "false"),
+                                          ("temperature_trainable", "false"), ("phase_bias", "no"),
+                                          ("temperature_theta", None), ("num_hidden_layers", True)])
+def test_the_audits_wrong_types_are_refused(field, value):
+    fox = FAMILIES["fox"]
+    with pytest.raises(ValueError, match=f"`{field}`={value!r} is invalid: expected"):
+        fox.config_class(**{**fox.tiny, field: value})
+
+
+SHARED_RANGES = {"phase_proj_rank": [0], "phase_conv_size": [-1], "temperature_theta": [math.nan, math.inf],
+                 "temperature_max": [0, -1.0, math.nan], "partial_rotary_factor": [0, 1.5, math.nan]}
+FAMILY_RANGES = {
+    "gla": {"vocab_size": [0], "hidden_size": [0], "num_hidden_layers": [0, -1], "num_heads": [0], "num_kv_heads": [0],
+            "expand_k": [0, -0.5], "expand_v": [0], "conv_size": [0], "gate_logit_normalizer": [0],
+            "gate_low_rank_dim": [0], "clamp_min": [1.0, math.nan], "hidden_ratio": [0], "intermediate_size": [0],
+            "norm_eps": [0, -1, math.nan], "initializer_range": [-0.1, math.inf]},
+    "gated_deltanet": {"vocab_size": [0], "hidden_size": [-3], "num_hidden_layers": [0], "num_heads": [0],
+                       "num_v_heads": [0], "head_dim": [0], "expand_v": [0], "conv_size": [0], "hidden_ratio": [0],
+                       "intermediate_size": [0], "norm_eps": [-1e-6], "initializer_range": [-1.0]},
+    "fox": {"vocab_size": [0], "hidden_size": [0], "intermediate_size": [0], "num_hidden_layers": [-1],
+            "num_attention_heads": [0], "num_key_value_heads": [0], "head_dim": [0], "rms_norm_eps": [0, math.inf],
+            "initializer_range": [math.nan]},
+}
+
+
+def test_every_range_checked_field_refuses_out_of_range_values(family):
+    table = {**SHARED_RANGES, **FAMILY_RANGES[family.name]}
+    validated = {f.name for f in own_fields(family.config_class) if f.metadata.get("validator")}
+    assert set(table) == validated, "every field with a range validator has out-of-range values here"
+    for name, values in table.items():
+        for value in values:
+            with pytest.raises(ValueError, match=f"`{name}`={value!r} is invalid: must be"):
+                family.config_class(**{**family.tiny, name: value})
+
+
+def test_config_errors_are_value_errors_and_strict_dataclass_errors(family):
+    with pytest.raises(InvalidConfigError) as error:
+        family.config_class(**{**family.tiny, "phase_gate": "true"})
+    assert isinstance(error.value, ValueError) and isinstance(error.value, StrictDataclassError)
+
+
+def test_assignments_are_checked_and_save_refuses_inconsistent_configs(family, tmp_path):
+    config = family.config_class(**family.tiny)
+    with pytest.raises(ValueError, match="`use_cache`='no'"):
+        config.use_cache = "no"
+    with pytest.raises(ValueError, match="`hidden_size`=0"):
+        config.hidden_size = 0
+    config.partial_rotary_factor = 0.3  # a valid value on its own, inconsistent with the head size
+    model = family.lm_class(family.config_class(**family.tiny))
+    model.config.partial_rotary_factor = 0.3
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        model.save_pretrained(tmp_path / "model")
+    assert not (tmp_path / "model").exists()  # nothing half-written
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(head_dim=7),  # an odd head size cannot rotate
+    dict(num_attention_heads=3, num_key_value_heads=3, head_dim=6, hidden_size=32),  # 32 does not split into 3 heads
+    dict(partial_rotary_factor=0.3, temperature_theta=0.5),
+])
+def test_rotation_rules_do_not_refuse_nope(overrides):
+    fox = FAMILIES["fox"]
+    with pytest.raises(ValueError):
+        fox.config_class(**{**fox.tiny, **overrides})
+    config = fox.config_class(**{**fox.tiny, **overrides, "position_embedding": "nope"})
+    model = fox.lm_class(config).eval()
+    ids = torch.randint(3, 61, (2, 5))
+    assert model(ids).logits.shape == (2, 5, 61)
+
+
+def test_nope_gated_deltanet_and_gla_need_no_divisible_hidden_size():
+    gdn, gla = FAMILIES["gated_deltanet"], FAMILIES["gla"]
+    for family, overrides in [(gdn, dict(hidden_size=33)),
+                              (gla, dict(hidden_size=30, num_heads=4, num_kv_heads=4, expand_k=16 / 15,
+                                         expand_v=16 / 15))]:
+        with pytest.raises(ValueError):
+            family.config_class(**{**family.tiny, **overrides})
+        config = family.config_class(**{**family.tiny, **overrides, "position_embedding": "nope"})
+        assert family.lm_class(config)(torch.randint(3, 61, (1, 4))).logits.shape == (1, 4, 61)
+
+
+def test_round_trips_through_dict_json_and_save_pretrained(family, tmp_path):
+    def fields_of(config):
+        return {name: value for name, value in config.to_dict().items() if name != "_name_or_path"}
+
+    config = family.config_class(**{**family.tiny, "temperature_theta": 10000, "phase_conv_activation": "silu",
+                                    "phase_gate_type": "low_rank", "backend": "torch"})
+    assert fields_of(family.config_class.from_dict(config.to_dict())) == fields_of(config)
+    assert fields_of(family.config_class(**json.loads(config.to_json_string(use_diff=False)))) == fields_of(config)
+    config.save_pretrained(tmp_path)
+    for loaded in (family.config_class.from_pretrained(tmp_path), AutoConfig.from_pretrained(tmp_path)):
+        assert type(loaded) is family.config_class and fields_of(loaded) == fields_of(config)
+    assert loaded.temperature_theta == 10000  # an int is a valid number
+
+
+# config.json files written by earlier versions of this package (values as JSON gives them: ints for round floats).
+OLD_CONFIGS = {
+    "gla": {"architectures": ["SelectiveRopeGLAForCausalLM"], "auto_map": {
+                "AutoConfig": "configuration_gla.SelectiveRopeGLAConfig",
+                "AutoModelForCausalLM": "modeling_gla.SelectiveRopeGLAForCausalLM"},
+            "backend": "auto", "bos_token_id": 1, "clamp_min": None, "conv_size": 3, "dtype": "float32",
+            "eos_token_id": 2, "expand_k": 1, "expand_v": 1.0, "gate_logit_normalizer": 16, "gate_low_rank_dim": 16,
+            "hidden_act": "swish", "hidden_ratio": 4, "hidden_size": 32, "initializer_range": 0.2,
+            "intermediate_size": 48, "model_type": "selective_rope_gla", "norm_eps": 1e-06, "num_heads": 4,
+            "num_hidden_layers": 2, "num_kv_heads": 2, "pad_token_id": 0, "partial_rotary_factor": 1,
+            "phase_bias": True, "phase_conv_activation": "silu", "phase_conv_size": 4, "phase_gate": True,
+            "phase_gate_type": "channel", "phase_proj": "full_rank", "phase_proj_rank": 32,
+            "position_embedding": "selective_rope", "temperature_max": 1, "temperature_seed": 0,
+            "temperature_theta": 0.2, "temperature_trainable": False, "temperature_type": "laplace",
+            "tie_word_embeddings": False, "transformers_version": "5.23.0", "use_cache": True,
+            "use_output_gate": True, "use_short_conv": True, "vocab_size": 61},
+    "fox": {"architectures": ["SelectiveRopeFoXForCausalLM"], "attention_bias": True, "attention_output_bias": False,
+            "bos_token_id": 1, "dtype": "bfloat16", "eos_token_id": [2, 3], "head_dim": 8, "hidden_act": "silu",
+            "hidden_size": 32, "initializer_range": 0.02, "intermediate_size": 48, "model_type": "selective_rope_fox",
+            "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2, "pad_token_id": None,
+            "partial_rotary_factor": 1.0, "position_embedding": "rope", "rms_norm_eps": 1e-05,
+            "temperature_theta": 1000000, "temperature_type": "rope", "tie_word_embeddings": True,
+            "transformers_version": "5.23.0", "use_forget_gate": False, "vocab_size": 61},
+}
+
+
+@pytest.mark.parametrize("name", sorted(OLD_CONFIGS))
+def test_configs_saved_by_earlier_versions_still_load(name, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(OLD_CONFIGS[name]))
+    config = AutoConfig.from_pretrained(tmp_path)
+    assert type(config) is FAMILIES[name].config_class
+    for field, value in OLD_CONFIGS[name].items():
+        if field in {f.name for f in own_fields(type(config))}:
+            assert getattr(config, field) == value, field
+    FAMILIES[name].lm_class(config)  # and builds

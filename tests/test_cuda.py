@@ -281,10 +281,10 @@ def test_rotary_decode_matches_torch(dtype):
     temperature = 500000.0 ** (-torch.arange(half, device=DEVICE) / half)
     actual = dispatch.selective_rotary_decode(q, k, projection, temperature, phase, history, weight, "silu", bias,
                                               gate, valid)
-    keep = valid.float()[:, None, None]
-    conv, new_history = causal_conv1d((projection * keep).reshape(batch, 1, -1), weight, history, valid.long(),
-                                      "silu")
-    increment = (conv.view(batch, hk, half) + bias.exp()) * torch.sigmoid(gate) * keep
+    keep = valid.double()[:, None, None]  # the module's torch path: float64, the increment rounded to float32
+    conv, new_history = causal_conv1d((projection.double() * keep).reshape(batch, 1, -1), weight, history.double(),
+                                      valid.long(), "silu")
+    increment = ((conv.view(batch, hk, half) + bias.double().exp()) * torch.sigmoid(gate.double()) * keep).float()
     ref_q, ref_k, ref_phase = selective_rotary(q[:, None], k[:, None], increment[:, None], temperature, phase)
     tol = OP_TOLERANCE[dtype]
     torch.testing.assert_close(actual[0].float(), ref_q[:, 0].float(), rtol=tol, atol=10 * tol)

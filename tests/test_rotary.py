@@ -122,7 +122,7 @@ def test_module_matches_per_token_reference(options, heads):
     torch.testing.assert_close(q_rot, q_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k_rot, k_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(state["phase"].double(), phase_ref, atol=1e-5, rtol=1e-5)
-    assert state["phase"].dtype == torch.float32
+    assert state["phase"].dtype == torch.float64
 
 
 @pytest.mark.parametrize("options", [dict(), dict(phase_conv_size=3, phase_conv_activation="silu", phase_bias=True),
@@ -155,7 +155,7 @@ def test_padding_neither_advances_phase_nor_enters_history():
     lengths = torch.tensor([6, 2])
     q_pad, k_pad, state = module(x, q, k, lengths=lengths)
     q_short, k_short, state_short = module(x[1:, :2], q[1:, :2], k[1:, :2])
-    tol = dict(atol=1e-5, rtol=1e-5)  # the phase is float32 whatever the input dtype
+    tol = dict(atol=1e-5, rtol=1e-5)  # the increments are float32 whatever the input dtype
     torch.testing.assert_close(q_pad[1, :2], q_short[0], **tol)
     torch.testing.assert_close(k_pad[1, :2], k_short[0], **tol)
     torch.testing.assert_close(state["phase"][1], state_short["phase"][0], **tol)
@@ -197,18 +197,29 @@ def test_identities_at_module_level():
     torch.testing.assert_close(k_rot, k, atol=0, rtol=0)
 
 
-def test_phase_math_is_float32_for_bf16_inputs():
-    module = make_rotary(phase_bias=True).to(torch.bfloat16)
-    module.temperature.data = module.temperature.data.float()
+def test_casts_keep_the_module_float32():
+    """``.to(torch.bfloat16)`` / ``.to(torch.float16)`` leave the module's parameters float32, bit for bit (a bf16
+    temperature would move long-context angles by radians); upcasts and device moves still apply."""
+    module = make_rotary(phase_bias=True, phase_gate_type="low_rank").float()
+    before = {name: t.clone() for name, t in module.state_dict().items()}
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.to("cpu", torch.float16)):
+        cast(module)
+        for name, tensor in module.state_dict().items():
+            assert tensor.dtype == torch.float32 and torch.equal(tensor, before[name]), name
+    assert all(t.dtype == torch.float64 for t in module.double().state_dict().values())
+
+
+def test_phase_math_is_float_for_bf16_inputs():
+    module = make_rotary(phase_bias=True).to(torch.bfloat16)  # parameters stay float32
     x = torch.randn(1, 300, HIDDEN, dtype=torch.bfloat16)
     q, k = torch.randn(1, 300, 4, 8, dtype=torch.bfloat16), torch.randn(1, 300, 2, 8, dtype=torch.bfloat16)
     q_rot, k_rot, state = module(x, q, k)
-    assert q_rot.dtype == k_rot.dtype == torch.bfloat16 and state["phase"].dtype == torch.float32
-    # A bf16 running sum would stall near 256 with ~1-sized steps; the float32 one matches a float64 sum.
+    assert q_rot.dtype == k_rot.dtype == torch.bfloat16 and state["phase"].dtype == torch.float64
+    # A bf16 running sum would stall near 256 with ~1-sized steps; ours matches a float64 sum.
     ref = make_rotary(phase_bias=True).double()
     ref.load_state_dict({n: p.double() for n, p in module.state_dict().items()})
     _, _, state_ref = ref(x.double(), q.double(), k.double())
-    torch.testing.assert_close(state["phase"], state_ref["phase"], atol=1e-2, rtol=1e-3)
+    torch.testing.assert_close(state["phase"], state_ref["phase"], atol=1e-3, rtol=1e-5)
 
 
 def test_temperature_schedules():
@@ -233,11 +244,63 @@ def test_phase_convolution_starts_as_identity_and_keeps_trained_taps(family, tmp
     rotary = model.model.layers[0].attn.rotary
     x = torch.randn(2, 7, family.tiny["hidden_size"])
     increment, _ = rotary.phase_increment(x, None, None, None)
-    u = F.normalize(x.view(2, 7, rotary.num_key_heads, rotary.chunk_dim), dim=-1)
-    assert torch.equal(increment, rotary.phase_proj(u))
+    u = F.normalize(x.double().view(2, 7, rotary.num_key_heads, rotary.chunk_dim), dim=-1)
+    assert torch.equal(increment, rotary.phase_proj(u).float())  # computed in float64, rounded once
 
     with torch.no_grad():
         rotary.phase_conv.weight.normal_()
     model.save_pretrained(tmp_path)
     loaded = family.lm_class.from_pretrained(tmp_path)
     assert torch.equal(loaded.model.layers[0].attn.rotary.phase_conv.weight, rotary.phase_conv.weight)
+
+
+# -- precision over long contexts (issue 19) ---------------------------------------------------------------------------
+
+def trained_looking_rotary(**options) -> SelectiveRotaryEmbedding:
+    """float32, with increments of order 1 that drift upwards as trained ones do: a phase bias around exp(0) = 1, an
+    open gate, convolution taps that mix neighbours."""
+    config = SelectiveRopeGLAConfig(hidden_size=HIDDEN, num_heads=4, num_kv_heads=2, expand_k=2.0, phase_bias=True,
+                                    temperature_theta=10000.0, **options)
+    module = SelectiveRotaryEmbedding(config, 4, 2, 8)
+    with torch.no_grad():
+        module.phase_bias.normal_(std=0.3)
+        module.phase_conv.weight.add_(0.2 * torch.randn_like(module.phase_conv.weight))
+        for name, param in module.phase_gate_proj.named_parameters():
+            param.copy_(torch.full_like(param, 1.0) if name.endswith("bias") else 0.3 * torch.randn_like(param))
+    return module
+
+
+def rotate_exactly(x: torch.Tensor, phase: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(B, T, H, D)`` rotated by float64 angles ``phase · τ`` (``phase`` ``(B, T, H, R)`` float64)."""
+    angle = phase * temperature.double()
+    cos, sin = angle.cos(), angle.sin()
+    half = temperature.shape[0]
+    x1, x2 = x[..., :half].double(), x[..., half:2 * half].double()
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, x[..., 2 * half:].double()], -1)
+
+
+@torch.no_grad()
+def test_long_decoding_matches_prefill_and_exact_angles():
+    """8k decoding steps (θ grows past 4000): the cached phase equals the prefill's, q and k equal the prefill's,
+    and both equal a rotation by exact float64 angles. With a float32 running phase the decoded angles drifted by
+    ~1e-3 rad at 8k (and the prefill's by ~5e-4 from the exact ones)."""
+    module = trained_looking_rotary(phase_conv_activation="silu")
+    seq_len = 8192
+    x = torch.randn(1, seq_len, HIDDEN)
+    q, k = torch.randn(1, seq_len, 4, 8), torch.randn(1, seq_len, 2, 8)
+    q_full, k_full, state_full = module(x, q, k)
+    state, q_steps, k_steps = None, [], []
+    for t in range(seq_len):
+        q_t, k_t, state = module(x[:, t:t + 1], q[:, t:t + 1], k[:, t:t + 1], state=state)
+        q_steps.append(q_t)
+        k_steps.append(k_t)
+    assert state["phase"].dtype == torch.float64 and state["phase"].min() > 4000
+    torch.testing.assert_close(state["phase"], state_full["phase"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(torch.cat(q_steps, 1), q_full, rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.cat(k_steps, 1), k_full, rtol=0, atol=1e-5)
+
+    increment, _ = module.phase_increment(x, None, None, None)  # (1, T, Hk, R) float32
+    phase = increment.double().cumsum(1)
+    torch.testing.assert_close(k_full.double(), rotate_exactly(k, phase, module.temperature), rtol=0, atol=1e-5)
+    query_phase = phase.repeat_interleave(2, dim=2)
+    torch.testing.assert_close(q_full.double(), rotate_exactly(q, query_phase, module.temperature), rtol=0, atol=1e-5)

@@ -110,7 +110,7 @@ def test_rope_matches_positions():
     cos, sin = angle.cos(), angle.sin()
     x1, x2 = k[..., :half], k[..., half:]
     torch.testing.assert_close(out_k, torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1))
-    torch.testing.assert_close(final, torch.full((1, 1, half), float(seq_len)))
+    torch.testing.assert_close(final, torch.full((1, 1, half), float(seq_len), dtype=torch.float64))
 
 
 def test_bf16_inputs():
@@ -149,7 +149,7 @@ def test_empty_sequence():
     phase0 = torch.randn(2, 1, 4)
     out_q, out_k, final = selective_rotary_triton(q, k, torch.zeros(2, 0, 1, 4), torch.rand(4), phase0)
     assert out_q.shape == q.shape and out_k.shape == k.shape
-    torch.testing.assert_close(final, phase0)
+    torch.testing.assert_close(final, phase0.double())
 
 
 @pytest.mark.parametrize("init", [True, False], ids=["init", "no_init"])
@@ -188,6 +188,45 @@ def test_detects_a_wrong_phase():
         assert_close(out_k, selective_rotary(q, k, shifted, temperature)[1], "k")
 
 
+@pytest.mark.parametrize("seq_len, start", [pytest.param(4096, 2e4, id="4k-from-2e4"),
+                                             pytest.param(32768, 0.0, id="32k", marks=pytest.mark.slow)])
+def test_long_sequence_keeps_the_phase_exact(seq_len, start, monkeypatch):
+    """Increments around +0.7 continuing a phase of ``start`` (θ ends past 2e4, where a float32 phase steps by 2e-3;
+    in 64-token tiles, as on a GPU): the final phase is the exact float64 sum (float64 carry across tiles), and q and
+    k are rotated by the exact angles (reduced mod 2π in float64). Then a decoding step continues exactly."""
+    base = rotary_triton._config
+    monkeypatch.setattr(rotary_triton, "_config", lambda r, p: {**base(r, p), "BLOCK_T": 64})
+    half = 4
+    q, k = torch.randn(1, seq_len, 2, 8), torch.randn(1, seq_len, 1, 8)
+    increment = 0.7 + 0.5 * torch.randn(1, seq_len, 1, half)
+    tau = 10000.0 ** (-torch.arange(half, dtype=torch.float32) / half)  # τ_0 = 1
+    phase0 = start + torch.rand(1, 1, half, dtype=torch.float64)
+    out_q, out_k, final = selective_rotary_triton(q, k, increment, tau, phase0)
+    phase = phase0[:, None] + increment.double().cumsum(1)
+    assert final.dtype == torch.float64 and final.min() > 2e4
+    torch.testing.assert_close(final, phase[:, -1], rtol=1e-13, atol=0)
+    torch.testing.assert_close(out_k.double(), rotate_exactly(k, phase, tau), rtol=0, atol=1e-5)
+    torch.testing.assert_close(out_q.double(), rotate_exactly(q, phase.expand(1, seq_len, 2, half), tau), rtol=0,
+                               atol=1e-5)
+
+    inputs = decode_inputs(batch=1, hq=2, hk=1, head_dim=8, half=half, padded=False)
+    inputs.update(temperature=tau, phase=final, q=q[:, -1], k=k[:, -1])
+    q_step, k_step, new_phase, _ = check_decode(inputs)  # the torch path gives the same
+    increment_step = (new_phase - final).float()  # the step's float32 increment, added in float64
+    torch.testing.assert_close(new_phase, final + increment_step.double(), rtol=0, atol=0)
+    torch.testing.assert_close(k_step.double(), rotate_exactly(k[:, -1:], new_phase[:, None], tau)[:, 0], rtol=0,
+                               atol=1e-5)
+
+
+def rotate_exactly(x: torch.Tensor, phase: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(B, T, H, D)`` rotated by float64 angles ``phase · τ`` (``phase`` ``(B, T, H, R)`` float64)."""
+    angle = phase * temperature.double()
+    cos, sin = angle.cos(), angle.sin()
+    half = temperature.shape[0]
+    x1, x2 = x[..., :half].double(), x[..., half:2 * half].double()
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, x[..., 2 * half:].double()], -1)
+
+
 @pytest.mark.slow
 def test_larger_shapes():
     check(2, 300, 8, 2, 64, 16)
@@ -199,9 +238,11 @@ def test_larger_shapes():
 # --------------------------------------------------------------------------------------------------------------------
 def decode_reference(q, k, projection, temperature, phase=None, conv_state=None, conv_weight=None,
                      conv_activation=None, bias=None, gate_logits=None, valid=None):
-    """The torch path of ``SelectiveRotaryEmbedding`` for one token (``phase_increment`` + ``selective_rotary``)."""
+    """The torch path of ``SelectiveRotaryEmbedding`` for one token (``phase_increment`` + ``selective_rotary``):
+    steps 3-5 in float64, the increment rounded to float32."""
     batch, num_key_heads, half = projection.shape
-    keep = None if valid is None else valid.float()[:, None, None]  # (B, 1, 1)
+    keep = None if valid is None else valid.double()[:, None, None]  # (B, 1, 1)
+    projection = projection.double()
     a = projection if keep is None else projection * keep
     new_conv = None
     if conv_weight is not None:
@@ -209,12 +250,12 @@ def decode_reference(q, k, projection, temperature, phase=None, conv_state=None,
         flat, new_conv = causal_conv1d(a.reshape(batch, 1, -1), conv_weight, conv_state, lengths, conv_activation)
         a = flat.view(batch, num_key_heads, half)
     if bias is not None:
-        a = a + bias.exp()
+        a = a + bias.double().exp()
     if gate_logits is not None:
-        a = a * torch.sigmoid(gate_logits)
+        a = a * torch.sigmoid(gate_logits.double())
     if keep is not None:
         a = a * keep
-    q_out, k_out, new_phase = selective_rotary(q[:, None], k[:, None], a[:, None], temperature, phase)
+    q_out, k_out, new_phase = selective_rotary(q[:, None], k[:, None], a.float()[:, None], temperature, phase)
     return q_out[:, 0], k_out[:, 0], new_phase, new_conv
 
 
@@ -223,12 +264,13 @@ def decode_inputs(batch=3, hq=4, hk=2, head_dim=10, half=4, conv_size=4, bias=Tr
     channels = hk * half
     return dict(
         q=torch.randn(batch, hq, head_dim, dtype=dtype), k=torch.randn(batch, hk, head_dim, dtype=dtype),
-        projection=torch.randn(batch, hk, half), temperature=0.5 + torch.rand(half),
-        phase=10 * torch.randn(batch, hk, half) if state else None,
-        conv_state=torch.randn(batch, conv_size - 1, channels) if conv_size and state else None,
+        projection=torch.randn(batch, hk, half, dtype=torch.float64), temperature=0.5 + torch.rand(half),
+        phase=10 * torch.randn(batch, hk, half, dtype=torch.float64) if state else None,
+        conv_state=torch.randn(batch, conv_size - 1, channels, dtype=torch.float64) if conv_size and state else None,
         conv_weight=torch.randn(channels, conv_size) if conv_size else None,
         bias=0.3 * torch.randn(hk, half) if bias else None,
-        gate_logits={"head": torch.randn(batch, hk, 1), "channel": torch.randn(batch, hk, half), None: None}[gate],
+        gate_logits={"head": torch.randn(batch, hk, 1, dtype=torch.float64),
+                     "channel": torch.randn(batch, hk, half, dtype=torch.float64), None: None}[gate],
         valid=torch.tensor([True, False, True][:batch] + [True] * max(0, batch - 3)) if padded else None,
     )
 
@@ -275,7 +317,7 @@ def test_decode_padding_row_keeps_its_state():
 def test_decode_scalar_projection_with_zero_strides():
     """The ``scalar`` projection gives one value per head, expanded over the frequencies (stride 0)."""
     inputs = decode_inputs()
-    inputs["projection"] = torch.randn(3, 2, 1).expand(3, 2, 4)
+    inputs["projection"] = torch.randn(3, 2, 1, dtype=torch.float64).expand(3, 2, 4)
     check_decode(inputs)
 
 

@@ -1,0 +1,228 @@
+"""What the base model accepts, checked once at its entry.
+
+Every input is validated here, with a one-line ``ValueError`` naming the argument, before any layer runs: token ids
+or embeddings, the padding mask, the cache, and the markers of packed sequences. The packing conventions in use
+(ours and transformers') all become one validated ``cu_seqlens`` here, so the layers see a single form:
+
+- ``cu_seqlens``: flash-linear-attention's offsets ``[0, l_1, l_1 + l_2, ..., total]``;
+- ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (+ ``max_length_q`` / ``max_length_k``): transformers' flash-attention
+  keyword arguments (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``); q and k must be the same offsets;
+- ``position_ids`` restarting at 0 at each sequence start (``DataCollatorWithFlattening``'s default output);
+- ``seq_idx``: the sequence index of each token (``DataCollatorWithFlattening(return_seq_idx=True)``).
+
+Positions are otherwise implicit in these models (Selective RoPE's phase and RoPE count the real tokens of each row),
+so ``position_ids`` that do not mark packed sequences must be those positions; anything else is refused rather than
+silently ignored. The same goes for keyword arguments: those transformers passes (``generate``, ``Trainer``, PEFT) are
+accepted, any other name is a ``TypeError``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache import SelectiveRopeCache
+from .layout import check_offsets, is_integer
+
+# Keyword arguments transformers' callers may pass that need nothing from us, or only a value we support.
+IGNORED_KWARGS = {
+    "num_items_in_batch": "the loss normaliser from Trainer (used by the causal-LM head's loss)",
+    "cache_position": "legacy positions of the new tokens in the cache (the cache counts them itself)",
+}
+SUPPORTED_FLAGS = {  # name -> (accepted values, why others are refused)
+    "output_attentions": ((None, False), "these models have no attention weights to return"),
+    "output_router_logits": ((None, False), "these models have no mixture-of-experts router"),
+    "is_causal": ((None, True), "these models are causal only"),
+}
+PACKING_KWARGS = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def check_kwargs(kwargs: dict, owner: str) -> dict:
+    """Split ``forward``'s ``**kwargs``: returns the packing markers; refuses unknown names and unsupported flags."""
+    unknown = sorted(set(kwargs) - set(IGNORED_KWARGS) - set(SUPPORTED_FLAGS) - set(PACKING_KWARGS))
+    if unknown:
+        accepted = sorted([*IGNORED_KWARGS, *SUPPORTED_FLAGS, *PACKING_KWARGS])
+        raise TypeError(f"{owner}.forward() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
+                        f"besides its named parameters it accepts {', '.join(accepted)}")
+    for name, (accepted, why) in SUPPORTED_FLAGS.items():
+        if name in kwargs and kwargs[name] not in accepted:
+            raise ValueError(f"`{name}`={kwargs[name]!r} is not supported: {why}")
+    return {name: kwargs[name] for name in PACKING_KWARGS if kwargs.get(name) is not None}
+
+
+def check_tokens(input_ids, inputs_embeds, vocab_size: int, hidden_size: int) -> tuple[int, int]:
+    """``(B, T)`` of ``input_ids`` ``(B, T)`` (integer, within the vocabulary) or ``inputs_embeds`` ``(B, T, D)``."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("pass exactly one of input_ids and inputs_embeds")
+    if input_ids is not None:
+        _require_tensor("input_ids", input_ids, "an int64 or int32 tensor of shape (B, T)")
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):  # what nn.Embedding takes
+            raise ValueError(f"input_ids must be an int64 or int32 tensor of shape (B, T); got {input_ids.dtype} of "
+                             f"shape {tuple(input_ids.shape)}")
+        _require_nonempty("input_ids", input_ids.shape[:2])
+        low, high = (int(v) for v in torch.aminmax(input_ids))
+        if low < 0 or high >= vocab_size:
+            raise ValueError(f"input_ids must be token ids in [0, {vocab_size}) (vocab_size); got values in "
+                             f"[{low}, {high}]")
+        return tuple(input_ids.shape)
+    _require_tensor("inputs_embeds", inputs_embeds, f"a float tensor of shape (B, T, {hidden_size})")
+    if inputs_embeds.dim() != 3 or not inputs_embeds.is_floating_point() or inputs_embeds.shape[-1] != hidden_size:
+        raise ValueError(f"inputs_embeds must be a float tensor of shape (B, T, {hidden_size}) (hidden_size); got "
+                         f"{inputs_embeds.dtype} of shape {tuple(inputs_embeds.shape)}")
+    _require_nonempty("inputs_embeds", inputs_embeds.shape[:2])
+    return tuple(inputs_embeds.shape[:2])
+
+
+def check_cache(cache, num_layers: int) -> None:
+    """``past_key_values``: None or a :class:`SelectiveRopeCache` with one layer per model layer."""
+    if cache is None:
+        return
+    if not isinstance(cache, SelectiveRopeCache):
+        raise TypeError(f"past_key_values must be a SelectiveRopeCache (these models carry recurrent state), "
+                        f"got {type(cache).__name__}")
+    if len(cache.layers) != num_layers:
+        raise ValueError(f"past_key_values has {len(cache.layers)} layers but the model has {num_layers}: build it "
+                         "with SelectiveRopeCache(model.config)")
+
+
+def padding_mask(attention_mask, batch: int, seq_len: int, past_len: int) -> torch.Tensor | None:
+    """The bool ``(B, T_past + T)`` or ``(B, T)`` padding mask (True = real token) from ``attention_mask``, or None.
+
+    Accepts bool, integer or float tensors holding only 0 (padding) and 1 (real token), as transformers' models do.
+    An additive mask (0 = keep, -inf = pad) would read inverted, so values other than 0 and 1 are refused, and so is
+    a float mask of zeros only (an additive mask keeping everything looks exactly like that).
+    """
+    if attention_mask is None:
+        return None
+    _require_tensor("attention_mask", attention_mask, "a tensor of shape (B, T) or (B, T_past + T)")
+    lengths = sorted({seq_len, past_len + seq_len})
+    allowed = (f"T={seq_len} (this call's tokens)" if past_len == 0 else
+               f"T={seq_len} (this call's tokens) or T_past + T = {past_len + seq_len} (with the {past_len} tokens "
+               "already in past_key_values)")
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] not in lengths:
+        raise ValueError(f"attention_mask must be a 2-D padding mask of shape (B={batch}, L) with L = {allowed}; got "
+                         f"shape {tuple(attention_mask.shape)}")
+    if attention_mask.dtype == torch.bool:
+        return attention_mask
+    if attention_mask.is_complex():
+        raise ValueError(f"attention_mask must be bool or hold 0 and 1; got {attention_mask.dtype}")
+    binary = (attention_mask == 0) | (attention_mask == 1)
+    if not bool(binary.all()):
+        example = attention_mask[~binary].flatten()[0].item()
+        raise ValueError(f"attention_mask must hold 1 for real tokens and 0 for padding (or be bool); got the value "
+                         f"{example!r}. An additive mask (0 = keep, -inf = pad) is not accepted: pass `mask == 0`")
+    if attention_mask.is_floating_point() and not bool(attention_mask.any()):
+        raise ValueError("attention_mask is a float tensor of zeros only: ambiguous between an additive mask that "
+                         "keeps every token and a padding mask where every token is padding; pass a bool or 0/1 "
+                         "integer mask (1 = real token), or no mask")
+    return attention_mask.bool()
+
+
+def packed_offsets(cu_seqlens, position_ids, markers: dict, batch: int, seq_len: int, mask: torch.Tensor | None,
+                   past_len: int) -> torch.Tensor | None:
+    """One validated ``cu_seqlens`` (int32) from every packing marker given, or None.
+
+    Markers that are given must agree. ``position_ids`` that mark no packing must be the implicit positions.
+    """
+    candidates = {}
+    if cu_seqlens is not None:
+        candidates["cu_seqlens"] = check_offsets("cu_seqlens", cu_seqlens, seq_len)
+    if "cu_seq_lens_q" in markers or "cu_seq_lens_k" in markers:
+        candidates["cu_seq_lens_q"] = _flash_offsets(markers, seq_len)
+    if "seq_idx" in markers:
+        candidates["seq_idx"] = _offsets_from_seq_idx(markers["seq_idx"], seq_len)
+    if position_ids is not None:
+        offsets = _offsets_from_positions(position_ids, batch, seq_len, mask, past_len)
+        if offsets is not None:
+            candidates["position_ids"] = offsets
+    if not candidates:
+        return None
+    (first_name, offsets), *others = candidates.items()
+    for name, other in others:
+        if other.shape != offsets.shape or not bool((other.to(offsets.device) == offsets).all()):
+            raise ValueError(f"{first_name} {offsets.tolist()} and {name} (as offsets {other.tolist()}) mark "
+                             "different packed sequences")
+    if batch != 1:
+        raise ValueError(f"packed sequences ({first_name}) need a batch of 1, got {batch}")
+    if mask is not None and not bool(mask.all()):
+        raise ValueError(f"pass either packed sequences ({first_name}) or padding (an attention_mask with zeros), "
+                         "not both")
+    return offsets.to(torch.int32)
+
+
+def _flash_offsets(markers: dict, seq_len: int) -> torch.Tensor:
+    """transformers' flash-attention packing: ``cu_seq_lens_q == cu_seq_lens_k`` (self-attention), max lengths."""
+    if "cu_seq_lens_q" not in markers or "cu_seq_lens_k" not in markers:
+        raise ValueError("cu_seq_lens_q and cu_seq_lens_k go together (transformers' flash-attention packing)")
+    q = check_offsets("cu_seq_lens_q", markers["cu_seq_lens_q"], seq_len)
+    k = check_offsets("cu_seq_lens_k", markers["cu_seq_lens_k"], seq_len)
+    if q.shape != k.shape or not bool((q == k.to(q.device)).all()):
+        raise ValueError(f"cu_seq_lens_q {q.tolist()} and cu_seq_lens_k {k.tolist()} differ: these causal models "
+                         "pack self-attention sequences only")
+    longest = int(q.diff().max())
+    for name in ("max_length_q", "max_length_k"):
+        value = markers.get(name)
+        if value is not None and int(value) != longest:
+            raise ValueError(f"{name}={value} but the longest packed sequence in cu_seq_lens_q has {longest} tokens")
+    return q
+
+
+def _offsets_from_seq_idx(seq_idx, seq_len: int) -> torch.Tensor:
+    """``seq_idx`` ``(1, T)``: 0, 0, 1, 1, 1, 2, ... (each sequence's index on its tokens)."""
+    _require_tensor("seq_idx", seq_idx, f"an integer tensor of shape (1, {seq_len})")
+    if seq_idx.shape != (1, seq_len) or not is_integer(seq_idx):
+        raise ValueError(f"seq_idx must be an integer tensor of shape (1, {seq_len}); got {seq_idx.dtype} of shape "
+                         f"{tuple(seq_idx.shape)}")
+    index = seq_idx[0].long()
+    steps = index.diff()
+    if int(index[0]) != 0 or bool(((steps != 0) & (steps != 1)).any()):
+        raise ValueError("seq_idx must number the packed sequences 0, 1, 2, ... in order, each on its own tokens")
+    starts = torch.nonzero(steps, as_tuple=True)[0] + 1
+    return _boundaries(starts, seq_len, index.device)
+
+
+def _offsets_from_positions(position_ids, batch: int, seq_len: int, mask: torch.Tensor | None,
+                            past_len: int) -> torch.Tensor | None:
+    """Packed-sequence offsets if ``position_ids`` restart at 0 (batch 1, nothing cached, no padding); None if they
+    are the implicit positions; otherwise an error."""
+    _require_tensor("position_ids", position_ids, f"an integer tensor of shape (B, {seq_len})")
+    if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != seq_len \
+            or not is_integer(position_ids):
+        raise ValueError(f"position_ids must be an integer tensor of shape ({batch}, {seq_len}) or (1, {seq_len}); "
+                         f"got {position_ids.dtype} of shape {tuple(position_ids.shape)}")
+    positions = position_ids.long().expand(batch, seq_len)
+    valid = torch.ones(batch, seq_len, dtype=torch.bool, device=positions.device) if mask is None \
+        else mask[:, -seq_len:].to(positions.device)
+    # The positions these models count: real tokens before this call, then this call's real tokens in order.
+    if mask is not None and mask.shape[1] > seq_len:
+        before = mask[:, :-seq_len].sum(dim=1).to(positions.device)
+    else:
+        before = torch.full((batch,), past_len, device=positions.device)
+    implicit = before[:, None] + valid.long().cumsum(dim=1) - 1
+    if bool(((positions == implicit) | ~valid).all()):
+        return None
+    if batch == 1 and past_len == 0 and bool(valid.all()):
+        row = positions[0]
+        restarts = row.diff() != 1
+        if int(row[0]) == 0 and bool((row[1:][restarts] == 0).all()):
+            starts = torch.nonzero(restarts, as_tuple=True)[0] + 1
+            return _boundaries(starts, seq_len, row.device)
+    raise ValueError("position_ids must either mark packed sequences (a batch of 1, nothing cached, no padding, "
+                     "positions restarting at 0 at each sequence start, as DataCollatorWithFlattening gives) or be "
+                     "the positions these models count themselves (each row's real tokens numbered from 0, "
+                     "continuing the cache); other positions are not supported (Selective RoPE's phase and RoPE "
+                     "count tokens), so leave position_ids out")
+
+
+def _boundaries(starts: torch.Tensor, seq_len: int, device) -> torch.Tensor:
+    ends = torch.tensor([0, seq_len], device=device)
+    return torch.cat([ends[:1], starts.to(device), ends[1:]])
+
+
+def _require_tensor(name: str, value, expected: str) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} must be {expected}; got {type(value).__name__}")
+
+
+def _require_nonempty(name: str, grid) -> None:
+    if grid[0] == 0 or grid[1] == 0:
+        raise ValueError(f"{name} has shape {tuple(grid)}: need a batch of at least 1 and at least one token")
