@@ -17,6 +17,7 @@ Per model, the workers:
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -30,6 +31,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Tr
 
 from selective_rope import SelectiveRotaryEmbedding
 from selective_rope.conversion import convert
+from selective_rope.kernels.rotary_torch import phase_dtype
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from train_distributed import FSDP_CONFIG, accelerate_fsdp_on_cpu  # noqa: E402
@@ -314,13 +316,17 @@ def assert_rotary_computed_in_float32(seen: dict, init: Path) -> None:
             assert torch.equal(record["params"][param_name], value), (module_name, param_name)
         with torch.no_grad():
             q_out, k_out, state = module(x, q, k)
-        assert state["phase"].dtype == torch.float32
+        assert state["phase"].dtype == phase_dtype(x.device)
         for got, want in zip(record["outputs"], (q_out, k_out, state["phase"])):
             assert got.dtype == want.dtype and torch.equal(got, want), module_name
-        # The bf16 copies FSDP would otherwise have computed with give a measurably different phase.
+        # The bf16 copies FSDP would otherwise have computed with give a measurably different phase (the module
+        # ignores .to(bfloat16), so round its parameters by hand).
+        rounded = copy.deepcopy(module)
         with torch.no_grad():
-            phase_bf16 = module.to(torch.bfloat16)(x, q, k)[2]["phase"]
-        assert (phase_bf16.float() - state["phase"]).abs().max() > 1e-3, module_name
+            for parameter in rounded.parameters():
+                parameter.copy_(parameter.to(torch.bfloat16))
+            phase_bf16 = rounded(x, q, k)[2]["phase"]
+        assert (phase_bf16 - state["phase"]).abs().max() > 1e-3, module_name
 
 
 def bf16_weights_worker(out: Path) -> None:
