@@ -7,7 +7,7 @@ per-model metadata (``license``, ``base_model``, ``base_model_relation``) is set
 
 from __future__ import annotations
 
-from pathlib import Path
+from importlib import resources
 
 from huggingface_hub import ModelCard
 
@@ -25,8 +25,9 @@ def template_texts() -> dict[str, str]:
     """``{model_type: template text}``."""
     if BUNDLED_TEMPLATES is not None:
         return BUNDLED_TEMPLATES
-    folder = Path(__file__).resolve().parent.parent / "model_cards"
-    return {path.stem: path.read_text() for path in sorted(folder.glob("*.md"))}
+    folder = resources.files("selective_rope.model_cards")  # wherever the package maps it (pyproject's package-dir)
+    return {path.name.removesuffix(".md"): path.read_text() for path in sorted(folder.iterdir(), key=str)
+            if path.name.endswith(".md")}
 
 
 def _settings_table(config) -> str:
