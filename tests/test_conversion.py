@@ -350,12 +350,15 @@ def test_cli_converts_and_reports(tmp_path, capsys):
         cli_main(["convert", str(tmp_path / "nowhere" / "x"), str(tmp_path / "other")])
 
 
-def test_a_hub_source_is_downloaded_and_named_as_base_model(tmp_path, monkeypatch):
+@pytest.mark.parametrize("weights", ["safetensors", "bin"])
+def test_a_hub_source_is_downloaded_and_named_as_base_model(tmp_path, monkeypatch, weights):
     from huggingface_hub import HfApi
 
     from loopback_hub import LoopbackHub
 
     source = llama_source(tmp_path / "source", "qwen2")
+    if weights == "bin":
+        _as_bin(tmp_path / "source")
     with LoopbackHub() as hub:
         hub.patch_endpoint(monkeypatch, cache_dir=tmp_path / "hf_cache")
         api = HfApi()
@@ -364,7 +367,8 @@ def test_a_hub_source_is_downloaded_and_named_as_base_model(tmp_path, monkeypatc
         report = convert("user/tiny-qwen2", tmp_path / "out", progress=False)
         assert not hub.unhandled, hub.unhandled
     assert report.source == "user/tiny-qwen2" and report.max_logit_difference <= 1e-4
-    assert "base_model: user/tiny-qwen2" in (tmp_path / "out" / "README.md").read_text()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "base_model: user/tiny-qwen2" in card and "license: apache-2.0" in card  # the source card's license
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     ids = torch.randint(3, 61, (2, 12))
     with torch.no_grad():
