@@ -331,7 +331,7 @@ def _blockwise_backward(do, q, k, v, cum, key_valid, o, scale: float, block_size
     scratch = _Scratch(q, ("scores", "probs", "grads"), B * Hq * block_size * Tk, B, Hq, Tk, block_size,
                        gated=cum is not None, padded=key_valid is not None)
     delta = (do * o).sum(-1)  # (B, Hq, Tq): rowsum(P ∘ dP) = rowsum(dO ∘ O)
-    dq = torch.empty_like(q)
+    dq = q.new_empty(q.shape)  # contiguous, as the op's fake implementation says
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # summed over the blocks
     dcum = None if cum is None else torch.zeros_like(cum)
     col_sums = None if cum is None else q.new_empty(B, Hq, Tk)
@@ -354,8 +354,10 @@ def _blockwise_backward(do, q, k, v, cum, key_valid, o, scale: float, block_size
 
 
 # -- custom ops: what torch.compile sees (see the module docstring) ---------------------------------------------------
-# Shapes as `_attention_inference`: q (B, Hq, Tq, D), k (B, Hk, Tk, D), v (B, Hk, Tk, Dv) float32; cum (B, Hq, Tk)
-# float64 or None; key_valid (B, Tk) bool or None. Outputs are new tensors (no aliasing, as custom ops require).
+# Shapes as `_attention_inference`: q (B, Hq, Tq, D), k (B, Hk, Tk, D), v (B, Hk, Tk, Dv) float32, any strides (the
+# caller passes transposed views); cum (B, Hq, Tk) float64 or None; key_valid (B, Tk) bool or None. Outputs are new
+# contiguous tensors (no aliasing, as custom ops require), and the fake implementations say so: the compiler checks
+# the strides.
 
 
 @torch.library.custom_op("selective_rope::forgetting_attention_inference", mutates_args=())
@@ -382,13 +384,13 @@ def _blockwise_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                            block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dcum); dcum is an empty tensor without a gate (custom ops return no None)."""
     dq, dk, dv, dcum = _blockwise_backward(do.contiguous(), q, k, v, cum, key_valid, o, scale, block_size)
-    return dq, dk, dv, q.new_empty(0, dtype=torch.float64) if dcum is None else dcum
+    return dq, dk, dv, q.new_empty(0, dtype=torch.float64) if dcum is None else dcum.contiguous()
 
 
 @_blockwise_backward_op.register_fake
 def _(do, q, k, v, cum, key_valid, o, scale, block_size):
-    dcum = q.new_empty(0, dtype=torch.float64) if cum is None else torch.empty_like(cum)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dcum
+    dcum = q.new_empty(0 if cum is None else cum.shape, dtype=torch.float64)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dcum
 
 
 def _setup_context(ctx, inputs, output) -> None:

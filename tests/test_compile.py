@@ -69,9 +69,9 @@ def test_forgetting_attention_custom_ops_are_well_formed():
     from selective_rope.kernels import forgetting_attention_torch as fox
 
     generator = torch.Generator().manual_seed(1)
-    q, k, v, log_fgate, key_valid = _attention_inputs(1, 5, 5, generator)
-    # the ops' layout: heads first, float32; cumulative gates float64
-    q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    q, k, v, log_fgate, key_valid = _attention_inputs(2, 5, 5, generator)
+    # as `forgetting_attention` passes them: heads-first views of (B, T, H, D) tensors, float32; gates float64
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     cum = log_fgate.double().cumsum(1).transpose(1, 2).contiguous()
     for cum_, valid in ((cum, key_valid), (None, None)):
         args = (q, k, v, cum_, valid, 8**-0.5, 2)
@@ -79,6 +79,9 @@ def test_forgetting_attention_custom_ops_are_well_formed():
         grad_args = tuple(x.clone().requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point()
                           else x for x in args)
         torch.library.opcheck(fox._blockwise_forward_op, grad_args)
+        o = fox._blockwise_forward_op(*args)
+        do = torch.randn(o.shape, generator=generator)
+        torch.library.opcheck(fox._blockwise_backward_op, (do, q, k, v, cum_, valid, o, 8**-0.5, 2))
 
 
 # ------------------------------------------------------------------------------------------------- whole models
