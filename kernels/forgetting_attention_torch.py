@@ -68,6 +68,7 @@ get a weight of exactly 0, as with ``-inf``.
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -360,13 +361,23 @@ def _blockwise_backward(do, q, k, v, cum, key_valid, o, scale: float, block_size
 # the strides.
 
 
-@torch.library.custom_op("selective_rope::forgetting_attention_inference", mutates_args=())
+def _op_name(name: str) -> str:
+    """``selective_rope::<name>`` for the package's module; a name of its own for each flat copy that travels with a
+    saved model (remote code, module ``transformers_modules.<...>.kernels_forgetting_attention_torch``): registering
+    an op name again silently replaces its implementation for every earlier caller, so two loaded copies (or a copy
+    and the package) would otherwise run whichever was loaded last."""
+    if __name__.startswith("selective_rope."):
+        return f"selective_rope::{name}"
+    return f"selective_rope::{name}_{hashlib.sha1(__name__.encode()).hexdigest()[:12]}"
+
+
+@torch.library.custom_op(_op_name("forgetting_attention_inference"), mutates_args=())
 def _attention_inference_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cum: torch.Tensor | None,
                             key_valid: torch.Tensor | None, scale: float, block_size: int) -> torch.Tensor:
     return _attention_inference(q, k, v, cum, key_valid, scale, block_size)
 
 
-@torch.library.custom_op("selective_rope::forgetting_attention_forward", mutates_args=())
+@torch.library.custom_op(_op_name("forgetting_attention_forward"), mutates_args=())
 def _blockwise_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cum: torch.Tensor | None,
                           key_valid: torch.Tensor | None, scale: float, block_size: int) -> torch.Tensor:
     return _blockwise_forward(q, k, v, cum, key_valid, scale, block_size)
@@ -378,7 +389,7 @@ def _(q, k, v, cum, key_valid, scale, block_size):
     return q.new_empty(*q.shape[:3], v.shape[-1])
 
 
-@torch.library.custom_op("selective_rope::forgetting_attention_backward", mutates_args=())
+@torch.library.custom_op(_op_name("forgetting_attention_backward"), mutates_args=())
 def _blockwise_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            cum: torch.Tensor | None, key_valid: torch.Tensor | None, o: torch.Tensor, scale: float,
                            block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
