@@ -181,6 +181,7 @@ def test_the_readme_lora_snippet_runs_as_written(tmp_path, monkeypatch):
     assert len(blocks) == 1
     family = FAMILIES["gla"]
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # AutoPeftModel would also look for "adapter" on the Hub
     _model(family).save_pretrained("my-model")
     namespace: dict = {}
     exec(blocks[0], namespace)
