@@ -56,7 +56,12 @@ def add_convert_parser(commands) -> argparse.ArgumentParser:
     out.add_argument("--dtype", choices=DTYPES, default=None,
                      help="dtype of the converted weights (default: as the source; Selective RoPE stays float32)")
     out.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
-    out.add_argument("--base-model", default=None, help="the source's Hub id for the model card's base_model")
+    out.add_argument("--base-model", default=None,
+                     help="the source's Hub id for the model card's base_model (default: the Hub id converted from; "
+                     "a local source gets none)")
+    out.add_argument("--license", default=None,
+                     help="the model card's license (default: the source's, from the license: of its README.md or "
+                     "its config.json; required when neither names one)")
     out.add_argument("--tolerance", type=_non_negative_float, default=1e-4,
                      help="largest probe logit difference (default 1e-4)")
     out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
@@ -132,7 +137,7 @@ def run_convert(args: argparse.Namespace) -> int:
                                       seed=args.seed)
             report = convert(args.source, args.output, options, dtype=args.dtype, max_shard_size=args.max_shard_size,
                              overwrite=args.overwrite, tolerance=args.tolerance, base_model=args.base_model,
-                             progress=args.progress)
+                             license=args.license, progress=args.progress)
     except (ValueError, OSError, ConversionError) as error:
         raise SystemExit(f"selective-rope convert: {_describe(error)}") from None
     except KeyboardInterrupt as interrupt:  # Ctrl-C or SIGTERM: convert() has removed its partial output
@@ -144,4 +149,6 @@ def run_convert(args: argparse.Namespace) -> int:
     print(f"  {report.source_tensors} source tensors used once each; {len(report.new_tensors)} new tensors; "
           f"{report.shards} shard(s)")
     print(f"  probe: max |logit difference| = {report.max_logit_difference:.3e} against the {report.reference}")
+    base_model = report.base_model or "none (a local source; --base-model names its Hub id)"
+    print(f"  model card: license {report.license['license']}, base_model {base_model}")
     return 0

@@ -2,8 +2,9 @@
 
     plan      read the source config, choose the target config and the name/tensor mapping (refuses here, before
               anything is written, what it cannot convert)
-    write     stream tensors shard by shard from the source's safetensors files into the target's: one output shard
-              in memory at a time, never two copies of the model
+    write     stream tensors shard by shard from the source's safetensors files (or, for a source that has none, its
+              PyTorch ``.bin`` files, read memory-mapped with ``weights_only=True``) into the target's: one output
+              shard in memory at a time, never two copies of the model
     probe     run a probe batch through the source (or, where its code cannot run here, its NoPE twin) and the
               converted model, one after the other; fail unless the logits agree
     publish   config, code, tokenizer files and model card next to the weights, all in a staging directory that
@@ -29,6 +30,8 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+from transformers.modeling_utils import load_state_dict
+from transformers.utils import logging
 
 from ..modeling import (
     SelectiveRopeFoXForCausalLM,
@@ -38,9 +41,19 @@ from ..modeling import (
 from ..modeling.model_card import render_model_card, template_texts
 from ..modeling.remote_code import bundle_auto_map, write_code_bundle
 from .fla import FLA_MODEL_TYPES, fla_config, fla_key
-from .llama import LLAMA_FAMILY, fold_attention_scaling, fox_config_from_llama, fox_key_from_llama, llama_rope
+from .llama import (
+    LLAMA_FAMILY,
+    fold_attention_scaling,
+    fox_config_from_llama,
+    fox_key_from_llama,
+    llama_rope,
+    sliding_window,
+)
 from .output import refuse_overlap, remove_stale_partials, staged_output
 from .retrofit import RetrofitOptions, starting_parameters
+from .source_card import check_base_model, check_license, source_license
+
+logger = logging.get_logger(__name__)
 
 # Our causal-LM classes by model_type (each knows its config class).
 OUR_FAMILIES = {lm.config_class.model_type: lm for lm in (SelectiveRopeGLAForCausalLM,
@@ -70,6 +83,7 @@ class SourcePlan:
     temperature: torch.Tensor | None = None  # replaces the configured schedule (a source's inverse frequencies)
     load_reference: Callable[[], nn.Module] | None = None  # the source model, when its code runs here
     weight_note: str = " (unchanged)"  # for the model card: how the source's weights were carried over
+    ignored: Callable[[str], bool] = lambda name: False  # source tensors the target recomputes (not carried over)
     source_keys: list[str] = field(default_factory=list)
 
 
@@ -83,6 +97,8 @@ class ConversionReport:
     source_tensors: int
     new_tensors: list[str]
     shards: int
+    base_model: str | None = None  # the card's base_model: a Hub id, never a local folder's name
+    license: dict[str, str] = field(default_factory=dict)  # the card's license fields (license, license_name, ...)
 
 
 # ---------------------------------------------------------------------------------------------------------- plan
@@ -104,6 +120,14 @@ def plan_conversion(source_dir: Path, options: RetrofitOptions) -> SourcePlan:
         config = fox_config_from_llama(source, use_forget_gate=options.forget_gate,
                                        **options.config_overrides(source_rotates=True))
         rope_type = (source.rope_parameters or {}).get("rope_type", "default")
+        window_note = ""
+        if (window := sliding_window(source)) is not None:
+            window_note = (f"; its sliding window of {window[0]} tokens ({window[1]} of {source.num_hidden_layers} "
+                           "layers) is dropped: FoX attends to the whole context, so the two agree on sequences of up "
+                           f"to {window[0]} tokens")
+            logger.warning(f"the source attends within a sliding window of {window[0]} tokens in {window[1]} of "
+                           f"{source.num_hidden_layers} layers; FoX attends to the whole context, so the converted "
+                           f"model reproduces the source on sequences of up to {window[0]} tokens only")
         return SourcePlan(
             description=f"transformers {model_type} (RoPE type {rope_type!r})",
             config=config, model_class=SelectiveRopeFoXForCausalLM, rotates=True,
@@ -111,10 +135,13 @@ def plan_conversion(source_dir: Path, options: RetrofitOptions) -> SourcePlan:
             transform=lambda name, tensor: fold_attention_scaling(name, tensor, attention_scaling, config),
             temperature=inverse_frequencies,
             load_reference=lambda: AutoModelForCausalLM.from_pretrained(source_dir, dtype=torch.float32),
+            # Checkpoints saved by transformers < 4.31 carry each layer's RoPE frequencies; transformers ignores
+            # them when loading (they follow from the config), and so do we: `temperature` holds them.
+            ignored=lambda name: name.endswith(".rotary_emb.inv_freq"),
             weight_note=f" (the rotation's frequencies τ are the source's own {rope_type} inverse frequencies"
                         + (f"; its attention factor {attention_scaling:.6g} is folded into the q/k "
                            f"{'norms' if config.qk_norm else 'projections'}" if attention_scaling != 1.0 else "")
-                        + ")",
+                        + window_note + ")",
         )
     if model_type in FLA_MODEL_TYPES:
         config = fla_config(raw, **options.config_overrides(source_rotates=False))
@@ -168,12 +195,9 @@ class SafetensorsSource:
             if not isinstance(weight_map, dict):
                 raise ValueError(f"{index} has no weight_map")
             self.files = {name: directory / file for name, file in weight_map.items()}
-        elif (directory / "model.safetensors").exists():
+        else:
             with _open_safetensors(directory / "model.safetensors") as handle:
                 self.files = dict.fromkeys(handle.keys(), directory / "model.safetensors")
-        else:
-            raise ValueError(f"no safetensors weights in {directory} (model.safetensors or its index); re-save the "
-                             "source with save_pretrained(safe_serialization=True)")
         self._stack, self._handles = stack, {}
 
     def keys(self) -> list[str]:
@@ -187,6 +211,56 @@ class SafetensorsSource:
             return self._handles[path].get_tensor(name)
         except SafetensorError as error:
             raise ValueError(f"{path}: cannot read tensor {name!r} (corrupt file?): {error}") from None
+
+
+class TorchBinSource:
+    """The tensors of a directory saved as PyTorch ``.bin`` files (``pytorch_model.bin`` or its shards), for sources
+    that transformers loads but that have no safetensors. Read with transformers' ``load_state_dict``:
+    ``weights_only=True`` (a pickle that holds anything but tensors is refused, never run) and memory-mapped, so a
+    shard's tensors are paged in as they are used."""
+
+    def __init__(self, directory: Path):
+        index = directory / "pytorch_model.bin.index.json"
+        self._shards: dict[Path, dict[str, torch.Tensor]] = {}  # loaded files (memory-mapped)
+        if index.exists():
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index} has no weight_map")
+            self.files = {name: directory / file for name, file in weight_map.items()}
+        else:
+            path = directory / "pytorch_model.bin"
+            self._shards[path] = self._load(path)
+            self.files = dict.fromkeys(self._shards[path], path)
+
+    @staticmethod
+    def _load(path: Path) -> dict[str, torch.Tensor]:
+        try:
+            return load_state_dict(str(path), weights_only=True)
+        except Exception as error:  # torch raises UnpicklingError / RuntimeError; the message names the object
+            raise ValueError(f"cannot read {path} safely (torch.load with weights_only=True): "
+                             f"{str(error).splitlines()[0]}; re-save the source with safetensors") from None
+
+    def keys(self) -> list[str]:
+        return sorted(self.files)
+
+    def get(self, name: str) -> torch.Tensor:
+        path = self.files[name]
+        if path not in self._shards:
+            self._shards[path] = self._load(path)
+        return self._shards[path][name]
+
+
+SourceTensors = SafetensorsSource | TorchBinSource  # keys() and get(name)
+
+
+def open_source_tensors(directory: Path, stack: ExitStack) -> SourceTensors:
+    """The source's tensors: its safetensors files, else its PyTorch ``.bin`` files (transformers' order)."""
+    if (directory / "model.safetensors.index.json").exists() or (directory / "model.safetensors").exists():
+        return SafetensorsSource(directory, stack)
+    if (directory / "pytorch_model.bin.index.json").exists() or (directory / "pytorch_model.bin").exists():
+        return TorchBinSource(directory)
+    raise ValueError(f"no weights in {directory}: expected model.safetensors, pytorch_model.bin or their sharded "
+                     "index (.index.json)")
 
 
 def _keeps_float32(model: nn.Module, name: str) -> bool:
@@ -205,7 +279,7 @@ def _shard_names(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[lis
     return shards + [current] if current else shards
 
 
-def write_weights(plan: SourcePlan, source: SafetensorsSource, directory: Path, options: RetrofitOptions,
+def write_weights(plan: SourcePlan, source: SourceTensors, directory: Path, options: RetrofitOptions,
                   dtype: torch.dtype | None, max_shard_bytes: int, progress: bool) -> tuple[dict, list[str], int]:
     """Write the target's safetensors shards; returns (dtype used, new tensor names, number of shards)."""
     with torch.device("meta"):
@@ -217,6 +291,8 @@ def write_weights(plan: SourcePlan, source: SafetensorsSource, directory: Path, 
     mapped: dict[str, str] = {}  # target name -> source name
     unused = []
     for name in source.keys():
+        if plan.ignored(name):
+            continue
         target = plan.rename(name)
         if target == "lm_head.weight" and plan.config.tie_word_embeddings:
             embeddings = next((n for n in source.keys() if plan.rename(n) == "model.embeddings.weight"), None)
@@ -287,11 +363,11 @@ def _save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
 # --------------------------------------------------------------------------------------------------------- probe
 
 
-def _nope_twin_reference(plan: SourcePlan, source: SafetensorsSource) -> nn.Module:
+def _nope_twin_reference(plan: SourcePlan, source: SourceTensors) -> nn.Module:
     """Our family with ``position_embedding="nope"`` carrying the source tensors: the source's computation, for
     sources whose own code cannot run here (flash-linear-attention's ops are CUDA-only)."""
     twin = plan.model_class(config_with(plan.config, position_embedding="nope"))
-    state = {plan.rename(name): source.get(name) for name in source.keys()}
+    state = {plan.rename(name): source.get(name) for name in source.keys() if not plan.ignored(name)}
     missing, unexpected = twin.load_state_dict(state, strict=False)
     if unexpected or [m for m in missing if m != "lm_head.weight" or not plan.config.tie_word_embeddings]:
         raise ValueError(f"NoPE twin mismatch: missing {missing[:8]}, unexpected {unexpected[:8]}")
@@ -316,23 +392,28 @@ def probe_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------------- convert
 
 
-def resolve_source(source: str | os.PathLike) -> tuple[Path, str]:
-    """A local directory, or a Hub id downloaded when the network allows; (directory, name for the model card)."""
+def resolve_source(source: str | os.PathLike) -> tuple[Path, str | None]:
+    """A local directory, or a Hub id downloaded when the network allows; (directory, Hub id or None if local)."""
     path = Path(source)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} has no config.json: not a save_pretrained directory")
-        return path, path.resolve().name
+        return path, None
     if path.exists() or str(source).startswith((".", "/", "~")) or str(source).count("/") > 1:
         raise FileNotFoundError(f"source {str(source)!r} is not a directory (nor a Hub id)")
     from huggingface_hub import snapshot_download
 
-    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+    # config, tokenizer files, the card (for its license) and safetensors weights; .bin weights only where the
+    # repository has no safetensors (many have both: never download the weights twice)
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja", "README.md"]
     try:
-        return Path(snapshot_download(str(source), allow_patterns=patterns)), str(source)
+        directory = Path(snapshot_download(str(source), allow_patterns=patterns))
+        if not any(directory.glob("*.safetensors")):
+            directory = Path(snapshot_download(str(source), allow_patterns=["pytorch_model*.bin"]))
     except Exception as error:  # the Hub client raises many types; the message says what happened
         raise FileNotFoundError(f"source {str(source)!r} is not a local directory and could not be downloaded "
                                 f"from the Hub: {error}") from error
+    return directory, str(source)
 
 
 def parse_size(size: str | int) -> int:
@@ -358,6 +439,7 @@ def convert(
     tolerance: float = 1e-4,
     probe_length: int = 16,
     base_model: str | None = None,
+    license: str | None = None,
     progress: bool = True,
 ) -> ConversionReport:
     """Convert ``source`` into a selective-rope model directory ``output`` and check it reproduces the source.
@@ -373,8 +455,10 @@ def convert(
             source). Selective RoPE parameters are always float32.
         max_shard_size: largest output shard (``"5GB"``, ``"500MB"``, bytes).
         tolerance: the largest probe logit difference accepted (fp32; finite, >= 0).
-        base_model: the source's Hub id for the model card's ``base_model`` (default: the Hub id converted from, or
-            the source directory's name).
+        base_model: the source's Hub id for the model card's ``base_model`` (default: the Hub id converted from; a
+            local source gets none unless given: a folder's name is not a Hub id).
+        license: the converted model's license for its card (default: the source's, from the ``license:`` of its
+            README.md or its config.json; ``ValueError`` when it names none and this is not given).
 
     Raises ``ValueError`` (unsupported source or options, a corrupt source file, an OUTPUT overlapping the source),
     ``FileExistsError`` (output exists, or appeared while converting), ``FileNotFoundError`` (no source),
@@ -398,15 +482,22 @@ def convert(
             raise ValueError(f"dtype {dtype!r}: expected one of {list(DTYPES)}")
         dtype = DTYPES[dtype]
     max_shard_bytes = parse_size(max_shard_size)
-    source_dir, source_name = resolve_source(source)
+    if base_model is not None:
+        check_base_model(base_model)
+    source_dir, hub_id = resolve_source(source)
     refuse_overlap(source_dir, output)  # again for a Hub source: its snapshot lives in the Hugging Face cache
-    source_name = base_model or source_name
+    base_model = base_model or hub_id
+    source_name = base_model or source_dir.resolve().name
     plan = plan_conversion(source_dir, options)
+    card_license = {"license": check_license(license)} if license is not None else source_license(source_dir)
+    if card_license is None:
+        raise ValueError(f"the source's license is unknown (no `license:` in {source_dir / 'README.md'} nor in its "
+                         "config.json): pass --license (the source's license, e.g. apache-2.0 or llama3.2)")
 
     with staged_output(output, overwrite) as staging:
         directory = staging.directory
         with ExitStack() as stack:
-            tensors = SafetensorsSource(source_dir, stack)
+            tensors = open_source_tensors(source_dir, stack)
             out_dtype, new, shards = write_weights(plan, tensors, directory, options, dtype, max_shard_bytes,
                                                    progress)
             reference_name = "source model"
@@ -429,7 +520,7 @@ def convert(
             raise ConversionError(f"the converted model does not reproduce the source: max |logit difference| = "
                                   f"{difference:.3g} > {tolerance:g} on the probe batch (reference: {reference_name})")
         report = ConversionReport(output, source_name, plan.description, reference_name, difference,
-                                  len(plan.source_keys), new, shards)
+                                  len(plan.source_keys), new, shards, base_model, card_license)
         _write_card(plan, directory, output, report, options)
         staging.publish()
     return report
@@ -465,7 +556,10 @@ def _write_card(plan: SourcePlan, directory: Path, output: Path, report: Convers
         f"of {report.max_logit_difference:.2e} (fp32). It is meant to be fine-tuned: the Selective RoPE parameters "
         "start at an identity and move with the first gradient steps."
     )
-    card = render_model_card(plan.config, repo_id=output.name, base_model=report.source,
-                             base_model_relation="finetune", provenance=provenance)
+    card = render_model_card(plan.config, repo_id=output.name, license=report.license["license"],
+                             base_model=report.base_model, base_model_relation="finetune", provenance=provenance)
+    for name in ("license_name", "license_link"):  # a license the Hub has no identifier for (`license: other`)
+        if name in report.license:
+            setattr(card.data, name, report.license[name])
     card.save(directory / "README.md")
 

@@ -19,11 +19,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.mistral.modeling_mistral import MistralRotaryEmbedding
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
-from transformers.utils import logging
 
 from ..configuration.fox import SelectiveRopeFoXConfig
-
-logger = logging.get_logger(__name__)
 
 ROTARY_EMBEDDINGS = {
     "llama": LlamaRotaryEmbedding,
@@ -52,13 +49,29 @@ def check_llama_source(source: PreTrainedConfig) -> str:
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported RoPE type {rope_type!r} in the {source.model_type} source; supported: "
                          f"{list(SUPPORTED_ROPE_TYPES)}")
-    if getattr(source, "layer_types", None) and any(t != "full_attention" for t in source.layer_types):
-        raise ValueError(f"unsupported source: sliding-window layers {sorted(set(source.layer_types))}; only "
-                         "full-attention layers map onto FoX")
-    if source.model_type == "mistral" and getattr(source, "sliding_window", None):
-        logger.warning(f"the source attends within a sliding window of {source.sliding_window} tokens and FoX to the "
-                       "whole context: outputs agree on sequences up to that length")
+    unknown = set(getattr(source, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise ValueError(f"unsupported layer types {sorted(unknown)} in the {source.model_type} source; supported: "
+                         "'full_attention', 'sliding_attention'")
     return rope_type
+
+
+def sliding_window(source: PreTrainedConfig) -> tuple[int, int] | None:
+    """``(window, number of sliding layers)`` when the source attends within a sliding window shorter than its
+    context (``max_position_embeddings``), else None.
+
+    FoX attends to the whole context, so such a source converts with the window dropped: the converted model
+    reproduces it on sequences up to ``window`` tokens and attends further beyond. Mistral and Qwen2/Qwen3 are treated
+    alike: Mistral slides in every layer when ``sliding_window`` is set; Qwen2/Qwen3 (``use_sliding_window``) in the
+    layers their ``layer_types`` mark ``sliding_attention``. A window as long as the context never takes effect.
+    """
+    window = getattr(source, "sliding_window", None)
+    layer_types = getattr(source, "layer_types", None)
+    layers = (sum(kind == "sliding_attention" for kind in layer_types) if layer_types
+              else source.num_hidden_layers)
+    if window is None or not layers or window >= source.max_position_embeddings:
+        return None
+    return window, layers
 
 
 def llama_rope(source: PreTrainedConfig) -> tuple[torch.Tensor, float]:
@@ -70,7 +83,6 @@ def llama_rope(source: PreTrainedConfig) -> tuple[torch.Tensor, float]:
 
 def fox_config_from_llama(source: PreTrainedConfig, **overrides) -> SelectiveRopeFoXConfig:
     """The SelectiveRopeFoX config that reproduces ``source`` (plain RoPE, no forget gate), with ``overrides``."""
-    check_llama_source(source)
     head_dim = getattr(source, "head_dim", None) or source.hidden_size // source.num_attention_heads
     inv_freq, _ = llama_rope(source)
     qkv_bias = getattr(source, "attention_bias", source.model_type == "qwen2")  # Qwen2: q/k/v biases, none on o

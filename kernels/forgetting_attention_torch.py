@@ -22,15 +22,23 @@ How it is computed:
   reads grouped key/value heads directly (``enable_gqa``). On 2 CPU cores it ran within ±10% of
   the explicit blockwise forward below (about 5% less CPU time on one core), and on other devices
   SDPA picks a fused kernel.
-* Autograd: `_ForgettingAttention`, a FlashAttention-style blockwise forward and backward in
-  plain torch ops. The forward saves only its inputs and output; the backward recomputes each
-  block's probabilities. Key and value heads are used grouped, ``(B * Hk, G * rows, D)`` against
-  ``(B * Hk, keys, D)``, never repeated to the query heads. (SDPA cannot serve here: with a mask
-  that needs a gradient it falls back to its math path, which repeats k/v to the query heads and
-  keeps every block's probabilities for the backward, i.e. the full ``Tq x Tk`` matrix again.)
+* Autograd: a FlashAttention-style blockwise forward and backward in plain torch ops
+  (`_blockwise_forward`, `_blockwise_backward`). The forward saves only its inputs and output; the
+  backward recomputes each block's probabilities. Key and value heads are used grouped,
+  ``(B * Hk, G * rows, D)`` against ``(B * Hk, keys, D)``, never repeated to the query heads.
+  (SDPA cannot serve here: with a mask that needs a gradient it falls back to its math path, which
+  repeats k/v to the query heads and keeps every block's probabilities for the backward, i.e. the
+  full ``Tq x Tk`` matrix again.)
 * Plain causal attention over a whole sequence (no gate, no padding, ``Tq == Tk``) is a single
   ``scaled_dot_product_attention(is_causal=True)``: the flash kernel is memory-bounded in both
   directions and equals Llama's eager attention to float32 rounding.
+
+Both blockwise paths are ``torch.library`` custom ops (``selective_rope::forgetting_attention_inference``,
+``forgetting_attention_forward`` with its registered backward ``forgetting_attention_backward``), so
+``torch.compile`` calls them as opaque ops with known output shapes instead of tracing the block loop:
+traced, its shape-dependent loop and in-place writes into scratch views recompiled for every new key
+length during cached decoding, and with dynamic shapes dynamo failed outright (torch 2.13: "sources must
+not be empty for symbol ..." while building guards after a graph break in `_write_block_bias`).
 
 Every per-block tile is a view into scratch buffers allocated once per call (`_Scratch`). Fresh
 tensors grow by a few keys from one block to the next, so each is slightly larger than the one
@@ -60,11 +68,11 @@ get a weight of exactly 0, as with ``-inf``.
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 # Float32 elements of one block's (B, Hq, rows, Tk) tile, which sets the default block size (1 Mi elements
 # = 4 MiB). Measured on CPU (B=1, Hq=4, D=16, T=1024..16384, forward and forward + backward): 2 and 4 MiB
@@ -136,10 +144,8 @@ def forgetting_attention(
     block_size = min(block_size, Tq)
 
     needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, cum))
-    if needs_grad:
-        o = _ForgettingAttention.apply(q, k, v, cum, key_valid, scale, block_size)
-    else:
-        o = _attention_inference(q, k, v, cum, key_valid, scale, block_size)
+    op = _blockwise_forward_op if needs_grad else _attention_inference_op
+    o = op(q, k, v, cum, key_valid, scale, block_size)  # (B, Hq, Tq, Dv) float32
 
     if key_valid is not None:  # queries at padding slots output zeros, as on the fla path (see `key_valid`)
         query_valid = key_valid[:, Tk - Tq :]  # (B, Tq)
@@ -284,11 +290,27 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.
     return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
-class _ForgettingAttention(torch.autograd.Function):
-    """Blockwise forgetting attention with a memory-bounded backward (FlashAttention-2 style, plain torch).
+def _blockwise_forward(q, k, v, cum, key_valid, scale: float, block_size: int) -> torch.Tensor:
+    """Blockwise forgetting attention for autograd (FlashAttention-2 style, plain torch).
 
-    Inputs as `_attention_inference`; returns (B, Hq, Tq, Dv) float32. Saved for the backward: the
-    inputs and the output; the backward recomputes each block's probabilities.
+    Inputs as `_attention_inference`; returns (B, Hq, Tq, Dv) float32. `_blockwise_backward` recomputes each
+    block's probabilities from the inputs and this output.
+    """
+    B, Hq, Tq, _ = q.shape
+    Hk, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    q = q * scale  # (B, Hq, Tq, D), a new tensor
+    k, v = k.reshape(B * Hk, Tk, -1), v.reshape(B * Hk, Tk, Dv)  # grouped heads, see `_block_probs`
+    scratch = _Scratch(q, ("scores", "probs"), B * Hq * block_size * Tk, B, Hq, Tk, block_size,
+                       gated=cum is not None, padded=key_valid is not None)
+    o = q.new_empty(B, Hq, Tq, Dv)
+    for start, stop, first, end in _blocks(Tq, Tk, block_size):
+        probs = _block_probs(scratch, q, k, cum, key_valid, start, stop, first)  # (B * Hk, G * rows, E)
+        o[:, :, start:stop] = torch.bmm(probs, v[:, :end]).view(B, Hq, stop - start, Dv)
+    return o
+
+
+def _blockwise_backward(do, q, k, v, cum, key_valid, o, scale: float, block_size: int):
+    """Gradients of `_blockwise_forward`: (dq, dk, dv, dcum), dcum None without a gate.
 
     Per block, with S = bias + scale q kᵀ, P = softmax(S), O = P v:
         dP = dO vᵀ,   dS = P ∘ (dP - rowsum(dO ∘ O)),
@@ -297,58 +319,104 @@ class _ForgettingAttention(torch.autograd.Function):
     Key/value tensors are handled as (B * Hk, T, D): the G query heads of one key head form one
     (G * rows, D) matrix, so the heads are grouped, never repeated.
 
-    P comes from ``torch.softmax`` (recomputed in the backward) rather than ``exp(S - lse)`` with a
-    saved log-sum-exp: ``Tensor.exp`` is 10-35x slower on logits far below the row maximum (masked
-    keys, strongly forgotten ones: results that underflow to subnormals or 0), which dominated the
-    whole op at 4096 tokens; the softmax kernel's exponential does not slow down there.
+    P comes from ``torch.softmax`` (recomputed here) rather than ``exp(S - lse)`` with a saved
+    log-sum-exp: ``Tensor.exp`` is 10-35x slower on logits far below the row maximum (masked keys,
+    strongly forgotten ones: results that underflow to subnormals or 0), which dominated the whole op
+    at 4096 tokens; the softmax kernel's exponential does not slow down there.
     """
+    B, Hq, Tq, D = q.shape
+    Hk, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    BHk, G = B * Hk, Hq // Hk
+    q = q * scale
+    k, v = k.reshape(BHk, Tk, D), v.reshape(BHk, Tk, Dv)
+    scratch = _Scratch(q, ("scores", "probs", "grads"), B * Hq * block_size * Tk, B, Hq, Tk, block_size,
+                       gated=cum is not None, padded=key_valid is not None)
+    delta = (do * o).sum(-1)  # (B, Hq, Tq): rowsum(P ∘ dP) = rowsum(dO ∘ O)
+    dq = q.new_empty(q.shape)  # contiguous, as the op's fake implementation says
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # summed over the blocks
+    dcum = None if cum is None else torch.zeros_like(cum)
+    col_sums = None if cum is None else q.new_empty(B, Hq, Tk)
+    for start, stop, first, end in _blocks(Tq, Tk, block_size):
+        rows = stop - start
+        probs = _block_probs(scratch, q, k, cum, key_valid, start, stop, first)  # (B * Hk, G * rows, E)
+        do_block = _grouped(do, start, stop, BHk)
+        d_scores = scratch.tile("grads", BHk, G * rows, end)
+        torch.bmm(do_block, v[:, :end].transpose(1, 2), out=d_scores)  # dP
+        d_scores.sub_(_grouped(delta.unsqueeze(-1), start, stop, BHk)).mul_(probs)  # dS
+        dq[:, :, start:stop] = torch.bmm(d_scores, k[:, :end]).view(B, Hq, rows, D)
+        dk[:, :end].baddbmm_(d_scores.transpose(1, 2), _grouped(q, start, stop, BHk))
+        dv[:, :end].baddbmm_(probs.transpose(1, 2), do_block)
+        if dcum is not None:
+            d_bias = d_scores.view(B, Hq, rows, end)
+            dcum[..., first:end] += d_bias.sum(-1)
+            dcum[..., :end] -= torch.sum(d_bias, dim=-2, out=col_sums[..., :end])
+    dq.mul_(scale)
+    return dq, dk.view(B, Hk, Tk, D), dv.view(B, Hk, Tk, Dv), dcum
 
-    @staticmethod
-    def forward(ctx, q, k, v, cum, key_valid, scale, block_size):
-        B, Hq, Tq, _ = q.shape
-        Hk, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-        q = q * scale  # (B, Hq, Tq, D), a new tensor
-        k, v = k.reshape(B * Hk, Tk, -1), v.reshape(B * Hk, Tk, Dv)  # contiguous copies of the views
-        scratch = _Scratch(q, ("scores", "probs"), B * Hq * block_size * Tk, B, Hq, Tk, block_size,
-                           gated=cum is not None, padded=key_valid is not None)
-        o = q.new_empty(B, Hq, Tq, Dv)
-        for start, stop, first, end in _blocks(Tq, Tk, block_size):
-            probs = _block_probs(scratch, q, k, cum, key_valid, start, stop, first)  # (B * Hk, G * rows, E)
-            o[:, :, start:stop] = torch.bmm(probs, v[:, :end]).view(B, Hq, stop - start, Dv)
-        ctx.save_for_backward(q, k, v, cum, key_valid, o)
-        ctx.scale, ctx.block_size = scale, block_size
-        return o
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, do):
-        q, k, v, cum, key_valid, o = ctx.saved_tensors  # q scaled; k, v (B * Hk, Tk, D | Dv)
-        B, Hq, Tq, D = q.shape
-        BHk, Tk, Dv = v.shape
-        G = Hq * B // BHk
-        scratch = _Scratch(q, ("scores", "probs", "grads"), B * Hq * ctx.block_size * Tk, B, Hq, Tk,
-                           ctx.block_size, gated=cum is not None, padded=key_valid is not None)
-        delta = (do * o).sum(-1)  # (B, Hq, Tq): rowsum(P ∘ dP) = rowsum(dO ∘ O)
-        dq = torch.empty_like(q)
-        dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # summed over the blocks
-        dcum = None if cum is None else torch.zeros_like(cum)
-        col_sums = None if cum is None else q.new_empty(B, Hq, Tk)
-        for start, stop, first, end in _blocks(Tq, Tk, ctx.block_size):
-            rows = stop - start
-            probs = _block_probs(scratch, q, k, cum, key_valid, start, stop, first)  # (B * Hk, G * rows, E)
-            do_block = _grouped(do, start, stop, BHk)
-            d_scores = scratch.tile("grads", BHk, G * rows, end)
-            torch.bmm(do_block, v[:, :end].transpose(1, 2), out=d_scores)  # dP
-            d_scores.sub_(_grouped(delta.unsqueeze(-1), start, stop, BHk)).mul_(probs)  # dS
-            dq[:, :, start:stop] = torch.bmm(d_scores, k[:, :end]).view(B, Hq, rows, D)
-            dk[:, :end].baddbmm_(d_scores.transpose(1, 2), _grouped(q, start, stop, BHk))
-            dv[:, :end].baddbmm_(probs.transpose(1, 2), do_block)
-            if dcum is not None:
-                d_bias = d_scores.view(B, Hq, rows, end)
-                dcum[..., first:end] += d_bias.sum(-1)
-                dcum[..., :end] -= torch.sum(d_bias, dim=-2, out=col_sums[..., :end])
-        dq.mul_(ctx.scale)
-        return dq, dk.view(B, -1, Tk, D), dv.view(B, -1, Tk, Dv), dcum, None, None, None
+# -- custom ops: what torch.compile sees (see the module docstring) ---------------------------------------------------
+# Shapes as `_attention_inference`: q (B, Hq, Tq, D), k (B, Hk, Tk, D), v (B, Hk, Tk, Dv) float32, any strides (the
+# caller passes transposed views); cum (B, Hq, Tk) float64 or None; key_valid (B, Tk) bool or None. Outputs are new
+# contiguous tensors (no aliasing, as custom ops require), and the fake implementations say so: the compiler checks
+# the strides.
+
+
+def _op_name(name: str) -> str:
+    """``selective_rope::<name>`` for the package's module; a name of its own for each flat copy that travels with a
+    saved model (remote code, module ``transformers_modules.<...>.kernels_forgetting_attention_torch``): registering
+    an op name again silently replaces its implementation for every earlier caller, so two loaded copies (or a copy
+    and the package) would otherwise run whichever was loaded last."""
+    if __name__.startswith("selective_rope."):
+        return f"selective_rope::{name}"
+    return f"selective_rope::{name}_{hashlib.sha1(__name__.encode()).hexdigest()[:12]}"
+
+
+@torch.library.custom_op(_op_name("forgetting_attention_inference"), mutates_args=())
+def _attention_inference_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cum: torch.Tensor | None,
+                            key_valid: torch.Tensor | None, scale: float, block_size: int) -> torch.Tensor:
+    return _attention_inference(q, k, v, cum, key_valid, scale, block_size)
+
+
+@torch.library.custom_op(_op_name("forgetting_attention_forward"), mutates_args=())
+def _blockwise_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cum: torch.Tensor | None,
+                          key_valid: torch.Tensor | None, scale: float, block_size: int) -> torch.Tensor:
+    return _blockwise_forward(q, k, v, cum, key_valid, scale, block_size)
+
+
+@_attention_inference_op.register_fake
+@_blockwise_forward_op.register_fake
+def _(q, k, v, cum, key_valid, scale, block_size):
+    return q.new_empty(*q.shape[:3], v.shape[-1])
+
+
+@torch.library.custom_op(_op_name("forgetting_attention_backward"), mutates_args=())
+def _blockwise_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cum: torch.Tensor | None, key_valid: torch.Tensor | None, o: torch.Tensor, scale: float,
+                           block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dcum); dcum is an empty tensor without a gate (custom ops return no None)."""
+    dq, dk, dv, dcum = _blockwise_backward(do.contiguous(), q, k, v, cum, key_valid, o, scale, block_size)
+    return dq, dk, dv, q.new_empty(0, dtype=torch.float64) if dcum is None else dcum.contiguous()
+
+
+@_blockwise_backward_op.register_fake
+def _(do, q, k, v, cum, key_valid, o, scale, block_size):
+    dcum = q.new_empty(0 if cum is None else cum.shape, dtype=torch.float64)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dcum
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, cum, key_valid, scale, block_size = inputs
+    ctx.save_for_backward(q, k, v, cum, key_valid, output)
+    ctx.scale, ctx.block_size = scale, block_size
+
+
+def _backward(ctx, do):
+    q, k, v, cum, key_valid, o = ctx.saved_tensors
+    dq, dk, dv, dcum = _blockwise_backward_op(do, q, k, v, cum, key_valid, o, ctx.scale, ctx.block_size)
+    return dq, dk, dv, None if cum is None else dcum, None, None, None
+
+
+_blockwise_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _block_probs(

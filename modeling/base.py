@@ -220,7 +220,8 @@ class SelectiveRopePreTrainedModel(PreTrainedModel):
     def model_card(self, repo_id: str = "path/to/model", **card_info):
         """This model's card (a ``huggingface_hub.ModelCard``) from its family's template in ``model_cards/``.
 
-        ``card_info``: ``model_name``, ``license`` (default ``apache-2.0``), ``base_model``, ``base_model_relation``,
+        ``card_info``: ``model_name``, ``license`` (default ``apache-2.0``; required with ``base_model``: a model
+        made from another one is under its license), ``base_model`` (a Hub id), ``base_model_relation``,
         ``provenance`` (markdown for "How it was made"). Save it with ``card.save(directory + "/README.md")``.
         """
         return render_model_card(self.config, repo_id=repo_id, num_parameters=self.num_parameters(), **card_info)

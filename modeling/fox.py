@@ -47,7 +47,9 @@ def append_tokens(cached: torch.Tensor | None, new: torch.Tensor) -> torch.Tenso
         return new
     batch, length, *inner = cached.shape
     extra = new.shape[1]
-    if torch.is_grad_enabled():  # training through a cache: keep autograd's view of every tensor intact
+    # Training through a cache: keep autograd's view of every tensor intact. Under torch.compile: the buffer's
+    # storage introspection breaks the graph (and recompiles per dtype and rank), while a concatenation traces.
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
         return torch.cat([cached, new], dim=1)
     if cached.shape[0] and _room(cached) >= length + extra:
         buffer = cached.as_strided((batch, _room(cached), *inner), cached.stride())

@@ -7,7 +7,7 @@ per-model metadata (``license``, ``base_model``, ``base_model_relation``) is set
 
 from __future__ import annotations
 
-from pathlib import Path
+from importlib import resources
 
 from huggingface_hub import ModelCard
 
@@ -25,8 +25,9 @@ def template_texts() -> dict[str, str]:
     """``{model_type: template text}``."""
     if BUNDLED_TEMPLATES is not None:
         return BUNDLED_TEMPLATES
-    folder = Path(__file__).resolve().parent.parent / "model_cards"
-    return {path.stem: path.read_text() for path in sorted(folder.glob("*.md"))}
+    folder = resources.files("selective_rope.model_cards")  # wherever the package maps it (pyproject's package-dir)
+    return {path.name.removesuffix(".md"): path.read_text() for path in sorted(folder.iterdir(), key=str)
+            if path.name.endswith(".md")}
 
 
 def _settings_table(config) -> str:
@@ -49,7 +50,7 @@ def render_model_card(
     *,
     repo_id: str = "path/to/model",
     model_name: str | None = None,
-    license: str = "apache-2.0",
+    license: str | None = None,
     base_model: str | None = None,
     base_model_relation: str | None = None,
     provenance: str | None = None,
@@ -59,11 +60,19 @@ def render_model_card(
 
     Args:
         repo_id: where the model lives (shown in the loading snippet).
-        base_model, base_model_relation: Hub metadata for a model made from another one. The Hub knows the
-            relations ``adapter``, ``merge``, ``quantized`` and ``finetune``; a retrofitted model (same weights, new
-            position embedding, meant to be fine-tuned) is a ``finetune``, the default when ``base_model`` is set.
+        license: the Hub license identifier. A model made from another one (``base_model``) is under that model's
+            license, so it must be named then; otherwise the default is ``apache-2.0``.
+        base_model, base_model_relation: Hub metadata for a model made from another one (a Hub repository id). The
+            Hub knows the relations ``adapter``, ``merge``, ``quantized`` and ``finetune``; a retrofitted model (same
+            weights, new position embedding, meant to be fine-tuned) is a ``finetune``, the default when
+            ``base_model`` is set.
         provenance: the "How it was made" section (markdown).
     """
+    if license is None:
+        if base_model is not None:
+            raise ValueError(f"license: a model made from {base_model!r} is under that model's license; name it "
+                             "(license='apache-2.0', 'llama3.2', ...)")
+        license = "apache-2.0"
     templates = template_texts()
     if config.model_type not in templates:
         raise ValueError(f"no model-card template for model_type {config.model_type!r}; have {sorted(templates)}")

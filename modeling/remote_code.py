@@ -11,6 +11,7 @@ A model loaded from such a bundle saves again from its own flat files (their imp
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -40,13 +41,22 @@ def _resolve(package: str | None, dots: int, target: str, source: str) -> tuple[
                      "`..package.module`) for the remote-code bundle")
 
 
-def _module_location(model_module: str) -> tuple[Path, str | None, str]:
-    """(root, package, module) of an imported module: packaged (``selective_rope.modeling.fox``) or flat."""
-    path = Path(sys.modules[model_module].__file__)
+def _module_location(model_module: str) -> tuple[Path | None, str | None, str]:
+    """(directory, package, module) of an imported module: packaged (``selective_rope.modeling.fox`` -> ``(None,
+    "modeling", "fox")``) or a flat bundle's file (``(its directory, None, "modeling_fox")``)."""
     parts = model_module.split(".")
     if len(parts) == 3 and parts[0] == "selective_rope":
-        return path.parent.parent, parts[1], path.stem
-    return path.parent, None, path.stem
+        return None, parts[1], parts[2]
+    return Path(sys.modules[model_module].__file__).parent, None, parts[-1]
+
+
+def _source_path(directory: Path | None, package: str | None, module: str) -> Path:
+    """The source file of a module: found through the import system for the package (pyproject maps each
+    ``selective_rope.<package>`` onto a repository folder, which an installed wheel copies and an editable install
+    points at), next to the others in a flat bundle."""
+    if package is None:
+        return directory / f"{module}.py"
+    return Path(importlib.util.find_spec(f"selective_rope.{package}.{module}").origin)
 
 
 def code_bundle(model_module: str, extra_files: dict[str, str] | None = None) -> dict[str, str]:
@@ -55,7 +65,7 @@ def code_bundle(model_module: str, extra_files: dict[str, str] | None = None) ->
     ``extra_files`` maps model-card template names to their text; they are embedded into the flat
     ``modeling_model_card.py`` (if it is part of the bundle) since only ``.py`` files travel.
     """
-    root, package, module = _module_location(model_module)
+    directory, package, module = _module_location(model_module)
     bundle: dict[str, str] = {}
     pending = [(package, module)]
     while pending:
@@ -63,7 +73,7 @@ def code_bundle(model_module: str, extra_files: dict[str, str] | None = None) ->
         name = _flat_name(package, module)
         if f"{name}.py" in bundle:
             continue
-        path = root / (f"{name}.py" if package is None else f"{package}/{module}.py")
+        path = _source_path(directory, package, module)
         source = path.read_text()
 
         def rewrite(match: re.Match, package=package, path=path) -> str:

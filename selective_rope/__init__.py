@@ -5,14 +5,28 @@ Importing the package registers the configs and models with ``AutoConfig``, ``Au
 (:mod:`selective_rope.lora`). It never imports triton or flash-linear-attention.
 """
 
+from pathlib import Path
+
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from .configuration import (
-    SelectiveRopeConfigBase,
-    SelectiveRopeFoXConfig,
-    SelectiveRopeGatedDeltaNetConfig,
-    SelectiveRopeGLAConfig,
-)
+try:
+    from .configuration import (
+        SelectiveRopeConfigBase,
+        SelectiveRopeFoXConfig,
+        SelectiveRopeGatedDeltaNetConfig,
+        SelectiveRopeGLAConfig,
+    )
+except ModuleNotFoundError as error:
+    # The sub-packages live at the repository root and pip maps them into the package (pyproject's package-dir):
+    # a source checkout that is on sys.path but not installed editable (e.g. `python` started in the checkout after
+    # `pip install .`) shadows the installed package without them.
+    if error.name != f"{__name__}.configuration":
+        raise
+    raise ModuleNotFoundError(
+        f"{__name__} was imported from {Path(__file__).parent}, a source tree that is not installed: its "
+        "sub-packages (configuration/, modeling/, ...) sit at the repository root and only an install maps them into "
+        "the package. Run `pip install -e .` in the checkout, or start Python outside it to use the installed "
+        "package", name=error.name) from None
 from .lora import register_lora_defaults
 from .modeling import (
     SelectiveRopeCache,

@@ -63,9 +63,10 @@ Generate from a saved model directory (written by save_pretrained or selective-r
 
 The prompt is text (--prompt, needs a tokenizer saved in the directory) or token ids (--ids "5 12 19", works with or
 without a tokenizer); with neither, generation starts from the model's BOS token. The continuation is streamed as it
-is generated: as text when the directory has a tokenizer (transformers' TextStreamer; the prompt is echoed first),
-otherwise, or with --print-ids, as the new token ids separated by spaces. Greedy by default; --do-sample samples
-(--temperature, --top-k, --top-p, --seed); --num-beams > 1 runs beam search and prints the result at the end.
+is generated: as text when the directory has a tokenizer (transformers' TextStreamer; the prompt is echoed first;
+special tokens such as <s> are not shown), otherwise, or with --print-ids, as the new token ids separated by spaces.
+Greedy by default; --do-sample samples (--temperature, --top-k, --top-p, --seed); --num-beams > 1 runs beam search
+and prints the result at the end.
 """
 
 
@@ -186,13 +187,14 @@ def run_generate(args: argparse.Namespace) -> int:
     if pad is not None:
         kwargs["pad_token_id"] = pad if isinstance(pad, int) else pad[0]
     as_text = tokenizer is not None and not args.print_ids
+    # Text is shown without special tokens (the prompt's <s>, a closing </s>); --print-ids shows every id.
     if args.num_beams == 1:  # transformers streams greedy and sampled decoding, not beam search
-        kwargs["streamer"] = TextStreamer(tokenizer) if as_text else _IdStreamer()
+        kwargs["streamer"] = TextStreamer(tokenizer, skip_special_tokens=True) if as_text else _IdStreamer()
     with torch.inference_mode():
         out = model.generate(ids.to(device), attention_mask=torch.ones_like(ids).to(device), **kwargs)
     if args.num_beams > 1:
         new = out[0, ids.shape[1]:].tolist()
-        print(tokenizer.decode(out[0]) if as_text else " ".join(map(str, new)), flush=True)
+        print(tokenizer.decode(out[0], skip_special_tokens=True) if as_text else " ".join(map(str, new)), flush=True)
     return 0
 
 

@@ -44,12 +44,13 @@ def demo_config(family: str = "gla"):
 
 
 def train(model, seconds: float, max_steps: int, generator: torch.Generator, batch: int = 32, length: int = 24):
+    """Train for ``seconds`` or ``max_steps`` steps, whichever ends first; returns the last loss."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     model.train()
     deadline = time.monotonic() + seconds
-    progress = tqdm(range(max_steps), desc="training", unit="step")
+    progress = tqdm(total=max_steps, desc="training", unit="step")
     loss = None
-    for _ in progress:
+    for _ in range(max_steps):
         ids = progressions(batch, length, generator)
         labels = ids.clone()
         labels[:, :3] = -100  # the step is unknown until two terms are seen
@@ -59,7 +60,12 @@ def train(model, seconds: float, max_steps: int, generator: torch.Generator, bat
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         progress.set_postfix(loss=f"{loss.item():.3f}")
-        if time.monotonic() > deadline:
+        progress.update()
+        if time.monotonic() > deadline and progress.n < max_steps:
+            # The time budget ended the run: close the bar at 100 % of the steps taken (a bar stopped part-way
+            # looks like a crash) and say why it stopped.
+            progress.total = progress.n
+            progress.set_description(f"training ({seconds:g} s budget reached)")
             break
     progress.close()
     model.eval()

@@ -61,10 +61,24 @@ def test_generate_prints_token_ids_without_a_tokenizer(saved, capsys):
 def test_generate_streams_text_with_a_tokenizer(saved, capsys):
     assert cli.main(["generate", str(saved["tokenized"]), "--prompt", "w1 w2 w3", "--max-new-tokens", "5"]) == 0
     prompt = saved["tokenizer"]("w1 w2 w3").input_ids
-    expected = saved["tokenizer"].decode(prompt + _greedy(saved["model"], prompt))
+    expected = saved["tokenizer"].decode(prompt + _greedy(saved["model"], prompt), skip_special_tokens=True)
     assert capsys.readouterr().out.strip() == expected.strip()
     cli.main(["generate", str(saved["tokenized"]), "--ids", "5 6 7", "--max-new-tokens", "5", "--print-ids"])
     assert _ints(capsys.readouterr().out) == _greedy(saved["model"], [5, 6, 7])
+
+
+@pytest.mark.parametrize("beams", ["1", "2"])
+def test_generated_text_shows_no_special_tokens(saved, capsys, beams):
+    """--ids starting with BOS (id 1, <s>): the echoed prompt and the continuation are text without <s> / </s>."""
+    prompt = [1, 5, 6]
+    assert cli.main(["generate", str(saved["tokenized"]), "--ids", "1 5 6", "--max-new-tokens", "5",
+                     "--num-beams", beams]) == 0
+    out = capsys.readouterr().out
+    assert "<s>" not in out and "</s>" not in out
+    if beams == "1":
+        tokens = prompt + _greedy(saved["model"], prompt)
+        assert out.strip() == saved["tokenizer"].decode(tokens, skip_special_tokens=True).strip()
+    assert out.split()[:2] == ["w1", "w2"]  # ids 5, 6
 
 
 def test_generate_sampling_is_reproducible_with_a_seed(saved, capsys):

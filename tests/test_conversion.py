@@ -45,6 +45,8 @@ ARCHITECTURES = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict()),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(attention_bias=True)),
 }
+# The license each tiny source's model card declares (as its real counterparts do): the converted card carries it.
+LICENSES = {"llama": "llama3.2", "mistral": "apache-2.0", "qwen2": "apache-2.0", "qwen3": "apache-2.0"}
 ROPE_TYPES = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
@@ -54,16 +56,18 @@ ROPE_TYPES = {
 }
 
 
-def llama_source(directory: Path, architecture: str, rope: str = "default", seed: int = 0):
-    """A tiny random Llama-family checkpoint with biases and norm weights that matter."""
+def llama_source(directory: Path, architecture: str, rope: str = "default", seed: int = 0, **config):
+    """A tiny random Llama-family checkpoint with biases and norm weights that matter, and a model card naming its
+    license."""
     config_class, model_class, extra = ARCHITECTURES[architecture]
     torch.manual_seed(seed)
-    model = model_class(config_class(**SHAPE, **extra, rope_parameters=dict(ROPE_TYPES[rope]))).eval()
+    model = model_class(config_class(**{**SHAPE, **extra, **config}, rope_parameters=dict(ROPE_TYPES[rope]))).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 param.add_(0.3 * torch.randn_like(param))
     model.save_pretrained(directory)
+    (directory / "README.md").write_text(f"---\nlicense: {LICENSES[architecture]}\n---\n\n# A tiny {architecture}\n")
     return model
 
 
@@ -233,7 +237,7 @@ def _fla_source(directory: Path, kind: str):
 @pytest.mark.parametrize("kind", ["gla", "gated_deltanet", "forgetting_transformer"])
 def test_fla_checkpoints_use_every_tensor_once_and_equal_their_nope_twin(kind, tmp_path):
     source = _fla_source(tmp_path / "source", kind)
-    report = convert(tmp_path / "source", tmp_path / "out", progress=False)
+    report = convert(tmp_path / "source", tmp_path / "out", license="mit", progress=False)
     assert report.reference.startswith("NoPE twin") and report.max_logit_difference <= 1e-4
     assert report.source_tensors == len(source)
 
@@ -272,9 +276,10 @@ def test_own_rope_and_nope_checkpoints_become_selective(family_name, position_em
     torch.manual_seed(0)
     config = family.config_class(**{**family.tiny, "position_embedding": position_embedding})
     source = family.lm_class(config).eval()
-    source.save_pretrained(tmp_path / "source")
+    source.save_pretrained(tmp_path / "source", model_card=True)  # our card: license apache-2.0
     report = convert(tmp_path / "source", tmp_path / "out", RetrofitOptions(phase_gate_type="channel"),
                      progress=False)
+    assert report.license == {"license": "apache-2.0"} and report.base_model is None
     assert report.max_logit_difference <= 1e-4
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert converted.config.position_embedding == "selective_rope"
@@ -363,12 +368,15 @@ def test_cli_converts_and_reports(tmp_path, capsys):
         cli_main(["convert", str(tmp_path / "nowhere" / "x"), str(tmp_path / "other")])
 
 
-def test_a_hub_source_is_downloaded_and_named_as_base_model(tmp_path, monkeypatch):
+@pytest.mark.parametrize("weights", ["safetensors", "bin"])
+def test_a_hub_source_is_downloaded_and_named_as_base_model(tmp_path, monkeypatch, weights):
     from huggingface_hub import HfApi
 
     from loopback_hub import LoopbackHub
 
     source = llama_source(tmp_path / "source", "qwen2")
+    if weights == "bin":
+        _as_bin(tmp_path / "source")
     with LoopbackHub() as hub:
         hub.patch_endpoint(monkeypatch, cache_dir=tmp_path / "hf_cache")
         api = HfApi()
@@ -385,7 +393,8 @@ def test_a_hub_source_is_downloaded_and_named_as_base_model(tmp_path, monkeypatc
         assert tree(tmp_path / "hf_cache") == cached
         assert not hub.unhandled, hub.unhandled
     assert report.source == "user/tiny-qwen2" and report.max_logit_difference <= 1e-4
-    assert "base_model: user/tiny-qwen2" in (tmp_path / "out" / "README.md").read_text()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "base_model: user/tiny-qwen2" in card and "license: apache-2.0" in card  # the source card's license
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     ids = torch.randint(3, 61, (2, 12))
     with torch.no_grad():
@@ -414,3 +423,157 @@ def test_a_saved_copy_of_tied_embeddings_is_accepted_and_a_different_one_refused
     with pytest.raises(ValueError, match="different lm_head.weight"):
         convert(tmp_path / "source", tmp_path / "other", progress=False)
     assert not (tmp_path / "other").exists() and leftovers(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------------- model card: license, base_model
+
+
+def _card(directory: Path):
+    from huggingface_hub import ModelCard
+
+    return ModelCard.load(directory / "README.md")
+
+
+def test_the_card_carries_the_source_license_and_no_local_base_model(tmp_path):
+    llama_source(tmp_path / "my-llama", "llama")  # README.md: license llama3.2
+    report = convert(tmp_path / "my-llama", tmp_path / "out", progress=False)
+    card = _card(tmp_path / "out")
+    assert card.data.license == "llama3.2" and report.license == {"license": "llama3.2"}
+    assert card.data.base_model is None and report.base_model is None
+    assert "base_model" not in card.content.split("---")[1]  # a folder's name is not a Hub id
+    assert "from `my-llama`" in card.text  # the provenance still says what it was made from
+
+    # a license the Hub has no identifier for travels with its name and link; --base-model names the Hub id
+    (tmp_path / "my-llama" / "README.md").write_text(
+        "---\nlicense: other\nlicense_name: tiny-license\nlicense_link: https://example.com/LICENSE\n---\n")
+    convert(tmp_path / "my-llama", tmp_path / "other", base_model="someone/tiny-llama", progress=False)
+    card = _card(tmp_path / "other")
+    assert (card.data.license, card.data.license_name, card.data.license_link) == (
+        "other", "tiny-license", "https://example.com/LICENSE")
+    assert card.data.base_model == "someone/tiny-llama" and card.data.base_model_relation == "finetune"
+
+
+def test_a_license_in_the_config_is_used_and_license_overrides(tmp_path):
+    llama_source(tmp_path / "source", "qwen2")
+    (tmp_path / "source" / "README.md").unlink()
+    config = json.loads((tmp_path / "source" / "config.json").read_text())
+    (tmp_path / "source" / "config.json").write_text(json.dumps({**config, "license": "qwen"}))
+    convert(tmp_path / "source", tmp_path / "out", progress=False)
+    assert _card(tmp_path / "out").data.license == "qwen"
+    convert(tmp_path / "source", tmp_path / "mine", license="apache-2.0", progress=False)
+    assert _card(tmp_path / "mine").data.license == "apache-2.0"
+
+
+def test_an_unknown_license_is_refused_before_anything_is_written(tmp_path):
+    llama_source(tmp_path / "source", "mistral")
+    (tmp_path / "source" / "README.md").write_text("# A model card without a YAML header\n")
+    with pytest.raises(ValueError, match=r"the source's license is unknown .* pass --license"):
+        convert(tmp_path / "source", tmp_path / "out", progress=False)
+    with pytest.raises(SystemExit, match=r"^selective-rope convert: the source's license is unknown [^\n]*$"):
+        cli_main(["convert", str(tmp_path / "source"), str(tmp_path / "out"), "--no-progress"])
+    (tmp_path / "source" / "README.md").write_text("---\nlicense: [unclosed\n---\n")
+    with pytest.raises(ValueError, match=r"YAML header does not parse \(expected [^\n]*pass --license$"):
+        convert(tmp_path / "source", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+    assert cli_main(["convert", str(tmp_path / "source"), str(tmp_path / "out"), "--license", "apache-2.0",
+                     "--no-progress"]) == 0
+    assert _card(tmp_path / "out").data.license == "apache-2.0"
+
+
+@pytest.mark.parametrize("argument, value, message", [
+    ("base_model", "/home/me/llama", r"--base-model '/home/me/llama': not a Hub repository id"),
+    ("base_model", "a/b/c", r"--base-model 'a/b/c': not a Hub repository id"),
+    ("license", "apache 2.0", r"--license 'apache 2.0': expected a license identifier"),
+    ("license", "", r"--license '': expected a license identifier"),
+])
+def test_bad_card_metadata_is_refused(tmp_path, argument, value, message):
+    llama_source(tmp_path / "source", "llama")
+    with pytest.raises(ValueError, match=message):
+        convert(tmp_path / "source", tmp_path / "out", progress=False, **{argument: value})
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+# --------------------------------------------------------------------------------------------------- sliding windows
+
+
+def _window_warnings(caplog) -> int:
+    return sum("sliding window of" in record.getMessage() for record in caplog.records)
+
+
+@pytest.mark.parametrize("architecture, window_config", [
+    ("mistral", dict(sliding_window=24)),  # every layer slides
+    ("qwen2", dict(use_sliding_window=True, sliding_window=24, max_window_layers=1)),  # layer 1 of 2 slides
+])
+def test_a_sliding_window_is_dropped_with_one_warning(tmp_path, caplog, architecture, window_config):
+    """Mistral's and Qwen2's windows alike: converted with one warning; the two agree up to the window, not beyond."""
+    source = llama_source(tmp_path / "source", architecture, **window_config)
+    caplog.clear()
+    convert(tmp_path / "source", tmp_path / "out", progress=False)
+    assert _window_warnings(caplog) == 1
+    assert "sliding window of 24 tokens" in (tmp_path / "out" / "README.md").read_text()
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ids = torch.randint(3, 61, (2, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected, actual = source(ids).logits, converted(ids).logits
+    torch.testing.assert_close(actual[:, :24], expected[:, :24], atol=1e-4, rtol=0)
+    assert (actual[:, 24:] - expected[:, 24:]).abs().max() > 1e-3  # beyond the window FoX sees more
+
+
+def test_a_window_as_long_as_the_context_needs_no_warning(tmp_path, caplog):
+    llama_source(tmp_path / "source", "qwen2", use_sliding_window=True, sliding_window=256, max_window_layers=0)
+    caplog.clear()
+    report = convert(tmp_path / "source", tmp_path / "out", progress=False)
+    assert report.max_logit_difference <= 1e-4 and _window_warnings(caplog) == 0
+
+
+# ------------------------------------------------------------------------------------------------ PyTorch .bin sources
+
+
+def _as_bin(directory: Path, shards: int = 1, extra: dict | None = None) -> dict[str, torch.Tensor]:
+    """Re-save ``directory``'s weights as PyTorch .bin files (``shards`` > 1: with a weight map), as transformers did
+    before safetensors; ``extra`` tensors are added (old checkpoints' buffers)."""
+    path = directory / "model.safetensors"
+    with safe_open(path, "pt") as handle:
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    path.unlink()
+    tensors.update(extra or {})
+    names = sorted(tensors)
+    if shards == 1:
+        torch.save(tensors, directory / "pytorch_model.bin")
+        return tensors
+    weight_map = {}
+    for index in range(shards):
+        file = f"pytorch_model-{index + 1:05d}-of-{shards:05d}.bin"
+        part = names[index::shards]
+        torch.save({name: tensors[name] for name in part}, directory / file)
+        weight_map.update(dict.fromkeys(part, file))
+    (directory / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return tensors
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_bin_sources_convert_like_safetensors(tmp_path, shards):
+    source = llama_source(tmp_path / "source", "qwen3")
+    # transformers < 4.31 saved each layer's RoPE frequencies: ignored, as transformers ignores them
+    inv_freq = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(8) for i in range(2)}
+    tensors = _as_bin(tmp_path / "source", shards, extra=inv_freq)
+    report = convert(tmp_path / "source", tmp_path / "out", progress=False)
+    assert report.max_logit_difference <= 1e-4 and report.source_tensors == len(tensors) - len(inv_freq)
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ids = torch.randint(3, 61, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(converted(ids).logits, source(ids).logits, atol=1e-4, rtol=0)
+
+
+class _NotATensor:  # a pickled object that weights_only=True refuses to build
+    pass
+
+
+def test_a_bin_that_is_not_only_tensors_is_refused_unrun(tmp_path):
+    llama_source(tmp_path / "source", "llama")
+    tensors = _as_bin(tmp_path / "source")
+    torch.save({**tensors, "payload": _NotATensor()}, tmp_path / "source" / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"cannot read .*pytorch_model\.bin safely \(torch\.load with "
+                                         r"weights_only=True\).*re-save the source with safetensors"):
+        convert(tmp_path / "source", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []

@@ -1,19 +1,23 @@
-"""Multi-process training: Trainer under torchrun, two CPU processes, DistributedDataParallel over gloo.
+"""Multi-process training: Trainer under torchrun and under accelerate launch, two CPU processes,
+DistributedDataParallel over gloo.
 
 The test launches this file as the worker script (``python -m torch.distributed.run --nproc_per_node 2
-tests/test_ddp.py OUT``). Each rank builds every family with a *different* random initialisation and trains on its
-own shard of the batch (Trainer's distributed sampler); DDP broadcasts rank 0's weights and averages the gradients,
-so both ranks must end with identical parameters, and the loss must fall.
+tests/test_ddp.py OUT``, or ``accelerate launch --multi_gpu --num_processes 2 ...``). Each rank builds every family
+with a *different* random initialisation and trains on its own shard of the batch (Trainer's distributed sampler);
+DDP broadcasts rank 0's weights and averages the gradients, so both ranks must end with identical parameters, and
+the loss must fall.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 STEPS = 6
@@ -61,11 +65,27 @@ def worker(out_dir: Path) -> None:
     (out_dir / f"rank{rank}.json").write_text(json.dumps({"world": world, "families": report}))
 
 
-def test_two_process_trainer_ddp_keeps_ranks_identical(tmp_path):
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# The README's commands. On CPU, accelerate's torchrun launcher is `--multi_gpu` (its own multi-CPU mode needs MPI).
+LAUNCHERS = {
+    "torchrun": lambda: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
+    "accelerate": lambda: [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                           "--main_process_port", str(_free_port())],
+}
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_two_process_trainer_ddp_keeps_ranks_identical(tmp_path, launcher):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          __file__, str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
+    run = subprocess.run([*LAUNCHERS[launcher](), __file__, str(tmp_path)], capture_output=True, text=True,
+                         timeout=300, env=env, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(report["world"] == 2 for report in reports)

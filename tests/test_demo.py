@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -47,3 +48,16 @@ def test_module_entry_point_help():
     result = subprocess.run([sys.executable, "-m", "selective_rope", "demo", "--help"], capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0 and "arithmetic" in result.stdout
+
+
+@pytest.mark.parametrize("seconds, max_steps", [(1e-9, 50), (600, 3)], ids=["time-budget", "max-steps"])
+def test_the_progress_bar_ends_full_whichever_limit_stops_training(capsys, seconds, max_steps):
+    """The bar ends at 100 % of the steps actually taken, and says so when the time budget stopped training early."""
+    from selective_rope.demo import train
+
+    model = AutoModelForCausalLM.from_config(demo_config())
+    train(model, seconds, max_steps, torch.Generator().manual_seed(0), batch=2, length=6)
+    last = re.split(r"[\r\n]+", capsys.readouterr().err.strip())[-1]
+    steps = 1 if seconds < 1 else max_steps
+    assert "100%" in last and f"{steps}/{steps}" in last, last
+    assert ("budget reached" in last) == (seconds < 1), last

@@ -117,9 +117,10 @@ def test_push_again_updates_weights_and_keeps_our_card(hub, tmp_path):
     model = _model(family)
     repo_id = "user/tiny-again"
     model.push_to_hub(repo_id, token=TOKEN,
-                      model_card={"base_model": "user/source", "provenance": "Made in a test."})
+                      model_card={"base_model": "user/source", "license": "mit", "provenance": "Made in a test."})
     card = _card(hub, repo_id)
     assert card.data.base_model == "user/source" and card.data.base_model_relation == "finetune"
+    assert card.data.license == "mit"
     assert "Made in a test." in card.text
     with torch.no_grad():
         model.lm_head.weight.mul_(2)
@@ -169,3 +170,15 @@ def test_save_pretrained_writes_our_card_on_request(family, tmp_path):
         model.save_pretrained(tmp_path / "x", push_to_hub=True, model_card=True)
     with pytest.raises(TypeError, match="model_card must be"):
         model.save_pretrained(tmp_path / "y", model_card=3)
+
+
+def test_a_card_naming_a_base_model_needs_its_license(family):
+    """A model made from another one is under that model's license: never the apache-2.0 default."""
+    model = _model(family)
+    assert model.model_card("me/new").data.license == "apache-2.0"
+    with pytest.raises(ValueError, match="license: a model made from 'meta-llama/Llama-3.2-1B' is under that "
+                                         "model's license; name it"):
+        model.model_card("me/new", base_model="meta-llama/Llama-3.2-1B")
+    card = model.model_card("me/new", base_model="meta-llama/Llama-3.2-1B", license="llama3.2")
+    assert (card.data.license, card.data.base_model) == ("llama3.2", "meta-llama/Llama-3.2-1B")
+    assert "pip install selective-rope" not in card.text and "trust_remote_code=True" in card.text

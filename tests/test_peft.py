@@ -3,13 +3,18 @@ train, save and reload the adapter, merge back into our class."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
 from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from transformers import AutoModelForCausalLM
 
 from selective_rope.lora import LORA_TARGET_MODULES
+
+from families import FAMILIES
 
 # PEFT itself calls transformers' deprecated `is_gradient_checkpointing`.
 pytestmark = [
@@ -166,3 +171,23 @@ def test_trainer_with_lora_and_activation_checkpointing(tmp_path):
     assert loss_after < loss_before - 0.1, (loss_before, loss_after)
     unchanged = [n for n, p in peft_model.named_parameters() if n in before and torch.equal(p, before[n])]
     assert not unchanged, f"adapters that did not learn: {unchanged[:4]}"
+
+
+def test_the_readme_lora_snippet_runs_as_written(tmp_path, monkeypatch):
+    """The README's LoRA block, executed as it stands: the adapter is a causal-LM one, so AutoPeftModelForCausalLM
+    reloads it onto the recorded base model, and merging gives our class back (equal to the base: nothing trained)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "AutoPeftModelForCausalLM" in b]
+    assert len(blocks) == 1
+    family = FAMILIES["gla"]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # AutoPeftModel would also look for "adapter" on the Hub
+    _model(family).save_pretrained("my-model")
+    namespace: dict = {}
+    exec(blocks[0], namespace)
+    assert PeftConfig.from_pretrained("adapter").task_type == "CAUSAL_LM"
+    assert type(namespace["merged"]) is family.lm_class
+    ids = _batch(family)
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained("my-model")
+        torch.testing.assert_close(namespace["merged"](ids).logits, base(ids).logits)

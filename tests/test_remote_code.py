@@ -119,3 +119,36 @@ def test_unknown_model_type_has_no_card():
 
     with pytest.raises(ValueError, match="no model-card template for model_type 'llama'"):
         render_model_card(Config())
+
+
+def test_each_copy_of_the_travelling_code_runs_its_own_attention_op(tmp_path):
+    """FoX's attention is a torch.library op, and registering an op name again replaces its implementation for every
+    caller: each flat copy (and the package) registers ops of its own, so two saved models loaded in one process run
+    their own code. One copy's op is altered here; the other must still give the original logits."""
+    family = FAMILIES["fox"]
+    torch.manual_seed(0)
+    model = family.lm_class(family.config_class(**family.tiny)).eval()
+    ids = torch.randint(3, family.tiny["vocab_size"], (2, 9))
+    for name in ("plain", "altered"):
+        model.save_pretrained(tmp_path / name)
+        torch.save(ids, tmp_path / name / "ids.pt")
+    kernel = tmp_path / "altered" / "kernels_forgetting_attention_torch.py"
+    original = "    return _attention_inference(q, k, v, cum, key_valid, scale, block_size)\n"
+    assert kernel.read_text().count(original) == 1
+    kernel.write_text(kernel.read_text().replace(original, original.replace("return ", "return 1.0 + ")))
+    code = import_blocker("selective_rope") + textwrap.dedent("""
+        import os, torch
+        from transformers import AutoModelForCausalLM
+        models = {name: AutoModelForCausalLM.from_pretrained(name, trust_remote_code=True).eval()
+                  for name in ("plain", "altered")}  # the altered copy loads last
+        with torch.no_grad():
+            logits = {name: m(torch.load(os.path.join(name, "ids.pt"))).logits for name, m in models.items()}
+        torch.save(logits, "logits.pt")
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    logits = torch.load(tmp_path / "logits.pt")
+    with torch.no_grad():
+        expected = model(ids).logits
+    assert torch.equal(logits["plain"], expected)
+    assert not torch.allclose(logits["altered"], expected)  # the alteration is real, and stays in its own copy

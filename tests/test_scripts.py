@@ -1,0 +1,57 @@
+"""scripts/demo.sh and scripts/test.sh (the README's two commands): what they install and run, checked with stand-ins
+for `python` and `selective-rope` on PATH that record their arguments (nothing is installed or trained here)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# `python -c "import torch"` exits with $TORCH_MISSING (0: torch is installed); everything else succeeds.
+PYTHON = """#!/usr/bin/env bash
+echo "python $*" >> "$CALLS"
+if [ "$1" = "-c" ] && [ "$2" = "import torch" ]; then exit "${TORCH_MISSING:-0}"; fi
+if [ "$1" = "-c" ]; then echo "2.13.0+cu130"; fi
+"""
+SELECTIVE_ROPE = """#!/usr/bin/env bash
+echo "selective-rope $*" >> "$CALLS"
+"""
+
+
+def _run(tmp_path: Path, script: str, args: list[str], torch_installed: bool) -> tuple[list[str], str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("python", PYTHON), ("selective-rope", SELECTIVE_ROPE)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    calls = tmp_path / "calls.txt"
+    calls.unlink(missing_ok=True)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "CALLS": str(calls),
+           "TORCH_MISSING": "0" if torch_installed else "1"}
+    run = subprocess.run(["bash", str(REPO / "scripts" / script), *args], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr
+    return calls.read_text().splitlines(), run.stdout
+
+
+@pytest.mark.parametrize("script, args, install, command", [
+    ("demo.sh", ["--seconds", "5"], "python -m pip install --quiet -e .", "selective-rope demo --seconds 5"),
+    ("test.sh", ["-x"], "python -m pip install --quiet -e .[test]", "python -m pytest tests -x"),
+])
+def test_scripts_keep_an_installed_torch(tmp_path, script, args, install, command):
+    calls, out = _run(tmp_path, script, args, torch_installed=True)
+    assert not any("torch==" in call for call in calls), calls  # a user's (GPU) torch is never replaced
+    assert calls[-2:] == [install, command]
+    assert "using the installed torch 2.13.0+cu130" in out
+
+
+@pytest.mark.parametrize("script", ["demo.sh", "test.sh"])
+def test_scripts_install_torch_where_there_is_none(tmp_path, script):
+    calls, out = _run(tmp_path, script, [], torch_installed=False)
+    install = calls.index("python -m pip install --quiet torch==2.13.0")
+    assert install < next(i for i, call in enumerate(calls) if " -e ." in call)  # torch first, then the package
+    assert "download.pytorch.org/whl/cpu" in out  # says how to get the CPU build instead
