@@ -168,7 +168,7 @@ def test_a_broken_source_shard_is_named(damage, tmp_path):
         shard.write_bytes(b"this is not a safetensors file")
     else:
         shard.unlink()
-    message = cli_error(str(tmp_path / "source"), str(tmp_path / "out"))
+    message = cli_error(str(tmp_path / "source"), str(tmp_path / "out"), "--license", "apache-2.0")
     assert str(shard) in message
     assert ("No such file" in message) if damage == "missing" else ("not a valid safetensors file" in message)
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []

@@ -173,7 +173,7 @@ def tiny_converted_llama(directory: Path, source: Path) -> None:
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     LlamaForCausalLM(config).save_pretrained(source)
-    convert(source, directory, progress=False)
+    convert(source, directory, license="apache-2.0", progress=False)
 
 
 MODELS = [*sorted(FAMILIES), "llama_to_fox"]
