@@ -185,16 +185,21 @@ def _open_safetensors(path: Path):
         raise type(error)(f"cannot read {path}: {error}") from None
 
 
+def _sharded_files(index: Path) -> dict[str, Path]:
+    """``{tensor name: shard file}`` from a sharded checkpoint's ``*.index.json``."""
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index} has no weight_map")
+    return {name: index.parent / file for name, file in weight_map.items()}
+
+
 class SafetensorsSource:
     """The tensors of a ``save_pretrained`` directory, opened lazily (memory-mapped, one tensor at a time)."""
 
     def __init__(self, directory: Path, stack: ExitStack):
         index = directory / "model.safetensors.index.json"
         if index.exists():
-            weight_map = _read_json(index).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise ValueError(f"{index} has no weight_map")
-            self.files = {name: directory / file for name, file in weight_map.items()}
+            self.files = _sharded_files(index)
         else:
             with _open_safetensors(directory / "model.safetensors") as handle:
                 self.files = dict.fromkeys(handle.keys(), directory / "model.safetensors")
@@ -223,10 +228,7 @@ class TorchBinSource:
         index = directory / "pytorch_model.bin.index.json"
         self._shards: dict[Path, dict[str, torch.Tensor]] = {}  # loaded files (memory-mapped)
         if index.exists():
-            weight_map = _read_json(index).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise ValueError(f"{index} has no weight_map")
-            self.files = {name: directory / file for name, file in weight_map.items()}
+            self.files = _sharded_files(index)
         else:
             path = directory / "pytorch_model.bin"
             self._shards[path] = self._load(path)
