@@ -22,6 +22,8 @@ Sources (model_type): {", ".join(SUPPORTED_SOURCES)}.
   transformers llama/mistral/qwen2/qwen3 (RoPE types default, linear, llama3, yarn) -> SelectiveRopeFoXForCausalLM
   flash-linear-attention gla/gated_deltanet/forgetting_transformer (NoPE)      -> our GLA / Gated DeltaNet / FoX
   ours with position_embedding "rope" or "nope"                                -> the same family, Selective RoPE
+  the paper's own code, gla/gated_deltanet/transformer (config.json with a     -> our GLA / Gated DeltaNet / FoX
+    position_embedding dict): Selective RoPE ported as it is (retrofit options do not apply), RoPE/NoPE retrofitted
 
 The new parameters start so that the converted model computes exactly what the source computes; the command checks
 this on a probe batch (max logit difference, fp32) and fails, leaving nothing behind, if it does not.
