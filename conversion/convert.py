@@ -452,11 +452,11 @@ def _twin_reference(plan: SourcePlan, source: SourceTensors) -> nn.Module:
         raise ValueError(f"{plan.twin_position} twin mismatch: missing {missing[:8]}, unexpected {unexpected[:8]}")
     if tied:
         twin.tie_weights()
-    with torch.no_grad():
-        for module in twin.modules():
-            if isinstance(module, SelectiveRotaryEmbedding) and module.mode == "rope":
-                module.temperature.copy_(module.initial_temperature() if plan.temperature is None
-                                         else plan.temperature)
+    if plan.twin_position == "rope" and plan.temperature is not None:  # the source's own frequencies
+        with torch.no_grad():
+            for module in twin.modules():
+                if isinstance(module, SelectiveRotaryEmbedding):
+                    module.temperature.copy_(plan.temperature)
     if official:
         plan.install_rotaries(twin, rotaries)
     return twin

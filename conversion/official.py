@@ -42,7 +42,10 @@ The official code normalises each input chunk as ``x / sqrt(|x|² + 1e-6)``, our
 difference of ``5e-7 / |x|²``, far below the probe's tolerance for the RMS-normalised inputs both see.
 
 Options the official layers cannot run (Selective RoPE with grouped key heads, whose phases it would not match to
-the heads) or that have no counterpart here are refused by name, before anything is written.
+the heads) or that have no counterpart here are refused by name, before anything is written. So are RoPE GLA sources:
+with a decay per key channel, GLA's output depends on absolute rotations, and the official RoPE rotates token ``t``
+by ``t·τ`` where every phase here counts from 1 (``θ_t = t + 1``, SPEC §3); for Gated DeltaNet and softmax attention
+only differences of rotations matter, and their RoPE sources convert exactly.
 """
 
 from __future__ import annotations
@@ -142,10 +145,7 @@ def official_config(raw: dict, **overrides):
     source = {name: value for name, value in raw.items() if name != "position_embedding"}
 
     if model_type == "gla":
-        if kind == "rope":
-            # With a decay per key channel a GLA layer's output depends on absolute rotations, not only on their
-            # differences, and the official RoPE rotates token t by t·τ where ours (and any phase, SPEC §3) rotates
-            # it by (t + 1)·τ: no GLA here computes what it computes.
+        if kind == "rope":  # see the module docstring
             raise ValueError("unsupported official gla source: position_embedding.type='rope' (the official RoPE "
                              "starts at position 0, ours at 1, and GLA's per-channel decay makes the output depend on "
                              "that; Selective RoPE and NoPE GLA sources are supported)")
@@ -159,8 +159,8 @@ def official_config(raw: dict, **overrides):
 
     _require(source, "window_size", lambda v: v is None, "sliding windows are not supported")
     if source.get("qk_norm"):
-        # The official attention normalises q and k before RoPE but after Selective RoPE (so that the score depends
-        # on more than the phase difference), with fla's RMSNorm and its default eps.
+        # The official attention normalises q and k before RoPE but after Selective RoPE (where the score then
+        # depends on more than the phase difference), with fla's RMSNorm and its default eps.
         _require(source, "qk_norm", lambda v: kind != "selective_rope", "the official attention applies its q/k "
                  "RMS norms after Selective RoPE; here the rotation is the last transform of q and k")
         _require(source, "norm_eps", lambda v: v == QK_NORM_EPS, f"its q/k norms use eps {QK_NORM_EPS:g} and its "
@@ -225,8 +225,9 @@ def notes(raw: dict) -> list[str]:
         f"row of a padded batch has its own phase and padding adds nothing to it (the official {padding}); packed "
         "sequences restart the phase; cached decoding continues exactly what a full forward computes"
         + (f" (officially {decoding[0]})" if decoding else "")
-        + "; the phase is summed in float64 (officially in the model's dtype). Its use_triton and fuse_gate "
-        "settings choose kernels, not math, and are not read."
+        + "; the phase is summed in float64 (officially in the model's dtype)."
+        + (" Its use_triton and fuse_gate settings choose kernels, not math, and are not read."
+           if "use_triton" in options or "fuse_gate" in options else "")
     ]
 
 

@@ -182,14 +182,16 @@ class PhaseConvolution(ShortConvolution):
         init.copy_(self.weight, identity)
 
     def taps(self, device: torch.device) -> torch.Tensor:
-        """``(C, K)``, the last tap multiplying the current token (what the fused decode step reads)."""
+        """``(C, K)``, the last tap multiplying the current token (what the fused decode step reads; learned taps
+        are where the weight is, ``device`` is for :class:`PhaseDifference`'s fixed ones)."""
         return self.weight.squeeze(1)
 
 
 class PhaseDifference(nn.Module):
     """The fixed first difference over time, ``c_t = a_t - a_{t-1}`` (``phase_conv_type="difference"``; the official
-    code's ``skip_conv``). Without gate and bias the phase then telescopes to ``θ_t = θ_0 + a_t - a_{-1}``: the
-    rotation follows the current token's projection rather than a running sum of them.
+    code's ``skip_conv``). Without gate and bias the phase then telescopes to ``θ_t = θ_0 + a_t - a_{-1}`` (``a_{-1}``
+    the cached previous projection, 0 at a sequence start, so ``θ_t = a_t`` there): the rotation follows the current
+    token's projection rather than a running sum of them.
 
     It is the causal convolution with the fixed taps ``(-1, 1)`` and no trainable parameter, computed by the same
     ``causal_conv1d``: its history is the previous projection ``(B, 1, C)`` (float64), cached, reordered with beams,
