@@ -35,12 +35,14 @@ Number = int | float
 
 PositionEmbedding = Literal["selective_rope", "rope", "nope"]
 PhaseGateType = Literal["head", "low_rank", "channel"]
-PhaseProjection = Literal["low_rank", "full_rank", "scalar"]
+PhaseProjection = Literal["low_rank", "full_rank", "scalar", "dense_low_rank"]
+PhaseConvolutionType = Literal["learned", "difference"]
 TemperatureType = Literal["rope", "rfa", "gaussian", "laplace", "uniform"]
 Backend = Literal["auto", "torch", "triton"]
 
 PHASE_GATE_TYPES = get_args(PhaseGateType)  # the converter's command-line choices
 PHASE_PROJECTIONS = get_args(PhaseProjection)
+PHASE_CONV_TYPES = get_args(PhaseConvolutionType)
 
 
 class InvalidConfigError(StrictDataclassError, ValueError):
@@ -143,14 +145,25 @@ class SelectiveRopeConfigBase(PreTrainedConfig):
         position_embedding: ``"selective_rope"`` (input-dependent rotation), ``"rope"`` (fixed RoPE with
             inverse frequencies ``temperature``) or ``"nope"`` (no rotation).
         phase_gate: multiply the phase increment by a sigmoid gate computed from the input.
-        phase_gate_type: ``"head"`` (one gate per key head), ``"low_rank"`` (rank-16, then one per head),
-            ``"channel"`` (rank-16, then one per head and frequency).
+        phase_gate_type: ``"head"`` (one gate per key head), ``"low_rank"`` (rank ``phase_gate_rank``, then one per
+            head), ``"channel"`` (rank ``phase_gate_rank``, then one per head and frequency).
+        phase_gate_rank: the inner width of the ``"low_rank"`` and ``"channel"`` gates (>= 1; the official code's
+            ``gate_low_rank_dim``, named apart from GLA's own ``gate_low_rank_dim``, the forget gate's rank).
         phase_bias: add a learned positive bias ``exp(b)`` (``b`` starts at 0) to the phase increment.
-        phase_proj: ``"low_rank"``, ``"full_rank"`` (per-head block-diagonal, weight-normalised) or
-            ``"scalar"`` (one value per head shared by all frequencies).
-        phase_proj_rank: rank of the ``"low_rank"`` projection (>= 1).
-        phase_conv_size: kernel size of the causal depthwise convolution on the phase increment; 0 disables it.
-        phase_conv_activation: ``None`` or ``"silu"``.
+        phase_proj: ``"low_rank"`` (one low-rank map per key head, from its own input chunk), ``"full_rank"``
+            (per-head block-diagonal, weight-normalised), ``"scalar"`` (one value per head shared by all
+            frequencies) or ``"dense_low_rank"`` (one low-rank map from the whole input, every chunk, to every head's
+            increments: the official code's ``phi_parametrization="low-rank"``).
+        phase_proj_rank: the rank of the low-rank projections (>= 1): per key head for ``"low_rank"`` (``Hk`` maps of
+            that rank), in total for ``"dense_low_rank"`` (one map of that rank shared by all heads; equal to
+            ``"low_rank"`` only for one key head). Not read by ``"full_rank"`` and ``"scalar"``.
+        phase_conv_type: ``"learned"`` (a causal depthwise convolution with trainable taps, ``phase_conv_size``
+            wide) or ``"difference"`` (the fixed first difference ``a_t - a_{t-1}``, no trainable taps, so that
+            ``θ_t`` follows ``P(u_t)`` itself rather than its running sum: the official ``skip_conv``;
+            ``phase_conv_size`` is not read).
+        phase_conv_size: kernel size of the learned convolution on the phase increment; 0 disables it.
+        phase_conv_activation: ``None`` or ``"silu"`` (``"swish"`` is accepted as its other name, as in
+            flash-linear-attention, and kept as given), applied after either convolution.
         temperature_type: ``"rope"``, ``"rfa"`` (tan schedule), or sampled ``"gaussian"``/``"laplace"``/``"uniform"``.
         temperature_theta: ``rope``: base (>= 1); ``rfa``: angle bound in (0, 1); sampled types: scale (> 0).
         temperature_max: overall scale of the temperature schedule (> 0).
@@ -169,11 +182,13 @@ class SelectiveRopeConfigBase(PreTrainedConfig):
     position_embedding: PositionEmbedding = "selective_rope"
     phase_gate: bool = True
     phase_gate_type: PhaseGateType = "head"
+    phase_gate_rank: int = validated_field(at_least(1), default=16)
     phase_bias: bool = False
     phase_proj: PhaseProjection = "low_rank"
     phase_proj_rank: int = validated_field(at_least(1), default=32)
+    phase_conv_type: PhaseConvolutionType = "learned"
     phase_conv_size: int = validated_field(at_least(0), default=4)
-    phase_conv_activation: Literal["silu"] | None = None
+    phase_conv_activation: Literal["silu", "swish"] | None = None
     temperature_type: TemperatureType = "rope"
     temperature_theta: Number = validated_field(interval(), default=500000.0)  # range per type: see below
     temperature_max: Number = validated_field(positive, default=1.0)

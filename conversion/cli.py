@@ -10,7 +10,7 @@ import sys
 import threading
 from collections.abc import Iterator
 
-from ..configuration.position_embedding import PHASE_GATE_TYPES, PHASE_PROJECTIONS
+from ..configuration.position_embedding import PHASE_CONV_TYPES, PHASE_GATE_TYPES, PHASE_PROJECTIONS
 from .convert import DTYPES, SUPPORTED_SOURCES, ConversionError, convert
 from .retrofit import RetrofitOptions
 
@@ -22,6 +22,8 @@ Sources (model_type): {", ".join(SUPPORTED_SOURCES)}.
   transformers llama/mistral/qwen2/qwen3 (RoPE types default, linear, llama3, yarn) -> SelectiveRopeFoXForCausalLM
   flash-linear-attention gla/gated_deltanet/forgetting_transformer (NoPE)      -> our GLA / Gated DeltaNet / FoX
   ours with position_embedding "rope" or "nope"                                -> the same family, Selective RoPE
+  the paper's own code, gla/gated_deltanet/transformer (config.json with a     -> our GLA / Gated DeltaNet / FoX
+    position_embedding dict): Selective RoPE ported as it is (retrofit options do not apply), RoPE/NoPE retrofitted
 
 The new parameters start so that the converted model computes exactly what the source computes; the command checks
 this on a probe batch (max logit difference, fp32) and fails, leaving nothing behind, if it does not.
@@ -44,9 +46,15 @@ def add_convert_parser(commands) -> argparse.ArgumentParser:
                        help="keep the source's position embedding (a plain port into our classes)")
     parts.add_argument("--no-phase-gate", dest="phase_gate", action="store_false", help="no sigmoid phase gate")
     parts.add_argument("--phase-gate-type", choices=PHASE_GATE_TYPES, default="head")
+    parts.add_argument("--phase-gate-rank", type=_positive_int, default=16,
+                       help="inner width of the low_rank and channel gates")
     parts.add_argument("--phase-proj", choices=PHASE_PROJECTIONS, default="low_rank", help="phase projection type")
-    parts.add_argument("--phase-proj-rank", type=_positive_int, default=32)
-    parts.add_argument("--phase-conv-size", type=_non_negative_int, default=4, help="0 disables the convolution")
+    parts.add_argument("--phase-proj-rank", type=_positive_int, default=32,
+                       help="rank per key head (low_rank) or in total (dense_low_rank)")
+    parts.add_argument("--phase-conv-type", choices=PHASE_CONV_TYPES, default="learned",
+                       help="learned taps, or the fixed first difference a_t - a_{t-1}")
+    parts.add_argument("--phase-conv-size", type=_non_negative_int, default=4,
+                       help="width of the learned convolution; 0 disables it")
     parts.add_argument("--no-forget-gate", dest="forget_gate", action="store_false",
                        help="Llama-family sources: no FoX forget gate (plain softmax attention)")
     parts.add_argument("--forget-gate-bias", type=_finite_float, default=16.0,
@@ -131,8 +139,9 @@ def run_convert(args: argparse.Namespace) -> int:
     try:
         with _sigterm_as_interrupt():
             options = RetrofitOptions(selective=args.selective, phase_gate=args.phase_gate,
-                                      phase_gate_type=args.phase_gate_type, phase_proj=args.phase_proj,
-                                      phase_proj_rank=args.phase_proj_rank, phase_conv_size=args.phase_conv_size,
+                                      phase_gate_type=args.phase_gate_type, phase_gate_rank=args.phase_gate_rank,
+                                      phase_proj=args.phase_proj, phase_proj_rank=args.phase_proj_rank,
+                                      phase_conv_type=args.phase_conv_type, phase_conv_size=args.phase_conv_size,
                                       forget_gate=args.forget_gate, forget_gate_bias=args.forget_gate_bias,
                                       seed=args.seed)
             report = convert(args.source, args.output, options, dtype=args.dtype, max_shard_size=args.max_shard_size,

@@ -5,8 +5,9 @@
     write     stream tensors shard by shard from the source's safetensors files (or, for a source that has none, its
               PyTorch ``.bin`` files, read memory-mapped with ``weights_only=True``) into the target's: one output
               shard in memory at a time, never two copies of the model
-    probe     run a probe batch through the source (or, where its code cannot run here, its NoPE twin) and the
-              converted model, one after the other; fail unless the logits agree
+    probe     run a probe batch through the source (or, where its code cannot run here, its twin: our family with
+              the source's position embedding, or the official Selective RoPE math on the source's own tensors) and
+              the converted model, one after the other; fail unless the logits agree
     publish   config, code, tokenizer files and model card next to the weights, all in a staging directory that
               is renamed to the output only when everything succeeded, never over anything unless asked
               (:mod:`.output`: the source is never touched, a failure, SIGINT or SIGTERM leaves nothing behind)
@@ -40,6 +41,7 @@ from ..modeling import (
 )
 from ..modeling.model_card import render_model_card, template_texts
 from ..modeling.remote_code import bundle_auto_map, write_code_bundle
+from ..modeling.rotary import SelectiveRotaryEmbedding
 from .fla import FLA_MODEL_TYPES, fla_config, fla_key
 from .llama import (
     LLAMA_FAMILY,
@@ -49,6 +51,17 @@ from .llama import (
     llama_rope,
     sliding_window,
 )
+from .official import (
+    OFFICIAL_MODEL_TYPES,
+    install_official_rotaries,
+    is_official,
+    official_config,
+    official_key,
+    official_tensor,
+    position_type,
+    rope_frequencies,
+)
+from .official import notes as official_notes
 from .output import refuse_overlap, remove_stale_partials, staged_output
 from .retrofit import RetrofitOptions, starting_parameters
 from .source_card import check_base_model, check_license, source_license
@@ -60,7 +73,9 @@ OUR_FAMILIES = {lm.config_class.model_type: lm for lm in (SelectiveRopeGLAForCau
                                                           SelectiveRopeGatedDeltaNetForCausalLM,
                                                           SelectiveRopeFoXForCausalLM)}
 OUR_MODEL_TYPES = tuple(OUR_FAMILIES)
-SUPPORTED_SOURCES = [*LLAMA_FAMILY, *FLA_MODEL_TYPES, *OUR_MODEL_TYPES]
+# The paper's own checkpoints reuse fla's model types; their config.json has a `position_embedding` dict.
+SUPPORTED_SOURCES = [*LLAMA_FAMILY, *FLA_MODEL_TYPES, *OUR_MODEL_TYPES,
+                     *(f"{kind} (the paper's code)" for kind in OFFICIAL_MODEL_TYPES)]
 TOKENIZER_FILES = re.compile(r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\..*|merges\.txt|"
                              r"chat_template\..*|.*\.tiktoken|spiece\.model)$")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -82,6 +97,12 @@ class SourcePlan:
     transform: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, tensor: tensor
     temperature: torch.Tensor | None = None  # replaces the configured schedule (a source's inverse frequencies)
     load_reference: Callable[[], nn.Module] | None = None  # the source model, when its code runs here
+    # Otherwise the probe's reference is a twin (see `_twin_reference`): our family with the source's position
+    # embedding ("nope" or "rope"), or with `install_rotaries` putting the source's own rotary math in place.
+    twin_position: str = "nope"
+    install_rotaries: Callable[[nn.Module, dict[str, torch.Tensor]], None] | None = None
+    ported: bool = False  # the source's own Selective RoPE is carried over (nothing retrofitted)
+    notes: list[str] = field(default_factory=list)  # for the model card
     weight_note: str = " (unchanged)"  # for the model card: how the source's weights were carried over
     ignored: Callable[[str], bool] = lambda name: False  # source tensors the target recomputes (not carried over)
     source_keys: list[str] = field(default_factory=list)
@@ -143,6 +164,8 @@ def plan_conversion(source_dir: Path, options: RetrofitOptions) -> SourcePlan:
                            f"{'norms' if config.qk_norm else 'projections'}" if attention_scaling != 1.0 else "")
                         + window_note + ")",
         )
+    if is_official(raw):  # before fla's: the same model types
+        return _official_plan(raw, options)
     if model_type in FLA_MODEL_TYPES:
         config = fla_config(raw, **options.config_overrides(source_rotates=False))
         return SourcePlan(
@@ -163,6 +186,44 @@ def plan_conversion(source_dir: Path, options: RetrofitOptions) -> SourcePlan:
             load_reference=lambda: lm_class.from_pretrained(source_dir, dtype=torch.float32),
         )
     raise ValueError(f"unsupported source architecture {model_type!r}; supported: {SUPPORTED_SOURCES}")
+
+
+RETROFIT_PARTS = ("phase_gate", "phase_gate_type", "phase_gate_rank", "phase_proj", "phase_proj_rank",
+                  "phase_conv_type", "phase_conv_size")
+
+
+def _official_plan(raw: dict, options: RetrofitOptions) -> SourcePlan:
+    """A checkpoint of the paper's own code (:mod:`.official`): Selective RoPE sources ported as they are, RoPE and
+    NoPE sources retrofitted."""
+    model_type, kind = raw["model_type"], position_type(raw)
+    if kind == "selective_rope":
+        defaults = RetrofitOptions()
+        changed = [name for name in RETROFIT_PARTS if getattr(options, name) != getattr(defaults, name)]
+        if changed:
+            raise ValueError(f"the source already has Selective RoPE, which is carried over as it is: the retrofit "
+                             f"options {', '.join(changed)} do not apply")
+        config = official_config(raw)
+    else:
+        config = official_config(raw, **options.config_overrides(source_rotates=kind == "rope"))
+    rotary_dim = int(config.rotary_head_dim * config.partial_rotary_factor)
+    temperature = None
+    if kind == "rope":  # the source's own frequencies, as fla computes them
+        temperature = rope_frequencies(raw["position_embedding"].get("theta", 500000), config.rotary_head_dim)
+    ported = kind == "selective_rope"
+    return SourcePlan(
+        description=f"the paper's official {model_type} with "
+                    + {"selective_rope": "Selective RoPE", "rope": "RoPE", "nope": "NoPE"}[kind],
+        config=config, model_class=OUR_FAMILIES[config.model_type], rotates=kind == "rope",
+        rename=lambda name: official_key(model_type, name),
+        transform=lambda name, tensor: official_tensor(name, tensor, rotary_dim // 2),
+        temperature=temperature,
+        twin_position="official" if ported else kind,
+        install_rotaries=(lambda model, tensors: install_official_rotaries(model, raw["position_embedding"], tensors))
+        if ported else None,
+        ported=ported,
+        notes=official_notes(raw),
+        weight_note=" and its own Selective RoPE, tensor for tensor" if ported else " (unchanged)",
+    )
 
 
 # --------------------------------------------------------------------------------------------------------- write
@@ -365,16 +426,41 @@ def _save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
 # --------------------------------------------------------------------------------------------------------- probe
 
 
-def _nope_twin_reference(plan: SourcePlan, source: SourceTensors) -> nn.Module:
-    """Our family with ``position_embedding="nope"`` carrying the source tensors: the source's computation, for
-    sources whose own code cannot run here (flash-linear-attention's ops are CUDA-only)."""
-    twin = plan.model_class(config_with(plan.config, position_embedding="nope"))
-    state = {plan.rename(name): source.get(name) for name in source.keys() if not plan.ignored(name)}
+TWIN_NAMES = {"nope": "NoPE twin (the source's own code cannot run here)",
+              "rope": "RoPE twin (the source's own code cannot run here)",
+              "official": "official Selective RoPE math on the source's own tensors (its code cannot run here)"}
+
+
+def _twin_reference(plan: SourcePlan, source: SourceTensors) -> nn.Module:
+    """Our family carrying the source tensors and computing what the source computes, for sources whose own code
+    cannot run here (flash-linear-attention's and the paper's kernels are CUDA-only): with the source's position
+    embedding (none, or RoPE with its frequencies), or with ``plan.install_rotaries`` putting the source's own
+    Selective RoPE math, on its own rotary tensors, in place of ours."""
+    official = plan.twin_position == "official"
+    twin = plan.model_class(config_with(plan.config, position_embedding="nope" if official else plan.twin_position))
+    state, rotaries = {}, {}
+    for name in source.keys():
+        if plan.ignored(name):
+            continue
+        if official and ".rotary." in name:
+            rotaries[name] = source.get(name)
+        else:
+            state[plan.rename(name)] = source.get(name)
     missing, unexpected = twin.load_state_dict(state, strict=False)
-    if unexpected or [m for m in missing if m != "lm_head.weight" or not plan.config.tie_word_embeddings]:
-        raise ValueError(f"NoPE twin mismatch: missing {missing[:8]}, unexpected {unexpected[:8]}")
-    if plan.config.tie_word_embeddings:
+    tied = plan.config.tie_word_embeddings
+    missing = [name for name in missing if not (name == "lm_head.weight" and tied)
+               and not (name.endswith(".rotary.temperature") and plan.twin_position == "rope")]
+    if unexpected or missing:
+        raise ValueError(f"{plan.twin_position} twin mismatch: missing {missing[:8]}, unexpected {unexpected[:8]}")
+    if tied:
         twin.tie_weights()
+    if plan.twin_position == "rope" and plan.temperature is not None:  # the source's own frequencies
+        with torch.no_grad():
+            for module in twin.modules():
+                if isinstance(module, SelectiveRotaryEmbedding):
+                    module.temperature.copy_(plan.temperature)
+    if official:
+        plan.install_rotaries(twin, rotaries)
     return twin
 
 
@@ -448,8 +534,9 @@ def convert(
 
     Args:
         source: a ``save_pretrained`` directory (or a Hub id when the network allows): transformers Llama, Mistral,
-            Qwen2 or Qwen3; flash-linear-attention GLA, Gated DeltaNet or Forgetting Transformer; or one of ours
-            with ``position_embedding="rope"`` or ``"nope"``.
+            Qwen2 or Qwen3; flash-linear-attention GLA, Gated DeltaNet or Forgetting Transformer; one of ours with
+            ``position_embedding="rope"`` or ``"nope"``; or a checkpoint of the paper's own code (GLA, Gated
+            DeltaNet, softmax attention), whose Selective RoPE is ported as it is (:mod:`.official`).
         output: the directory to create, apart from the source (not the source, inside it or containing it); an
             existing one is refused unless ``overwrite``, and replaced only once the new model is complete.
         options: which Selective RoPE parts to switch on (:class:`RetrofitOptions`).
@@ -502,12 +589,11 @@ def convert(
             tensors = open_source_tensors(source_dir, stack)
             out_dtype, new, shards = write_weights(plan, tensors, directory, options, dtype, max_shard_bytes,
                                                    progress)
-            reference_name = "source model"
             if plan.load_reference is None:
-                reference_name = "NoPE twin (the source's own code cannot run here)"
-                reference = _nope_twin_reference(plan, tensors)
+                reference_name = TWIN_NAMES[plan.twin_position]
+                reference = _twin_reference(plan, tensors)
             else:
-                reference = plan.load_reference()
+                reference_name, reference = "source model", plan.load_reference()
             if out_dtype != torch.float32:  # compare like with like: the source rounded as it was saved
                 _round_parameters(reference, out_dtype)
             ids = torch.randint(0, plan.config.vocab_size, (2, probe_length),
@@ -546,18 +632,24 @@ def _write_metadata(plan: SourcePlan, source_dir: Path, directory: Path, out_dty
 
 def _write_card(plan: SourcePlan, directory: Path, output: Path, report: ConversionReport,
                 options: RetrofitOptions) -> None:
-    parts = "Selective RoPE (" + ", ".join(
-        f"{key}={value!r}" for key, value in options.config_overrides(plan.rotates).items()) + ")"
-    provenance = (
-        f"Converted with `selective-rope convert` from `{report.source}` ({report.description}): the source's "
-        f"weights{plan.weight_note}, plus {parts if options.selective else 'no Selective RoPE'} starting as an exact "
-        f"{'RoPE' if plan.rotates else 'NoPE'} rotation"
-        + (" and a FoX forget gate starting at no forgetting" if getattr(plan.config, "use_forget_gate", False)
-           and plan.rotates and options.forget_gate else "")
-        + f". On a probe batch the converted model reproduced the {report.reference} to a maximum logit difference "
-        f"of {report.max_logit_difference:.2e} (fp32). It is meant to be fine-tuned: the Selective RoPE parameters "
-        "start at an identity and move with the first gradient steps."
-    )
+    probe = (f"On a probe batch the converted model reproduced the {report.reference} to a maximum logit difference "
+             f"of {report.max_logit_difference:.2e} (fp32).")
+    if plan.ported:
+        provenance = (f"Converted with `selective-rope convert` from `{report.source}` ({report.description}): the "
+                      f"source's weights{plan.weight_note} (settings below). {probe}")
+    else:
+        parts = "Selective RoPE (" + ", ".join(
+            f"{key}={value!r}" for key, value in options.config_overrides(plan.rotates).items()) + ")"
+        provenance = (
+            f"Converted with `selective-rope convert` from `{report.source}` ({report.description}): the source's "
+            f"weights{plan.weight_note}, plus {parts if options.selective else 'no Selective RoPE'} starting as an "
+            f"exact {'RoPE' if plan.rotates else 'NoPE'} rotation"
+            + (" and a FoX forget gate starting at no forgetting" if getattr(plan.config, "use_forget_gate", False)
+               and plan.rotates and options.forget_gate else "")
+            + f". {probe} It is meant to be fine-tuned: the Selective RoPE parameters start at an identity and move "
+            "with the first gradient steps."
+        )
+    provenance = " ".join([provenance, *plan.notes])
     card = render_model_card(plan.config, repo_id=output.name, license=report.license["license"],
                              base_model=report.base_model, base_model_relation="finetune", provenance=provenance)
     for name in ("license_name", "license_link"):  # a license the Hub has no identifier for (`license: other`)

@@ -2,9 +2,10 @@
 
 Selective RoPE's phase increment is ``c = (conv(P(u)) + exp(b)) · sigmoid(G(u))`` (SPEC §3). Starting values:
 
-- ``P``'s output factor is zero (``up`` for ``low_rank``, ``scale`` for ``full_rank``, the weight for ``scalar``), so
-  ``P(u) = 0`` and the convolution sees zeros, while the other factor is random: the first gradient step moves it
-  (two zero factors would be a saddle point that gradient descent never leaves);
+- ``P``'s output factor is zero (``up`` for ``low_rank`` and ``dense_low_rank``, ``scale`` for ``full_rank``, the
+  weight for ``scalar``), so ``P(u) = 0`` and the convolution (learned or the fixed difference) sees zeros, while the
+  other factor is random: the first gradient step moves it (two zero factors would be a saddle point that gradient
+  descent never leaves);
 - the gate's last linear map is zero with zero bias, so ``sigmoid(G(u)) = 1/2`` for every input, with gradients;
 - RoPE sources: ``b = 0`` without a gate, ``b = ln 2`` with one (``exp(ln 2) = 2`` exactly in float32), so
   ``c = 1`` per token: the phase counts tokens and ``τ`` holds the source's inverse frequencies — exactly RoPE.
@@ -22,8 +23,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..configuration.position_embedding import PHASE_GATE_TYPES, PHASE_PROJECTIONS, _one_of, _require
-from ..modeling.rotary import SelectiveRotaryEmbedding
+from ..configuration.position_embedding import (
+    PHASE_CONV_TYPES,
+    PHASE_GATE_TYPES,
+    PHASE_PROJECTIONS,
+    _one_of,
+    _require,
+)
+from ..modeling.rotary import PhaseConvolution, SelectiveRotaryEmbedding
 
 # float32(ln 2), whose float32 exp is exactly 2.0 (checked in the tests), so 2 · sigmoid(0) = 1 exactly.
 LN2 = math.log(2.0)
@@ -35,9 +42,9 @@ class RetrofitOptions:
 
     Args:
         selective: switch on Selective RoPE; ``False`` keeps the source's position embedding (a plain port).
-        phase_gate, phase_gate_type, phase_proj, phase_proj_rank, phase_conv_size: the config fields of the same
-            names (SPEC §2). ``phase_bias`` is not a choice: a RoPE source needs it (it is RoPE's +1 per token), a
-            NoPE source cannot have it (``exp(b) > 0``).
+        phase_gate, phase_gate_type, phase_gate_rank, phase_proj, phase_proj_rank, phase_conv_type,
+            phase_conv_size: the config fields of the same names (SPEC §2). ``phase_bias`` is not a choice: a RoPE
+            source needs it (it is RoPE's +1 per token), a NoPE source cannot have it (``exp(b) > 0``).
         forget_gate: give a Llama-family source the FoX forget gate (starting at "no forgetting").
         forget_gate_bias: its starting bias.
         seed: seed of the random starting factors.
@@ -46,8 +53,10 @@ class RetrofitOptions:
     selective: bool = True
     phase_gate: bool = True
     phase_gate_type: str = "head"
+    phase_gate_rank: int = 16
     phase_proj: str = "low_rank"
     phase_proj_rank: int = 32
+    phase_conv_type: str = "learned"
     phase_conv_size: int = 4
     forget_gate: bool = True
     forget_gate_bias: float = 16.0
@@ -56,6 +65,7 @@ class RetrofitOptions:
     def __post_init__(self):  # the same checks and messages as the config fields they become
         _one_of("phase_gate_type", self.phase_gate_type, PHASE_GATE_TYPES)
         _one_of("phase_proj", self.phase_proj, PHASE_PROJECTIONS)
+        _one_of("phase_conv_type", self.phase_conv_type, PHASE_CONV_TYPES)
         _require(math.isfinite(self.forget_gate_bias), "forget_gate_bias", self.forget_gate_bias, "must be finite")
 
     def config_overrides(self, source_rotates: bool) -> dict:
@@ -63,8 +73,9 @@ class RetrofitOptions:
         if not self.selective:
             return {"position_embedding": "rope" if source_rotates else "nope"}
         return dict(position_embedding="selective_rope", phase_bias=source_rotates, phase_gate=self.phase_gate,
-                    phase_gate_type=self.phase_gate_type, phase_proj=self.phase_proj,
-                    phase_proj_rank=self.phase_proj_rank, phase_conv_size=self.phase_conv_size)
+                    phase_gate_type=self.phase_gate_type, phase_gate_rank=self.phase_gate_rank,
+                    phase_proj=self.phase_proj, phase_proj_rank=self.phase_proj_rank,
+                    phase_conv_type=self.phase_conv_type, phase_conv_size=self.phase_conv_size)
 
 
 @torch.no_grad()
@@ -109,13 +120,13 @@ def _start_rotary(rotary: SelectiveRotaryEmbedding, temperature: torch.Tensor | 
         return
     projection = rotary.phase_proj
     projection.init_custom_parameters()
-    if projection.kind == "low_rank":
+    if projection.kind in ("low_rank", "dense_low_rank"):
         projection.up.zero_()
     elif projection.kind == "full_rank":
         projection.scale.zero_()
     else:
         projection.weight.zero_()
-    if rotary.phase_conv is not None:
+    if isinstance(rotary.phase_conv, PhaseConvolution):  # the fixed difference has nothing to start
         rotary.phase_conv.init_custom_parameters()
     gate = rotary.phase_gate_proj
     if gate is not None:

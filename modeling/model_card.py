@@ -15,9 +15,9 @@ from huggingface_hub import ModelCard
 BUNDLED_TEMPLATES: dict[str, str] | None = None
 
 POSITION_EMBEDDING_FIELDS = (
-    "position_embedding", "phase_gate", "phase_gate_type", "phase_bias", "phase_proj", "phase_proj_rank",
-    "phase_conv_size", "phase_conv_activation", "temperature_type", "temperature_theta", "temperature_max",
-    "temperature_trainable", "temperature_seed", "partial_rotary_factor",
+    "position_embedding", "phase_gate", "phase_gate_type", "phase_gate_rank", "phase_bias", "phase_proj",
+    "phase_proj_rank", "phase_conv_type", "phase_conv_size", "phase_conv_activation", "temperature_type",
+    "temperature_theta", "temperature_max", "temperature_trainable", "temperature_seed", "partial_rotary_factor",
 )
 
 

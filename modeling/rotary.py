@@ -3,8 +3,9 @@
 Per token ``t`` and key head ``h`` (frequency pairs ``i < R``):
 
     u_t   = x_t split into Hk chunks, each L2-normalised
-    a_t   = P(u_t)                                  phase projection (low-rank / full-rank / scalar)
-    c_t   = act(conv(a)_t)                          causal depthwise convolution over time (optional)
+    a_t   = P(u_t)                                  phase projection (low-rank / full-rank / scalar / dense low-rank)
+    c_t   = act(conv(a)_t)                          causal depthwise convolution over time (optional), learned or
+                                                    the fixed difference a_t - a_{t-1}
     c_t  += exp(b)                                  optional positive bias
     c_t  *= sigmoid(G(u_t))                         optional phase gate
     θ_t   = θ_0 + Σ_{s<=t} c_s                      θ_0 = cached phase
@@ -34,12 +35,11 @@ from torch import nn
 from transformers import initialization as init
 
 from ..configuration.position_embedding import SelectiveRopeConfigBase
+from ..kernels.conv_torch import causal_conv1d
 from ..kernels.dispatch import resolve_backend, selective_rotary, selective_rotary_decode
 from ..kernels.rotary_torch import phase_dtype
 from .layers import ShortConvolution
 from .layout import SequenceLayout, valid_mask
-
-GATE_LOW_RANK = 16
 
 
 def rotary_temperature(kind: str, theta: float, rotary_dim: int, scale: float = 1.0, seed: int = 0) -> torch.Tensor:
@@ -119,6 +119,42 @@ class PhaseProjection(nn.Module):
         return a.expand(*a.shape[:-1], self.half)
 
 
+class DenseLowRankPhaseProjection(nn.Module):
+    """``P`` as one low-rank map across key heads (``phase_proj="dense_low_rank"``; the official code's
+    ``phi_parametrization="low-rank"``): every head's increments read the whole normalised input, every chunk.
+
+        a_t = up @ (down @ u_t)        u_t: the Hk chunks concatenated (width D), down: (rank, D), up: (Hk·R, rank)
+
+    ``rank`` (``phase_proj_rank``) is the total rank shared by every head, where ``"low_rank"``
+    (:class:`PhaseProjection`) gives each head a map of its own from its own chunk; the two agree for one key head,
+    or for block-diagonal weights. Rows of ``up`` are ordered head by head (``(Hk, R)`` when viewed).
+    """
+
+    kind = "dense_low_rank"
+
+    def __init__(self, num_key_heads: int, chunk_dim: int, half: int, rank: int):
+        super().__init__()
+        self.num_key_heads, self.half = num_key_heads, half
+        self.down = nn.Parameter(torch.empty(rank, num_key_heads * chunk_dim))
+        self.up = nn.Parameter(torch.empty(num_key_heads * half, rank))
+        self.init_custom_parameters()
+
+    @torch.no_grad()
+    def init_custom_parameters(self) -> None:
+        # The concatenated u has norm sqrt(Hk): rows of std Hk^-1/2 give N(0, 1) low-rank features, and `up` turns
+        # them into N(0, 1) increments, as the per-head projection starts.
+        init.normal_(self.down, std=self.num_key_heads ** -0.5)
+        init.normal_(self.up, std=self.up.shape[-1] ** -0.5)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        """``u``: ``(B, T, Hk, Dc)`` -> ``(B, T, Hk, R)``, computed in ``u``'s dtype (float64 on the phase path)."""
+        low = F.linear(u.flatten(2), self.down.to(u.dtype))  # (B, T, rank)
+        return F.linear(low, self.up.to(u.dtype)).unflatten(-1, (self.num_key_heads, self.half))
+
+    def extra_repr(self) -> str:
+        return f"num_key_heads={self.num_key_heads}, half={self.half}, rank={self.down.shape[0]}"
+
+
 class PhaseLinear(nn.Linear):
     """An ``nn.Linear`` computed in its input's dtype (float64 on the phase path) from its own (float32) weights.
 
@@ -145,6 +181,44 @@ class PhaseConvolution(ShortConvolution):
         identity[..., -1] = 1.0
         init.copy_(self.weight, identity)
 
+    def taps(self, device: torch.device) -> torch.Tensor:
+        """``(C, K)``, the last tap multiplying the current token (what the fused decode step reads; learned taps
+        are where the weight is, ``device`` is for :class:`PhaseDifference`'s fixed ones)."""
+        return self.weight.squeeze(1)
+
+
+class PhaseDifference(nn.Module):
+    """The fixed first difference over time, ``c_t = a_t - a_{t-1}`` (``phase_conv_type="difference"``; the official
+    code's ``skip_conv``). Without gate and bias the phase then telescopes to ``θ_t = θ_0 + a_t - a_{-1}`` (``a_{-1}``
+    the cached previous projection, 0 at a sequence start, so ``θ_t = a_t`` there): the rotation follows the current
+    token's projection rather than a running sum of them.
+
+    It is the causal convolution with the fixed taps ``(-1, 1)`` and no trainable parameter, computed by the same
+    ``causal_conv1d``: its history is the previous projection ``(B, 1, C)`` (float64), cached, reordered with beams,
+    left alone by padding tokens and restarted by packed sequences exactly as the learned convolution's, so a prefill
+    followed by single-token steps equals one call. (The official implementation keeps no such history: each of its
+    calls differences its first token against zero.)
+    """
+
+    def __init__(self, channels: int, activation: str | None = None):
+        super().__init__()
+        self.channels, self.activation = channels, activation
+
+    def taps(self, device: torch.device) -> torch.Tensor:
+        """``(C, 2)``: ``-1`` on the previous input, ``+1`` on the current one (exact in every dtype)."""
+        return torch.tensor([-1.0, 1.0], device=device).expand(self.channels, 2)
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
+                dtype: torch.dtype | None = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``ShortConvolution.forward``: ``x`` ``(B, T, C)`` -> ``(B, T, C)`` and the new history ``(B, 1, C)``."""
+        if dtype is not None:
+            x = x.to(dtype)
+        return causal_conv1d(x, self.taps(x.device), state, lengths, self.activation, cu_seqlens=cu_seqlens)
+
+    def extra_repr(self) -> str:
+        return f"channels={self.channels}, taps=(-1, 1), activation={self.activation}"
+
 
 class SelectiveRotaryEmbedding(nn.Module):
     """Rotates q and k by an input-dependent (``selective_rope``), fixed (``rope``) or no (``nope``) phase.
@@ -156,7 +230,8 @@ class SelectiveRotaryEmbedding(nn.Module):
 
     ``forward(x, q, k, state=None, lengths=None, cu_seqlens=None) -> (q, k, state)`` where ``x`` is the mixer input
     ``(B, T, D)``, ``q`` is ``(B, T, Hq, Dh)``, ``k`` is ``(B, T, Hk, Dh)`` and ``state`` is a dict with the cached
-    ``phase`` ``(B, Hk, R)`` and ``phase_conv`` history ``(B, K-1, Hk*R)``, both float64 (``rotary_torch.phase_dtype``).
+    ``phase`` ``(B, Hk, R)`` and ``phase_conv`` history ``(B, K-1, Hk*R)`` (``K = 2`` for the difference), both
+    float64 (``rotary_torch.phase_dtype``).
 
     Its parameters stay float32 when the model is cast to a lower precision (``model.to(torch.bfloat16)``,
     ``.half()``): see ``_apply``.
@@ -184,11 +259,13 @@ class SelectiveRotaryEmbedding(nn.Module):
 
         hidden_size = config.hidden_size
         self.chunk_dim = hidden_size // num_key_heads
-        self.phase_proj = PhaseProjection(config.phase_proj, num_key_heads, self.chunk_dim, self.half,
-                                          config.phase_proj_rank)
-        self.phase_conv = (PhaseConvolution(num_key_heads * self.half, config.phase_conv_size,
-                                            activation=config.phase_conv_activation)
-                           if config.phase_conv_size > 0 else None)
+        if config.phase_proj == "dense_low_rank":
+            self.phase_proj = DenseLowRankPhaseProjection(num_key_heads, self.chunk_dim, self.half,
+                                                          config.phase_proj_rank)
+        else:
+            self.phase_proj = PhaseProjection(config.phase_proj, num_key_heads, self.chunk_dim, self.half,
+                                              config.phase_proj_rank)
+        self.phase_conv = self._build_conv(config, num_key_heads * self.half)
         self.phase_bias = nn.Parameter(torch.zeros(num_key_heads, self.half)) if config.phase_bias else None
         self.phase_gate_proj = self._build_gate(config, hidden_size) if config.phase_gate else None
 
@@ -211,12 +288,21 @@ class SelectiveRotaryEmbedding(nn.Module):
 
         return super()._apply(keep_precision, recurse)
 
+    @staticmethod
+    def _build_conv(config: SelectiveRopeConfigBase, channels: int) -> nn.Module | None:
+        activation = "silu" if config.phase_conv_activation == "swish" else config.phase_conv_activation
+        if config.phase_conv_type == "difference":
+            return PhaseDifference(channels, activation=activation)
+        if config.phase_conv_size == 0:
+            return None
+        return PhaseConvolution(channels, config.phase_conv_size, activation=activation)
+
     def _build_gate(self, config: SelectiveRopeConfigBase, hidden_size: int) -> nn.Module:
         if config.phase_gate_type == "head":
             return PhaseLinear(hidden_size, self.num_key_heads, bias=True)
         width = self.num_key_heads * (self.half if config.phase_gate_type == "channel" else 1)
-        return nn.Sequential(PhaseLinear(hidden_size, GATE_LOW_RANK, bias=False),
-                             PhaseLinear(GATE_LOW_RANK, width, bias=True))
+        return nn.Sequential(PhaseLinear(hidden_size, config.phase_gate_rank, bias=False),
+                             PhaseLinear(config.phase_gate_rank, width, bias=True))
 
     def initial_temperature(self) -> torch.Tensor:
         kind, theta, scale, seed = self.temperature_config
@@ -295,7 +381,8 @@ class SelectiveRotaryEmbedding(nn.Module):
     def _decode_step(self, x, q, k, state, lengths):
         """One token per row (decoding) with the fused Triton step: what ``phase_increment`` followed by
         ``selective_rotary`` compute, in one kernel after the projections. The projection and gate modules are
-        called (hooks and adapters apply); the convolution's taps are read directly."""
+        called (hooks and adapters apply); the convolution's taps (learned, or the fixed difference) are read
+        directly."""
         with no_autocast(x):
             u = self._normalized_chunks(x)  # (B, 1, Hk, Dc) float64
             projection = self.phase_proj(u)[:, 0]  # (B, Hk, R) float64
@@ -305,7 +392,7 @@ class SelectiveRotaryEmbedding(nn.Module):
             q[:, 0], k[:, 0], projection, self.temperature,
             phase=state.get("phase"),
             conv_state=None if conv is None else state.get("phase_conv"),
-            conv_weight=None if conv is None else conv.weight.squeeze(1),
+            conv_weight=None if conv is None else conv.taps(x.device),
             conv_activation=None if conv is None else conv.activation,
             bias=self.phase_bias,
             gate_logits=gate_logits,

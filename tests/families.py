@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from selective_rope import (
     SelectiveRopeFoXConfig,
@@ -25,6 +25,10 @@ class Family:
     lm_class: type
     # A tiny model exercising the family's options (GQA, short convolutions, ...).
     tiny: dict = field(default_factory=dict)
+
+    def with_options(self, name: str, options: dict) -> Family:
+        """The same family with more config fields, named ``family-name``."""
+        return replace(self, name=f"{self.name}-{name}", tiny={**self.tiny, **options})
 
 
 TOKENS = dict(vocab_size=61, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -59,4 +63,12 @@ FAMILIES = {
                   use_output_gate=True, use_output_norm=True, use_k_shift=True, use_v_shift=True,
                   initializer_range=0.2),
     ),
+}
+
+# Selective RoPE options the model-level suite (test_models.py) also runs on every family, besides the defaults: those
+# of the paper's official code (issue 24): the dense low-rank projection, the fixed-difference convolution, a gate of
+# another rank and the "swish" name.
+OPTION_VARIANTS = {
+    "official": dict(phase_proj="dense_low_rank", phase_proj_rank=6, phase_conv_type="difference",
+                     phase_gate_type="low_rank", phase_gate_rank=5, phase_conv_activation="swish", phase_bias=True),
 }

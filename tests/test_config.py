@@ -29,6 +29,10 @@ from isolation import import_blocker
         ("phase_proj_rank", 0, "phase_proj_rank"),
         ("phase_conv_size", -1, "phase_conv_size"),
         ("phase_conv_activation", "relu", "phase_conv_activation"),
+        ("phase_conv_activation", "Swish", "phase_conv_activation"),
+        ("phase_conv_type", "skip", "phase_conv_type"),
+        ("phase_gate_rank", 0, "phase_gate_rank"),
+        ("phase_gate_rank", True, "phase_gate_rank"),
         ("temperature_type", "cosine", "temperature_type"),
         ("temperature_max", 0.0, "temperature_max"),
         ("temperature_theta", 0.5, "RoPE base"),  # rope needs a base >= 1
@@ -59,6 +63,21 @@ def test_valid_options_round_trip_through_dict(family):
                                     "temperature_type": "laplace", "temperature_theta": 0.2, "phase_bias": True})
     again = family.config_class.from_dict(config.to_dict())
     assert again.to_dict() == config.to_dict()
+
+
+def test_official_options_round_trip_as_given(family, tmp_path):
+    """The options from the paper's code (issue 24) survive dict, JSON and save_pretrained; ``"swish"`` is kept as
+    written (the module reads it as ``"silu"``), so a config saved with it reads back the same."""
+    options = dict(phase_proj="dense_low_rank", phase_proj_rank=3, phase_conv_type="difference",
+                   phase_conv_activation="swish", phase_gate_type="channel", phase_gate_rank=7)
+    config = family.config_class(**{**family.tiny, **options})
+    config.save_pretrained(tmp_path)
+    for again in (family.config_class.from_dict(config.to_dict()), AutoConfig.from_pretrained(tmp_path),
+                  family.config_class(**json.loads(config.to_json_string(use_diff=False)))):
+        assert {name: getattr(again, name) for name in options} == options
+    assert json.loads((tmp_path / "config.json").read_text())["phase_conv_activation"] == "swish"
+    defaults = family.config_class(**family.tiny)
+    assert (defaults.phase_conv_type, defaults.phase_gate_rank) == ("learned", 16)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -161,8 +180,9 @@ def test_the_audits_wrong_types_are_refused(field, value):
         fox.config_class(**{**fox.tiny, field: value})
 
 
-SHARED_RANGES = {"phase_proj_rank": [0], "phase_conv_size": [-1], "temperature_theta": [math.nan, math.inf],
-                 "temperature_max": [0, -1.0, math.nan], "partial_rotary_factor": [0, 1.5, math.nan]}
+SHARED_RANGES = {"phase_proj_rank": [0], "phase_gate_rank": [0, -2], "phase_conv_size": [-1],
+                 "temperature_theta": [math.nan, math.inf], "temperature_max": [0, -1.0, math.nan],
+                 "partial_rotary_factor": [0, 1.5, math.nan]}
 FAMILY_RANGES = {
     "gla": {"vocab_size": [0], "hidden_size": [0], "num_hidden_layers": [0, -1], "num_heads": [0], "num_kv_heads": [0],
             "expand_k": [0, -0.5], "expand_v": [0], "conv_size": [0], "gate_logit_normalizer": [0],

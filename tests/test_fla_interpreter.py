@@ -19,6 +19,7 @@ pytest.importorskip("triton", reason="the Triton path needs triton")
 
 from selective_rope.kernels import dispatch  # noqa: E402
 
+from families import OPTION_VARIANTS  # noqa: E402
 from triton_interpreter import fla_kernels_on_cpu  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter check; with a GPU, "
@@ -143,8 +144,9 @@ def test_one_token_training_step(family, monkeypatch, fla_calls):
     assert_same_grads(results["triton"][1], results["torch"][1])
 
 
-@pytest.mark.parametrize("options", [dict(), pytest.param(dict(position_embedding="rope"), marks=pytest.mark.slow)],
-                         ids=["selective_rope", "rope"])
+@pytest.mark.parametrize("options", [dict(), pytest.param(dict(position_embedding="rope"), marks=pytest.mark.slow),
+                                     OPTION_VARIANTS["official"]],
+                         ids=["selective_rope", "rope", "official"])
 def test_cached_decoding_and_generate(family, options, monkeypatch, fla_calls):
     """Left-padded prefill; a two-token call continuing the cache with a pad in one row; a step where one row's token
     is padding; a plain step. Same logits at real tokens and same caches on both paths; then ``generate``."""

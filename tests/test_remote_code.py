@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers.dynamic_module_utils import get_imports
 
-from families import FAMILIES
+from families import FAMILIES, OPTION_VARIANTS
 from isolation import import_blocker
 
 # Run in a fresh interpreter in which `import selective_rope` fails outright, so the travelling code cannot lean on
@@ -38,7 +38,9 @@ _LOAD_WITHOUT_PACKAGE = import_blocker("selective_rope") + textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("family", FAMILIES.values(), ids=FAMILIES.keys())
+@pytest.mark.parametrize("family", [*FAMILIES.values(), FAMILIES["gla"].with_options("official",
+                                                                                 OPTION_VARIANTS["official"])],
+                         ids=[*FAMILIES.keys(), "gla-official"])
 def test_remote_code_loads_without_the_package(family, tmp_path):
     torch.manual_seed(0)
     model = family.lm_class(family.config_class(**family.tiny)).eval()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from selective_rope import SelectiveRopeGLAConfig
-from selective_rope.modeling.rotary import SelectiveRotaryEmbedding, rotary_temperature
+from selective_rope.modeling.rotary import PhaseDifference, SelectiveRotaryEmbedding, rotary_temperature
 
 HIDDEN = 16
 
@@ -36,7 +36,12 @@ def reference(module, x, q, k, phase0=None, history0=None):
     for b in range(batch):
         phase = torch.zeros(hk, half, dtype=torch.float64) if phase0 is None else phase0[b].clone()
         conv = module.phase_conv if module.mode == "selective_rope" else None
-        ksize = conv.weight.shape[-1] if conv is not None else 1
+        if isinstance(conv, PhaseDifference):  # the fixed first difference a_t - a_{t-1}
+            ksize, taps = 2, torch.tensor([-1.0, 1.0], dtype=torch.float64).repeat(hk, half, 1)
+        elif conv is not None:
+            ksize, taps = conv.weight.shape[-1], conv.weight.view(hk, half, -1)
+        else:
+            ksize = 1
         history = [] if history0 is None else [history0[b, j].view(hk, half) for j in range(ksize - 1)]
         history = [torch.zeros(hk, half, dtype=torch.float64)] * (ksize - 1 - len(history)) + history
         for t in range(seq_len):
@@ -52,12 +57,13 @@ def reference(module, x, q, k, phase0=None, history0=None):
                     elif proj.kind == "full_rank":
                         for i in range(half):
                             a[h, i] = proj.scale[h, i] * (proj.weight[h, i] @ u[h]) / proj.weight[h, i].norm()
+                    elif proj.kind == "dense_low_rank":  # one map from every chunk to every head
+                        a[h] = (proj.up @ (proj.down @ torch.cat(u))).view(hk, half)[h]
                     else:
                         a[h] = proj.weight[h, 0] @ u[h]
                 if conv is not None:
                     window = history[len(history) - (ksize - 1):] + [a] if ksize > 1 else [a]
-                    w = conv.weight.view(hk, half, ksize)
-                    c = sum(w[..., j] * window[j] for j in range(ksize))
+                    c = sum(taps[..., j] * window[j] for j in range(ksize))
                     if conv.activation == "silu":
                         c = c * torch.sigmoid(c)
                     history.append(a)
@@ -106,6 +112,13 @@ OPTION_GRID = [
     dict(partial_rotary_factor=0.5, phase_proj="full_rank", phase_gate_type="low_rank", phase_bias=True),
     dict(position_embedding="rope"),
     dict(position_embedding="rope", partial_rotary_factor=0.5, temperature_theta=100.0),
+    # the official code's options (issue 24)
+    dict(phase_proj="dense_low_rank", phase_proj_rank=5),
+    dict(phase_proj="dense_low_rank", phase_conv_type="difference", phase_gate_type="low_rank", phase_gate_rank=3,
+         phase_bias=True),
+    dict(phase_conv_type="difference", phase_conv_activation="swish", phase_gate_type="channel", phase_gate_rank=7,
+         partial_rotary_factor=0.5),
+    dict(phase_conv_type="difference", phase_gate=False, phase_proj="full_rank"),
 ]
 HEADS = [(4, 2), (2, 2), (4, 1)]
 
@@ -126,7 +139,8 @@ def test_module_matches_per_token_reference(options, heads):
 
 
 @pytest.mark.parametrize("options", [dict(), dict(phase_conv_size=3, phase_conv_activation="silu", phase_bias=True),
-                                     dict(position_embedding="rope"), dict(phase_gate_type="channel")])
+                                     dict(position_embedding="rope"), dict(phase_gate_type="channel"),
+                                     dict(phase_conv_type="difference", phase_proj="dense_low_rank", phase_bias=True)])
 def test_state_continues_across_calls(options):
     """Two calls with the state in between equal one call; a random initial phase is honoured."""
     module = make_rotary(**options)
@@ -140,7 +154,8 @@ def test_state_continues_across_calls(options):
     torch.testing.assert_close(state["phase"], state_full["phase"])
 
     phase0 = torch.randn(2, 2, module.half, dtype=torch.float32) * 10
-    history0 = torch.randn(2, max(options.get("phase_conv_size", 4) - 1, 0), 2 * module.half)
+    history = 1 if options.get("phase_conv_type") == "difference" else max(options.get("phase_conv_size", 4) - 1, 0)
+    history0 = torch.randn(2, history, 2 * module.half)
     state0 = {"phase": phase0, "phase_conv": history0}
     q_off, k_off, _ = module(x, q, k, state=state0)
     q_ref, k_ref, _ = reference(module, x, q, k, phase0.double(), history0.double())
@@ -148,9 +163,10 @@ def test_state_continues_across_calls(options):
     torch.testing.assert_close(k_off, k_ref, atol=1e-4, rtol=1e-5)
 
 
-def test_padding_neither_advances_phase_nor_enters_history():
+@pytest.mark.parametrize("options", [dict(phase_conv_size=3), dict(phase_conv_type="difference")])
+def test_padding_neither_advances_phase_nor_enters_history(options):
     """Right-padded rows (`lengths`) give each row its unpadded result and a final state taken at its real end."""
-    module = make_rotary(phase_conv_size=3, phase_bias=True)
+    module = make_rotary(phase_bias=True, **options)
     x, q, k = torch.randn(2, 6, HIDDEN).double(), torch.randn(2, 6, 4, 8).double(), torch.randn(2, 6, 2, 8).double()
     lengths = torch.tensor([6, 2])
     q_pad, k_pad, state = module(x, q, k, lengths=lengths)
@@ -162,8 +178,9 @@ def test_padding_neither_advances_phase_nor_enters_history():
     torch.testing.assert_close(state["phase_conv"][1], state_short["phase_conv"][0], **tol)
 
 
-def test_packed_sequences_restart_phase_and_convolution():
-    module = make_rotary(phase_conv_size=4, phase_conv_activation="silu")
+@pytest.mark.parametrize("options", [dict(phase_conv_size=4), dict(phase_conv_type="difference")])
+def test_packed_sequences_restart_phase_and_convolution(options):
+    module = make_rotary(phase_conv_activation="silu", **options)
     lengths = [3, 1, 5]
     xs = [torch.randn(1, n, HIDDEN).double() for n in lengths]
     qs = [torch.randn(1, n, 4, 8).double() for n in lengths]
@@ -176,6 +193,7 @@ def test_packed_sequences_restart_phase_and_convolution():
         torch.testing.assert_close(q_packed[:, span], q_alone, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(k_packed[:, span], k_alone, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(state["phase"][i], state_alone["phase"][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(state["phase_conv"][i], state_alone["phase_conv"][0], atol=1e-5, rtol=1e-5)
 
 
 def test_identities_at_module_level():
@@ -195,6 +213,47 @@ def test_identities_at_module_level():
     q_rot, k_rot, _ = nope_like(x, q, k)
     torch.testing.assert_close(q_rot, q, atol=0, rtol=0)
     torch.testing.assert_close(k_rot, k, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("projection", ["low_rank", "dense_low_rank", "full_rank"])
+def test_difference_phase_is_the_projection_across_calls(projection):
+    """``phase_conv_type="difference"`` without gate or bias: ``θ_t = P(u_t)`` at every token, whether the tokens come
+    in one call or in a prefill, single-token steps and a multi-token call continuing the cache (the official cache
+    restarts the difference at each call, which would give ``θ_{t-1} + P(u_t)`` after a break). Its history is the
+    previous projection and it has no trainable taps."""
+    module = make_rotary(phase_conv_type="difference", phase_gate=False, phase_proj=projection)
+    assert not list(module.phase_conv.parameters())
+    x = torch.randn(2, 11, HIDDEN, dtype=torch.float64)
+    q, k = torch.randn(2, 11, 4, 8, dtype=torch.float64), torch.randn(2, 11, 2, 8, dtype=torch.float64)
+    u = torch.nn.functional.normalize(x.view(2, 11, 2, HIDDEN // 2), dim=-1)
+    projections = module.phase_proj(u)  # (B, T, Hk, R): what the phase must equal
+    state, phases = None, []
+    for span in (slice(0, 4), slice(4, 5), slice(5, 6), slice(6, 11)):
+        _, _, state = module(x[:, span], q[:, span], k[:, span], state=state)
+        phases.append(state["phase"])
+        torch.testing.assert_close(state["phase_conv"], projections[:, span.stop - 1].reshape(2, 1, -1), rtol=1e-12,
+                                   atol=1e-12)
+    for phase, stop in zip(phases, (4, 5, 6, 11)):
+        torch.testing.assert_close(phase, projections[:, stop - 1], rtol=1e-6, atol=1e-6)
+    # ...and per token, through the rotation: k_t is rotated by τ · P(u_t).
+    _, k_rot, _ = module(x, q, k)
+    angle = projections * module.temperature.double()
+    k1, k2 = k[..., :4], k[..., 4:]
+    expected = torch.cat([k1 * angle.cos() - k2 * angle.sin(), k1 * angle.sin() + k2 * angle.cos()], -1)
+    torch.testing.assert_close(k_rot, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_swish_is_silu_and_the_gate_rank_is_the_field():
+    swish = make_rotary(phase_conv_activation="swish", phase_gate_type="low_rank", phase_gate_rank=5)
+    silu = make_rotary(phase_conv_activation="silu", phase_gate_type="low_rank", phase_gate_rank=5)
+    silu.load_state_dict(swish.state_dict())
+    assert swish.phase_gate_proj[0].weight.shape == (5, HIDDEN)
+    x, q, k = torch.randn(2, 6, HIDDEN).double(), torch.randn(2, 6, 4, 8).double(), torch.randn(2, 6, 2, 8).double()
+    for got, want in zip(swish(x, q, k)[:2], silu(x, q, k)[:2]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    linear = make_rotary(phase_conv_activation=None)
+    linear.load_state_dict(swish.state_dict(), strict=False)
+    assert not torch.allclose(linear(x, q, k)[0], swish(x, q, k)[0])  # the activation is applied
 
 
 def test_casts_keep_the_module_float32():

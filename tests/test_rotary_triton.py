@@ -406,7 +406,11 @@ MODULE_OPTIONS = [
     dict(phase_proj="scalar", phase_gate_type="low_rank", phase_conv_size=2, partial_rotary_factor=0.5),
     dict(phase_gate=False, phase_bias=True, phase_conv_size=0),
     dict(position_embedding="rope"),
+    # the official code's options (issue 24): the decode step reads the difference's fixed taps
+    dict(phase_proj="dense_low_rank", phase_proj_rank=6, phase_conv_type="difference", phase_gate_type="low_rank",
+         phase_gate_rank=3, phase_bias=True, phase_conv_activation="swish"),
 ]
+PACKED_OPTIONS = MODULE_OPTIONS[:3] + MODULE_OPTIONS[-1:]
 
 
 def make_rotary(num_query_heads=4, num_key_heads=2, head_dim=8, **options):
@@ -472,7 +476,7 @@ def test_module_prefill_then_decode(options, monkeypatch):
     assert len(decode_calls) == (3 if module.mode == "selective_rope" else 0)
 
 
-@pytest.mark.parametrize("options", MODULE_OPTIONS[:3], ids=option_id)
+@pytest.mark.parametrize("options", PACKED_OPTIONS, ids=option_id)
 def test_module_packed_sequences_stay_packed(options, monkeypatch):
     """Packed sequences, starting and continuing per-sequence states: the Triton path runs the prefill kernel once
     on the packed tensors (cu_seqlens) and gives the torch path's (one dense row per sequence) q, k, states and
