@@ -28,13 +28,12 @@ from types import SimpleNamespace
 
 import torch
 
+from .backends import BACKENDS, ENV_VAR, interpreting
 from .forgetting_attention_torch import forgetting_attention as forgetting_attention_torch
 from .gated_delta_torch import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from .gla_torch import chunk_gla, recurrent_gla
 from .rotary_torch import selective_rotary as selective_rotary_torch
 
-BACKENDS = ("auto", "torch", "triton")
-ENV_VAR = "SELECTIVE_ROPE_BACKEND"
 FLA_MAX_ATTENTION_HEAD_DIM = 256  # fla's parallel attention holds a whole key head in one block
 
 _warned: set[str] = set()
@@ -57,10 +56,6 @@ def requested_backend(config_value: str | None = None) -> str:
     if value not in BACKENDS:
         raise ValueError(f"`backend`={value!r} is invalid: expected one of {list(BACKENDS)}.")
     return value
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
 def resolve_backend(config_value: str | None, device: torch.device | str) -> str:

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from .conversion.cli import add_convert_parser, run_convert
-from .demo import FAMILIES
+from .families import FAMILY_NAMES, get_family
 
 # The full CPU benchmark scripts (bench_<family>_cpu.py) live in the source repository, not in the installed package.
 BENCHMARKS_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
                                description="Train a tiny selective-rope model (SelectiveRopeGLA by default) on a "
                                "synthetic task (continuing arithmetic progressions), save it, reload it with "
                                "AutoModelForCausalLM and generate.")
-    demo.add_argument("--family", choices=FAMILIES, default="gla", help="model family (default gla)")
+    demo.add_argument("--family", choices=FAMILY_NAMES, default="gla", help="model family (default gla)")
     demo.add_argument("--output-dir", default="demo_output", help="where the trained model is saved")
     demo.add_argument("--seconds", type=float, default=60.0, help="training time budget (default 60)")
     demo.add_argument("--max-steps", type=int, default=2000, help="upper bound on training steps")
@@ -234,7 +234,7 @@ BENCH_QUICK = dict(hidden_size=64, layers=2, seq_len=64, decode_tokens=8, repeat
 def add_bench_parser(commands) -> argparse.ArgumentParser:
     parser = commands.add_parser("bench", help="benchmark prefill, decoding and training speed of each family",
                                  description=BENCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=(*FAMILIES, "all"), default="all", help="model family (default all)")
+    parser.add_argument("--family", choices=(*FAMILY_NAMES, "all"), default="all", help="model family (default all)")
     parser.add_argument("--hidden-size", type=_positive(int), default=None, help="model width (default 256)")
     parser.add_argument("--layers", type=_positive(int), default=None, help="number of blocks (default 4)")
     parser.add_argument("--vocab-size", type=_positive(int), default=1024, help="vocabulary size (default 1024)")
@@ -257,19 +257,13 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
 
 
 def _bench_config(family: str, hidden: int, layers: int, vocab: int, position_embedding: str):
-    from . import SelectiveRopeFoXConfig, SelectiveRopeGatedDeltaNetConfig, SelectiveRopeGLAConfig
-
     heads = max(1, hidden // 64)
     if hidden % heads or (hidden // heads) % 2:
         raise _fail("bench", f"--hidden-size {hidden} must split into {heads} heads of an even size")
     common = dict(hidden_size=hidden, num_hidden_layers=layers, vocab_size=vocab, bos_token_id=1, eos_token_id=2,
                   pad_token_id=0, intermediate_size=32 * -(-8 * hidden // 96), position_embedding=position_embedding)
-    if family == "gla":
-        return SelectiveRopeGLAConfig(**common, num_heads=heads, use_short_conv=True)
-    if family == "gated_deltanet":
-        return SelectiveRopeGatedDeltaNetConfig(**common, num_heads=heads, head_dim=hidden // heads,
-                                                use_short_conv=True)
-    return SelectiveRopeFoXConfig(**common, num_attention_heads=heads, num_key_value_heads=heads)
+    spec = get_family(family)
+    return spec.config_class(**common, **spec.head_layout(hidden, heads))
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -285,10 +279,7 @@ def _median_seconds(fn, repeats: int) -> float:
 def _bench_family(family: str, args: argparse.Namespace, device) -> dict:
     import torch
 
-    from . import SelectiveRopeFoXForCausalLM, SelectiveRopeGatedDeltaNetForCausalLM, SelectiveRopeGLAForCausalLM
-
-    lm_class = {"gla": SelectiveRopeGLAForCausalLM, "gated_deltanet": SelectiveRopeGatedDeltaNetForCausalLM,
-                "fox": SelectiveRopeFoXForCausalLM}[family]
+    lm_class = get_family(family).lm_class
     torch.manual_seed(0)
     config = _bench_config(family, args.hidden_size, args.layers, args.vocab_size, args.position_embedding)
     model = lm_class(config).to(device).eval()
@@ -363,7 +354,7 @@ def _run_full_benchmarks(families: list[str], quick: bool) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    families = list(FAMILIES) if args.family == "all" else [args.family]
+    families = list(FAMILY_NAMES) if args.family == "all" else [args.family]
     if args.full:
         return _run_full_benchmarks(families, args.quick)
     defaults = BENCH_QUICK if args.quick else BENCH_DEFAULTS

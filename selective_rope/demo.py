@@ -25,22 +25,14 @@ def progressions(batch: int, length: int, generator: torch.Generator) -> torch.T
     return torch.cat([torch.full((batch, 1), BOS), terms], dim=1)
 
 
-FAMILIES = ("gla", "gated_deltanet", "fox")
-
-
 def demo_config(family: str = "gla"):
-    """A 2-layer, ~0.1 M-parameter model of ``family`` for the demo task."""
-    from . import SelectiveRopeFoXConfig, SelectiveRopeGatedDeltaNetConfig, SelectiveRopeGLAConfig
+    """A 2-layer, ~0.1 M-parameter model of ``family`` (a name in :data:`selective_rope.families.FAMILIES`)."""
+    from .families import get_family
 
-    common = dict(vocab_size=MODULUS + 2, hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                  bos_token_id=BOS, eos_token_id=None, pad_token_id=PAD, phase_bias=True, initializer_range=0.05)
-    if family == "gla":
-        return SelectiveRopeGLAConfig(**common, num_heads=2, expand_k=1.0, expand_v=1.0, use_short_conv=True)
-    if family == "gated_deltanet":
-        return SelectiveRopeGatedDeltaNetConfig(**common, num_heads=2, head_dim=32, expand_v=1.0, use_short_conv=True)
-    if family == "fox":
-        return SelectiveRopeFoXConfig(**common, num_attention_heads=2, num_key_value_heads=2)
-    raise ValueError(f"unknown family {family!r}; expected one of {list(FAMILIES)}")
+    spec = get_family(family)
+    return spec.config_class(vocab_size=MODULUS + 2, hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                             bos_token_id=BOS, eos_token_id=None, pad_token_id=PAD, phase_bias=True,
+                             initializer_range=0.05, **spec.head_layout(64, 2, square=True))
 
 
 def train(model, seconds: float, max_steps: int, generator: torch.Generator, batch: int = 32, length: int = 24):
