@@ -15,6 +15,13 @@ Measures, on the CPU, in float32 and under ``torch.inference_mode``:
    at each step, so decoding slows down with the context; the numbers are reported, with no flatness target.
 3. the prefill overhead of Selective RoPE (and of fixed RoPE) over NoPE for the same model (informal target
    <= 1.15x).
+4. against the peer, transformers' Llama: a random Llama of the same shape (made here with transformers, no
+   download) and three conversions of it by ``selective_rope.conversion.convert``: the plain port (RoPE, no forget
+   gate: Llama's math in our classes), FoX with RoPE and a forget gate, and Selective RoPE FoX (the converter's
+   default). Cached decoding (ms/token after 256 and 4096 tokens) and prefill (2048 and 8192 tokens), all four
+   models interleaved round by round; ratios to Llama pair the calls of the same round (median and quartiles, wall
+   time; process CPU time too). Targets: Selective RoPE FoX decode <= 1.15x and prefill at 8k <= 1.10x Llama, the
+   plain port <= 1.05x. ``--compare-only`` runs this section alone (``selective-rope bench --full --compare``).
 
 Timing and load watching are shared with the other benchmarks (``benchmarks/common.py``): medians over
 interleaved rounds after a warm-up, the script (and every child process) waits for a quiet machine and re-runs
@@ -25,6 +32,7 @@ Usage::
     python benchmarks/bench_fox_cpu.py               # full run (a few minutes on a quiet 2-core machine)
     python benchmarks/bench_fox_cpu.py --quick       # smoke run
     python benchmarks/bench_fox_cpu.py --output benchmarks/results/fox_cpu.json
+    python benchmarks/bench_fox_cpu.py --compare-only   # section 4 -> benchmarks/results/fox_vs_llama_cpu.json
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,12 +55,15 @@ from common import (
     RESULTS_DIR,
     add_common_arguments,
     configure,
+    decode_comparison,
     decode_contexts,
     decode_result,
     finish,
     log,
     num_parameters,
     position_embedding_overhead,
+    prefill_comparison,
+    print_comparison,
     print_decode,
     print_footer,
     print_header,
@@ -69,6 +81,7 @@ from common import (
 from selective_rope import SelectiveRopeFoXConfig, SelectiveRopeFoXForCausalLM
 
 DEFAULT_OUTPUT = RESULTS_DIR / "fox_cpu.json"
+COMPARE_OUTPUT = RESULTS_DIR / "fox_vs_llama_cpu.json"  # --compare-only
 SOURCES = ["kernels/forgetting_attention_torch.py", "modeling/fox.py", "configuration/fox.py",
            "benchmarks/bench_fox_cpu.py"]
 
@@ -84,6 +97,13 @@ MODEL_CONFIG = {
     "use_forget_gate": True,
 }
 
+# The peer: transformers' Llama of the benchmark model's shape (RoPE base of Llama 3).
+LLAMA_CONFIG = {key: MODEL_CONFIG[key] for key in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                  "num_key_value_heads", "head_dim", "intermediate_size",
+                                                  "vocab_size")}
+LLAMA_ROPE = {"rope_type": "default", "rope_theta": 500000.0}
+PEER_BASE = "llama"
+TARGET_PEER = {"fox_selective": {"decode": 1.15, "prefill": 1.10}, "port": {"decode": 1.05, "prefill": 1.05}}
 TARGET_MEMORY_EXPONENT = 1.5  # peak memory ~ T^e between the two longest lengths: 1 is linear, 2 quadratic
 TARGET_ROPE_OVERHEAD = 1.15  # informal: (Selective) RoPE prefill at most 1.15x NoPE prefill
 WARMUP_LEN = 128  # the short forward run before the memory baseline (lazy initialisation of kernels, buffers)
@@ -270,6 +290,62 @@ def bench_overhead(T: int, rounds: int) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# 4. against transformers' Llama
+# --------------------------------------------------------------------------------------------------------------------
+def build_peers(directory: Path) -> tuple[dict, dict]:
+    """A random transformers Llama saved in ``directory`` and its conversions, all loaded from disk in eval mode:
+    ``{"llama", "port", "fox_rope", "fox_selective"}``, and what the converter reported for each."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from selective_rope.conversion import RetrofitOptions, convert
+
+    torch.manual_seed(SEED)
+    config = LlamaConfig(**LLAMA_CONFIG, rope_parameters=dict(LLAMA_ROPE), max_position_embeddings=32768)
+    LlamaForCausalLM(config).save_pretrained(directory / "llama")
+    variants = {"port": RetrofitOptions(selective=False, forget_gate=False),  # Llama's math in our classes
+                "fox_rope": RetrofitOptions(selective=False),  # + the forget gate
+                "fox_selective": RetrofitOptions()}  # + Selective RoPE: the converter's default
+    models = {PEER_BASE: LlamaForCausalLM.from_pretrained(directory / "llama").eval()}
+    reports = {PEER_BASE: {"attn_implementation": models[PEER_BASE].config._attn_implementation}}
+    for name, options in variants.items():
+        report = convert(directory / "llama", directory / name, options, license="apache-2.0", progress=False)
+        reports[name] = {"options": vars(options), "max_logit_difference": report.max_logit_difference}
+        models[name] = SelectiveRopeFoXForCausalLM.from_pretrained(directory / name).eval()
+        reports[name]["position_embedding"] = models[name].config.position_embedding
+        reports[name]["use_forget_gate"] = models[name].config.use_forget_gate
+    return models, reports
+
+
+def bench_peer(plan: dict) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench_fox_llama_") as tmp:
+        models, reports = build_peers(Path(tmp))
+        params = {name: num_parameters(m) for name, m in models.items()}
+        decode = decode_comparison(models, plan["peer_decode_contexts"], MODEL_CONFIG["vocab_size"],
+                                   plan["peer_decode_rounds"], plan["peer_decode_steps_per_round"],
+                                   plan["decode_warmup"], PEER_BASE)
+        prefill = prefill_comparison(models, plan["peer_prefill_lengths"], MODEL_CONFIG["vocab_size"],
+                                     plan["peer_prefill_rounds"], PEER_BASE)
+    targets = {}
+    for name, goals in TARGET_PEER.items():
+        for row in decode["rows"]:
+            ratio = row["models"][name]["ratio_to_" + PEER_BASE]["median"]
+            targets[f"{name} / llama decode ms/token at context {row['context']}"] = target(ratio, goals["decode"],
+                                                                                          higher_is_better=False)
+        row = prefill["rows"][-1]
+        ratio = row["models"][name]["ratio_to_" + PEER_BASE]["median"]
+        targets[f"{name} / llama prefill at T={row['seq_len']}"] = target(ratio, goals["prefill"],
+                                                                         higher_is_better=False)
+    return {"models": reports, "num_parameters": params, "llama_config": {**LLAMA_CONFIG, "rope": LLAMA_ROPE},
+            "decode": decode, "prefill": prefill, "targets": targets}
+
+
+def print_peer(peer: dict, number: int) -> None:
+    print_comparison(peer["decode"], f"{number}. Against transformers' Llama: cached decoding, ms/token (interleaved, "
+                     "ratios paired by round)", "context")
+    print_comparison(peer["prefill"], f"{number}. Against transformers' Llama: prefill, ms (interleaved)", "seq_len")
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # report
 # --------------------------------------------------------------------------------------------------------------------
 def print_table(results: dict) -> None:
@@ -295,6 +371,18 @@ def print_table(results: dict) -> None:
 
     print_decode(results["decode"], 2)
     print_overhead(results["overhead"], 3)
+    print_peer(results["peer"], 4)
+    print_footer(results, line)
+
+
+def print_compare_table(results: dict) -> None:
+    cfg = results["model_config"]
+    line = print_header(
+        results, "FoX vs transformers' Llama, CPU",
+        f"models: hidden {cfg['hidden_size']}, layers {cfg['num_hidden_layers']}, heads {cfg['num_attention_heads']} "
+        f"(kv {cfg['num_key_value_heads']}), head dim {cfg['head_dim']}, MLP {cfg['intermediate_size']}, vocab "
+        f"{cfg['vocab_size']}, fp32, batch 1")
+    print_peer(results["peer"], 1)
     print_footer(results, line)
 
 
@@ -306,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="always profile the Selective RoPE overhead (done anyway when its target is missed)")
     parser.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)  # internal: one length
     args = parser.parse_args(argv)
+    if args.compare_only and args.output == DEFAULT_OUTPUT:
+        args.output = COMPARE_OUTPUT
     threads = configure(args, SEED)
 
     if args.worker is not None:
@@ -315,11 +405,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         plan = {"prefill_lengths": [512, 1024, 2048], "prefill_repeats": {512: 3, 1024: 3, 2048: 2},
                 "memory_calls": 1, "decode_contexts": [256, 4096], "decode_steps": 8, "decode_steps_per_round": 4,
-                "decode_warmup": 2, "overhead_len": 1024, "overhead_rounds": 3}
+                "decode_warmup": 2, "overhead_len": 1024, "overhead_rounds": 3,
+                "peer_decode_contexts": [256, 1024], "peer_decode_rounds": 3, "peer_decode_steps_per_round": 2,
+                "peer_prefill_lengths": [512, 1024], "peer_prefill_rounds": 2}
     else:
         plan = {"prefill_lengths": [1024, 4096, 16384], "prefill_repeats": {1024: 7, 4096: 5, 16384: 3},
                 "memory_calls": 2, "decode_contexts": [256, 4096], "decode_steps": 32, "decode_steps_per_round": 8,
-                "decode_warmup": 4, "overhead_len": 2048, "overhead_rounds": 25}
+                "decode_warmup": 4, "overhead_len": 2048, "overhead_rounds": 25,
+                "peer_decode_contexts": [256, 4096], "peer_decode_rounds": 12, "peer_decode_steps_per_round": 4,
+                "peer_prefill_lengths": [2048, 8192], "peer_prefill_rounds": 5}
 
     start_all = time.perf_counter()
     results = start_results("bench_fox_cpu", args, threads, SOURCES, plan)
@@ -342,7 +436,18 @@ def main(argv: list[str] | None = None) -> int:
         ("overhead", "3. position-embedding overhead",
          lambda: bench_overhead(plan["overhead_len"], plan["overhead_rounds"])),
     ]
-    contention = run_sections(results, sections)
+    peer_section = ("peer", "4. against transformers' Llama (random, converted as a plain port and as FoX)",
+                    lambda: bench_peer(plan))
+    if args.compare_only:
+        results["model_config"]["position_embedding"] = "see peer.models"
+        contention = run_sections(results, [peer_section])
+        results["targets"] = results["peer"]["targets"]
+        results["all_targets_met"] = all(t["met"] for t in results["targets"].values())
+        finish(results, contention, start_all)
+        print_compare_table(results)
+        write_results(args.output, results)
+        return 0
+    contention = run_sections(results, [*sections, peer_section])
 
     lengths = plan["prefill_lengths"]
     results["targets"] = {
@@ -350,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         f"selective_rope / nope prefill time at T={plan['overhead_len']} (informal)":
             results["overhead"]["selective_rope_over_nope"],
         f"rope / nope prefill time at T={plan['overhead_len']} (informal)": results["overhead"]["rope_over_nope"],
+        **results["peer"]["targets"],
     }
     results["all_targets_met"] = all(t["met"] for t in results["targets"].values())
     if args.profile or not results["overhead"]["selective_rope_over_nope"]["met"]:

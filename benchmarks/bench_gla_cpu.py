@@ -8,6 +8,9 @@ Measures, on the CPU, in float32 and under ``torch.inference_mode``:
 3. cached decoding latency (ms/token) after a short and a long context: a recurrent model should not slow
    down with the context length;
 4. the prefill overhead of Selective RoPE (and of fixed RoPE) over NoPE for the same model.
+5. Selective RoPE against NoPE, decode (ms/token after 256 and 4096 tokens) and prefill (2048 and 8192 tokens),
+   interleaved, ratios paired by round (target <= 1.10x each); ``--compare-only`` runs this section alone
+   (``selective-rope bench --full --compare``).
 
 Every target is reported as ``{"value", "target", "met"}``. Timings are medians over repeats after a warm-up
 (``time.perf_counter``). Whatever is compared (chunk vs naive, the two decode contexts, the three position
@@ -36,6 +39,7 @@ import time
 import torch
 import torch.nn.functional as F
 from common import (
+    COMPARE_PLANS,
     RESULTS_DIR,
     add_common_arguments,
     configure,
@@ -51,8 +55,11 @@ from common import (
     print_header,
     print_overhead,
     print_prefill_rows,
+    print_selective_vs_nope,
     profile_overhead,
+    run_compare_only,
     run_sections,
+    selective_vs_nope,
     start_results,
     target,
     timed_rounds,
@@ -63,6 +70,7 @@ from selective_rope import SelectiveRopeGLAConfig, SelectiveRopeGLAForCausalLM
 from selective_rope.kernels.gla_torch import chunk_gla
 
 DEFAULT_OUTPUT = RESULTS_DIR / "gla_cpu.json"
+COMPARE_OUTPUT = RESULTS_DIR / "gla_selective_vs_nope_cpu.json"  # --compare-only
 SOURCES = ["kernels/gla_torch.py", "modeling/gla.py", "configuration/gla.py", "benchmarks/bench_gla_cpu.py"]
 
 SEED = 0
@@ -198,6 +206,7 @@ def print_table(results: dict) -> None:
 
     print_decode(results["decode"], 3)
     print_overhead(results["overhead"], 4)
+    print_selective_vs_nope(results["compare"], 5)
     print_footer(results, line)
 
 
@@ -208,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="always profile the Selective RoPE overhead (done anyway when its target is missed)")
     args = parser.parse_args(argv)
+    if args.compare_only and args.output == DEFAULT_OUTPUT:
+        args.output = COMPARE_OUTPUT
     threads = configure(args, SEED)
 
     if args.quick:
@@ -219,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                 "op_target": 2048, "op_rounds": 9, "decode_contexts": [256, 4096], "decode_steps": 32,
                 "decode_steps_per_round": 8, "decode_warmup": 4, "overhead_len": 2048, "overhead_rounds": 15}
 
+    plan.update(COMPARE_PLANS["quick" if args.quick else "full"])  # section 5 (or --compare-only)
     start_all = time.perf_counter()
     results = start_results("bench_gla_cpu", args, threads, SOURCES, plan)
     probe = build_model("selective_rope")
@@ -228,6 +240,11 @@ def main(argv: list[str] | None = None) -> int:
                                "conv_size": probe.config.conv_size, "num_parameters": num_parameters(probe),
                                "dtype": "float32", "seed": SEED, "full_config": probe.config.to_diff_dict()}
     del probe
+    cfg = results["model_config"]
+    cfg["summary"] = (f"hidden {cfg['hidden_size']}, layers {cfg['num_hidden_layers']}, heads {cfg['num_heads']}, "
+                      f"vocab {cfg['vocab_size']}, {cfg['num_parameters']:,} params, fp32, batch 1")
+    if args.compare_only:
+        return run_compare_only(results, args, plan, build_model, MODEL_CONFIG["vocab_size"], start_all)
 
     log(f"[bench_gla_cpu] mode={results['mode']} threads={torch.get_num_threads()} "
         f"load avg={results['device']['load_average_start']}")
@@ -242,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         ("overhead", "4. position-embedding overhead",
          lambda: bench_overhead(plan["overhead_len"], plan["overhead_rounds"])),
     ]
+    sections.append(("compare", "5. Selective RoPE vs NoPE: decode and prefill, interleaved",
+                     lambda: selective_vs_nope(build_model, MODEL_CONFIG["vocab_size"], plan)))
     contention = run_sections(results, sections)
 
     results["targets"] = {
@@ -251,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             results["overhead"]["selective_rope_over_nope"],
         f"rope / nope prefill time at T={plan['overhead_len']}": results["overhead"]["rope_over_nope"],
     }
+    results["targets"].update(results["compare"]["targets"])
     results["all_targets_met"] = all(t["met"] for t in results["targets"].values())
     if args.profile or not results["overhead"]["selective_rope_over_nope"]["met"]:
         log("profiling the Selective RoPE overhead (torch.profiler)")

@@ -35,6 +35,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -238,6 +239,7 @@ def timed_rounds(fns: dict[str, Callable[[], object]], rounds: int, calls: int =
     if round_estimate:
         calls = max(calls, min(50, int(min_round_s / round_estimate) + 1))
     times = {name: [] for name in names}
+    cpu_times = {name: [] for name in names}  # this process's CPU time per call (all its threads)
     faults = {name: 0 for name in names}
     busy_per_round, redo_left, r = [], QUIET.max_redo, 0
     while r < rounds:
@@ -245,13 +247,15 @@ def timed_rounds(fns: dict[str, Callable[[], object]], rounds: int, calls: int =
         order = names[shift:] + names[:shift]
         probe = LoadProbe()
         this_round = {name: [] for name in names}
+        this_round_cpu = {name: [] for name in names}
         round_faults = {}
         for name in order:
             faults_before = minor_faults()
             for _ in range(calls):
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 fns[name]()
                 this_round[name].append(time.perf_counter() - start)
+                this_round_cpu[name].append(time.process_time() - start_cpu)
             round_faults[name] = minor_faults() - faults_before
         busy = probe.others_cores()
         if busy is not None and busy > BUSY_THRESHOLD:
@@ -264,11 +268,13 @@ def timed_rounds(fns: dict[str, Callable[[], object]], rounds: int, calls: int =
         busy_per_round.append(None if busy is None else round(busy, 2))
         for name in names:
             times[name].extend(this_round[name])
+            cpu_times[name].extend(this_round_cpu[name])
             faults[name] += round_faults[name]
         r += 1
     # minor page faults per call: fresh memory pages the allocator had to map (large temporaries freed to the OS
     # and mapped again on every call show up here)
-    return {name: {**summarize(times[name]), "rounds": rounds, "calls_per_round": calls,
+    return {name: {**summarize(times[name]), "cpu_median_s": statistics.median(cpu_times[name]),
+                   "cpu_times_s": [round(t, 6) for t in cpu_times[name]], "rounds": rounds, "calls_per_round": calls,
                    "minor_page_faults_per_call": round(faults[name] / max(1, len(times[name])), 1),
                    "others_cores_per_round": busy_per_round} for name in names}
 
@@ -301,6 +307,151 @@ def target(value: float, goal: float, higher_is_better: bool) -> dict:
 def paired_ratio(stats: dict, name: str, base: str) -> float:
     """Median over calls of time(name) / time(base), pairing the calls of the same round (interleaved runs)."""
     return statistics.median(a / b for a, b in zip(stats[name]["times_s"], stats[base]["times_s"]))
+
+
+def ratio_spread(stats: dict, name: str, base: str, key: str = "times_s") -> dict:
+    """Ratios time(name) / time(base) of the calls paired by round (interleaved runs): median, quartiles, extremes.
+
+    ``key="cpu_times_s"`` pairs the process CPU times instead of wall times (less sensitive to other processes taking
+    the cores, but it counts OpenMP threads that spin while waiting)."""
+    ratios = sorted(a / b for a, b in zip(stats[name][key], stats[base][key]))
+    quartiles = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+    return {"median": round(statistics.median(ratios), 4), "q1": round(quartiles[0], 4),
+            "q3": round(quartiles[2], 4), "min": round(ratios[0], 4), "max": round(ratios[-1], 4),
+            "pairs": len(ratios)}
+
+
+def comparison_record(stats: dict, base: str, unit_scale: float = 1e3) -> dict:
+    """Per model: median wall and CPU time, and the paired ratios to ``base`` (wall and CPU) with their spread."""
+    record = {}
+    for name, s in stats.items():
+        record[name] = {"median_ms": round(s["median_s"] * unit_scale, 3), "min_ms": round(s["min_s"] * unit_scale, 3),
+                        "cpu_median_ms": round(s["cpu_median_s"] * unit_scale, 3)}
+        if name != base:
+            record[name]["ratio_to_" + base] = ratio_spread(stats, name, base)
+            record[name]["cpu_ratio_to_" + base] = ratio_spread(stats, name, base, key="cpu_times_s")
+    return record
+
+
+def prefill_comparison(models: dict, lengths: list[int], vocab: int, rounds: int, base: str) -> dict:
+    """Prefill time of several models (same input) at each length, interleaved round by round (``use_cache=False``,
+    batch 1). Returns ``{"rows": [{"seq_len", "models": comparison_record, "timings": ...}]}``."""
+    rows = []
+    for T in lengths:
+        ids = random_ids(T, vocab, seed=3000 + T)
+        with torch.inference_mode():
+            stats = timed_rounds({name: (lambda m=m, ids=ids: m(ids, use_cache=False)) for name, m in models.items()},
+                                 rounds=rounds, min_round_s=0.0)
+        record = comparison_record(stats, base)
+        rows.append({"seq_len": T, "models": record, "timings": stats})
+        log(f"  prefill T={T:5d}: " + "  ".join(_comparison_cell(name, r, base) for name, r in record.items()))
+    return {"base": base, "rounds": rounds, "interleaved": True, "use_cache": False, "rows": rows}
+
+
+def decode_comparison(models: dict, contexts: list[int], vocab: int, rounds: int, steps_per_round: int,
+                      warmup_steps: int, base: str) -> dict:
+    """Cached greedy decoding of several models after each context, interleaved: per round every model decodes
+    ``steps_per_round`` tokens in turn. ms per token; ratios pair the steps of the same round."""
+    rows = []
+    for ctx in contexts:
+        ids = random_ids(ctx, vocab, seed=1000 + ctx)
+        states = {}
+        with torch.inference_mode():
+            for name, model in models.items():
+                out = model(ids, use_cache=True)
+                states[name] = [out.past_key_values, out.logits[:, -1:].argmax(-1)]
+
+            def step(name: str, states: dict = states) -> None:
+                cache, token = states[name]
+                out = models[name](token, past_key_values=cache, use_cache=True)
+                states[name] = [out.past_key_values, out.logits[:, -1:].argmax(-1)]
+
+            for _ in range(warmup_steps):
+                for name in models:
+                    step(name)
+            stats = timed_rounds({name: (lambda n=name: step(n)) for name in models}, rounds=rounds,
+                                 calls=steps_per_round, warmup=0, min_round_s=0.0)
+        record = comparison_record(stats, base)
+        rows.append({"context": ctx, "models": record, "timings": stats})
+        log(f"  decode context={ctx:5d} (ms/token): "
+            + "  ".join(_comparison_cell(name, r, base) for name, r in record.items()))
+    return {"base": base, "rounds": rounds, "steps_per_round": steps_per_round, "warmup_steps": warmup_steps,
+            "interleaved": True, "sampling": "greedy", "rows": rows}
+
+
+def _comparison_cell(name: str, record: dict, base: str) -> str:
+    if name == base:
+        return f"{name} {record['median_ms']:.2f}"
+    r = record["ratio_to_" + base]
+    return f"{name} {record['median_ms']:.2f} ({r['median']:.3f}x [{r['q1']:.3f}-{r['q3']:.3f}])"
+
+
+def print_comparison(section: dict, title: str, key: str) -> None:
+    """A table of ``prefill_comparison`` / ``decode_comparison`` results: medians and paired ratios with quartiles."""
+    base = section["base"]
+    log(title)
+    log(f"   {key:>7} | {'model':>14} | {'median ms':>10} | {'x ' + base + ' (wall), [q1-q3]':>30} | "
+        f"{'x ' + base + ' (CPU time)':>20}")
+    for row in section["rows"]:
+        for name, r in row["models"].items():
+            wall = cpu = "-"
+            if name != base:
+                w, c = r["ratio_to_" + base], r["cpu_ratio_to_" + base]
+                wall = f"{w['median']:.3f} [{w['q1']:.3f}-{w['q3']:.3f}]"
+                cpu = f"{c['median']:.3f}"
+            log(f"   {row[key]:>7} | {name:>14} | {r['median_ms']:>10.2f} | {wall:>30} | {cpu:>20}")
+
+
+TARGET_SELECTIVE_OVER_NOPE = 1.10  # Selective RoPE decode and prefill at most 1.10x NoPE (GLA, Gated DeltaNet)
+COMPARE_PLANS = {
+    "quick": {"compare_decode_contexts": [256, 1024], "compare_decode_rounds": 3, "compare_decode_steps_per_round": 4,
+              "compare_prefill_lengths": [512, 1024], "compare_prefill_rounds": 3, "compare_decode_warmup": 2},
+    "full": {"compare_decode_contexts": [256, 4096], "compare_decode_rounds": 12, "compare_decode_steps_per_round": 8,
+             "compare_prefill_lengths": [2048, 8192], "compare_prefill_rounds": 7, "compare_decode_warmup": 4},
+}
+
+
+def selective_vs_nope(build_model: Callable[[str], torch.nn.Module], vocab: int, plan: dict) -> dict:
+    """Decode (ms/token) and prefill of the same model (same seed) with NoPE and with Selective RoPE, interleaved;
+    a target of ``TARGET_SELECTIVE_OVER_NOPE`` on every paired-ratio median."""
+    models = {"nope": build_model("nope"), "selective_rope": build_model("selective_rope")}
+    decode = decode_comparison(models, plan["compare_decode_contexts"], vocab, plan["compare_decode_rounds"],
+                               plan["compare_decode_steps_per_round"], plan["compare_decode_warmup"], "nope")
+    prefill = prefill_comparison(models, plan["compare_prefill_lengths"], vocab, plan["compare_prefill_rounds"],
+                                 "nope")
+    targets = {}
+    for row in decode["rows"]:
+        ratio = row["models"]["selective_rope"]["ratio_to_nope"]["median"]
+        targets[f"selective_rope / nope decode ms/token at context {row['context']}"] = target(
+            ratio, TARGET_SELECTIVE_OVER_NOPE, higher_is_better=False)
+    for row in prefill["rows"]:
+        ratio = row["models"]["selective_rope"]["ratio_to_nope"]["median"]
+        targets[f"selective_rope / nope prefill at T={row['seq_len']}"] = target(
+            ratio, TARGET_SELECTIVE_OVER_NOPE, higher_is_better=False)
+    return {"num_parameters": {name: num_parameters(m) for name, m in models.items()}, "decode": decode,
+            "prefill": prefill, "targets": targets}
+
+
+def print_selective_vs_nope(section: dict, number: int) -> None:
+    print_comparison(section["decode"], f"{number}. Selective RoPE vs NoPE: cached decoding, ms/token (interleaved)",
+                     "context")
+    print_comparison(section["prefill"], f"{number}. Selective RoPE vs NoPE: prefill, ms (interleaved)", "seq_len")
+
+
+def run_compare_only(results: dict, args: argparse.Namespace, plan: dict, build_model, vocab: int,
+                     start_all: float) -> int:
+    """``--compare-only``: the Selective RoPE vs NoPE section alone, printed and written to ``args.output``."""
+    contention = run_sections(results, [("compare", "Selective RoPE vs NoPE (decode and prefill, interleaved)",
+                                         lambda: selective_vs_nope(build_model, vocab, plan))])
+    results["targets"] = results["compare"]["targets"]
+    results["all_targets_met"] = all(t["met"] for t in results["targets"].values())
+    finish(results, contention, start_all)
+    line = print_header(results, f"{results['benchmark']}: Selective RoPE vs NoPE",
+                        f"model: {results['model_config'].get('summary', '')}")
+    print_selective_vs_nope(results["compare"], 1)
+    print_footer(results, line)
+    write_results(args.output, results)
+    return 0
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -519,6 +670,8 @@ def add_common_arguments(parser: argparse.ArgumentParser, default_output: Path) 
                         help="seconds in all to wait for other processes to go quiet (default 180, quick 10)")
     parser.add_argument("--max-redo", type=int, default=None,
                         help="disturbed rounds run again per measurement (default 8, quick 1)")
+    parser.add_argument("--compare-only", action="store_true",
+                        help="only the interleaved comparison section (see the script's description)")
 
 
 def configure(args: argparse.Namespace, seed: int) -> int:
@@ -532,7 +685,9 @@ def configure(args: argparse.Namespace, seed: int) -> int:
 
 
 def start_results(name: str, args: argparse.Namespace, threads: int, source_files: list[str], plan: dict) -> dict:
-    return {"benchmark": name, "mode": "quick" if args.quick else "full", "device": device_info(threads),
+    return {"benchmark": name, "mode": "quick" if args.quick else "full",
+            "command": " ".join(["python", os.path.relpath(sys.argv[0], REPO_ROOT), *sys.argv[1:]]),
+            "device": device_info(threads),
             "source": source_provenance(source_files), "plan": plan}
 
 

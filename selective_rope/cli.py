@@ -253,6 +253,10 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true",
                         help="with --full: the scripts' short smoke run; otherwise the defaults become a tiny model "
                         "and short inputs (hidden size 64, 2 layers, 64 tokens, 8 decoded, 1 run)")
+    parser.add_argument("--compare", action="store_true",
+                        help="with --full: only the scripts' interleaved comparisons (--compare-only): FoX against "
+                        "transformers' Llama (a random Llama converted as a plain port and as Selective RoPE FoX), "
+                        "GLA and Gated DeltaNet with Selective RoPE against NoPE; decode and prefill ratios")
     return parser
 
 
@@ -338,14 +342,15 @@ def _load() -> str:
         return "n/a"
 
 
-def _run_full_benchmarks(families: list[str], quick: bool) -> int:
+def _run_full_benchmarks(families: list[str], quick: bool, compare: bool = False) -> int:
     scripts = [BENCHMARKS_DIR / f"bench_{family}_cpu.py" for family in families]
     missing = [str(script) for script in scripts if not script.exists()]
     if missing:
         raise _fail("bench", f"--full needs the source repository's benchmark scripts, not found: {', '.join(missing)} "
                     "(they are not part of the installed package; run without --full for the built-in benchmark)")
     for script in scripts:
-        command = [sys.executable, str(script), *(["--quick"] if quick else [])]
+        flags = [*(["--quick"] if quick else []), *(["--compare-only"] if compare else [])]
+        command = [sys.executable, str(script), *flags]
         print("$ " + " ".join(command), flush=True)
         code = subprocess.run(command, cwd=BENCHMARKS_DIR.parent).returncode
         if code:
@@ -355,8 +360,10 @@ def _run_full_benchmarks(families: list[str], quick: bool) -> int:
 
 def run_bench(args: argparse.Namespace) -> int:
     families = list(FAMILY_NAMES) if args.family == "all" else [args.family]
+    if args.compare and not args.full:
+        raise _fail("bench", "--compare runs the source repository's benchmark scripts: use it with --full")
     if args.full:
-        return _run_full_benchmarks(families, args.quick)
+        return _run_full_benchmarks(families, args.quick, args.compare)
     defaults = BENCH_QUICK if args.quick else BENCH_DEFAULTS
     for name, value in defaults.items():  # sizes not given on the command line
         if getattr(args, name) is None:
