@@ -36,7 +36,7 @@ the same OUTPUT removes it (and says so).
 """
 
 
-def add_convert_parser(commands) -> argparse.ArgumentParser:
+def add_parser(commands) -> argparse.ArgumentParser:
     defaults = RetrofitOptions()  # the options' defaults are written once, in RetrofitOptions
     parser = commands.add_parser("convert", help="retrofit Selective RoPE onto a RoPE or NoPE checkpoint",
                                  description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -140,7 +140,7 @@ def _describe(error: Exception) -> str:
     return str(error)
 
 
-def run_convert(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     try:
         with _sigterm_as_interrupt():
             options = RetrofitOptions(**{option.name: getattr(args, option.name) for option in fields(RetrofitOptions)})

@@ -7,6 +7,7 @@ with a random step, ``a, a+d, a+2d, ...``; the model must infer ``d`` from the p
 
 from __future__ import annotations
 
+import argparse
 import time
 from pathlib import Path
 
@@ -105,3 +106,27 @@ def run_demo(output_dir: str = "demo_output", seconds: float = 60.0, max_steps: 
     print(f"prompt {' '.join(map(str, prompt))} -> generated {' '.join(map(str, generated.tolist()))} "
           f"(expected {' '.join(map(str, expected))})")
     return {"final_loss": final_loss, "accuracy": accuracy, "generated": generated.tolist(), "output_dir": str(output)}
+
+
+# -- selective-rope demo --------------------------------------------------------------------------------------------
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    from .families import FAMILY_NAMES
+
+    parser = commands.add_parser("demo", help="train a tiny model on CPU, save, reload and generate",
+                                 description="Train a tiny selective-rope model (SelectiveRopeGLA by default) on a "
+                                 "synthetic task (continuing arithmetic progressions), save it, reload it with "
+                                 "AutoModelForCausalLM and generate.")
+    parser.add_argument("--family", choices=FAMILY_NAMES, default="gla", help="model family (default gla)")
+    parser.add_argument("--output-dir", default="demo_output", help="where the trained model is saved")
+    parser.add_argument("--seconds", type=float, default=60.0, help="training time budget (default 60)")
+    parser.add_argument("--max-steps", type=int, default=2000, help="upper bound on training steps")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.seconds <= 0 or args.max_steps <= 0:
+        raise SystemExit("selective-rope demo: --seconds and --max-steps must be positive")
+    run_demo(args.output_dir, args.seconds, args.max_steps, args.seed, args.family)
+    return 0

@@ -140,7 +140,9 @@ def test_bench_runs_and_writes_json(tmp_path, capsys):
 def test_bench_full_runs_the_repository_scripts(tmp_path, monkeypatch, capfd):
     script = tmp_path / "bench_fox_cpu.py"
     script.write_text("import sys; print('fox script', sys.argv[1:])\n")
-    monkeypatch.setattr(cli, "BENCHMARKS_DIR", tmp_path)
+    from selective_rope.bench import cli as bench_command
+
+    monkeypatch.setattr(bench_command, "BENCHMARKS_DIR", tmp_path)
     assert cli.main(["bench", "--family", "fox", "--full", "--quick"]) == 0
     assert "fox script ['--quick']" in capfd.readouterr().out  # the script's own output
     assert cli.main(["bench", "--family", "fox", "--full", "--compare"]) == 0  # the comparison with Llama alone
