@@ -26,6 +26,16 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    """Scripts run in-process (e.g. examples/synthetic/phase_drift.py) set torch's thread count for good; a later
+    test comparing bit for bit with a subprocess (which starts with the default count) would then see the CPU
+    attention kernels split work differently."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def one_thread():
     """Run the test with one intra-op thread (restored afterwards)."""
