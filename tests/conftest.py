@@ -26,6 +26,16 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _keep_thread_count():
+    """Restore torch's intra-op thread count after each test: the benchmark commands set it (``--threads``), and
+    float sums that compare bit for bit with another process (remote code) depend on it."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def one_thread():
     """Run the test with one intra-op thread (restored afterwards)."""
