@@ -233,7 +233,7 @@ TARGET_SELECTIVE_OVER_NOPE = 1.10  # Selective RoPE decode and prefill at most 1
 COMPARE_PLANS = {
     "quick": {"compare_decode_contexts": [256, 1024], "compare_decode_rounds": 3, "compare_decode_steps_per_round": 4,
               "compare_prefill_lengths": [512, 1024], "compare_prefill_rounds": 3, "compare_decode_warmup": 2},
-    "full": {"compare_decode_contexts": [256, 4096], "compare_decode_rounds": 12, "compare_decode_steps_per_round": 8,
+    "full": {"compare_decode_contexts": [256, 4096], "compare_decode_rounds": 30, "compare_decode_steps_per_round": 8,
              "compare_prefill_lengths": [2048, 8192], "compare_prefill_rounds": 7, "compare_decode_warmup": 4},
 }
 

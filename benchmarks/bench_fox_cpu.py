@@ -359,7 +359,7 @@ SPEC = FamilyBenchmark(
         "full": {"prefill_lengths": [1024, 4096, 16384], "prefill_repeats": {1024: 7, 4096: 5, 16384: 3},
                  "memory_calls": 2, "decode_contexts": [256, 4096], "decode_steps": 32, "decode_steps_per_round": 8,
                  "decode_warmup": 4, "overhead_len": 2048, "overhead_rounds": 25,
-                 "peer_decode_contexts": [256, 4096], "peer_decode_rounds": 12, "peer_decode_steps_per_round": 4,
+                 "peer_decode_contexts": [256, 4096], "peer_decode_rounds": 40, "peer_decode_steps_per_round": 4,
                  "peer_prefill_lengths": [2048, 8192], "peer_prefill_rounds": 5},
     },
     sections=sections, print_sections=print_sections,

@@ -210,22 +210,32 @@ def record_flash_calls(monkeypatch):
 
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa2"])
 @pytest.mark.parametrize("gate", [True, False], ids=["gate", "no_gate"])
-@pytest.mark.parametrize("queries,block_size", [(190, 32), (200, 32), (200, 7), (64, 64), (3, 32)])
+@pytest.mark.parametrize("queries,block_size", [(190, 32), (200, 32), (200, 7), (64, 64), (3, 32), (200, 16)])
 def test_merged_blocks_read_their_square_and_the_past_keys(monkeypatch, heads, gate, queries, block_size):
-    # without padding: per query block, one call on its own (rows x rows) causal square and one on the keys before
-    # it (a key-only mask), merged by log-sum-exp; lengths that are and are not multiples of the block
+    # without padding: queries in outer blocks of MERGED_OUTER_BLOCKS blocks. Per block, one call on its own
+    # (rows x rows) causal square and one on the keys of the outer block before it; per outer block, one call on the
+    # keys before it for all its rows (key-only masks); merged by log-sum-exp. Lengths that are and are not multiples
+    # of either block; every call reads keys before or at its rows only.
     q, k, v, g = make_inputs(200, heads)
     g = g if gate else None
     calls = record_flash_calls(monkeypatch)
     with torch.no_grad():
         o = forgetting_attention(q[:, -queries:], k, v, g, block_size=block_size)
     torch.testing.assert_close(o, reference(q[:, -queries:], k, v, g).float(), **EXACT_TOL)
-    expected = []
-    for first in range(200 - queries, 200, block_size):
-        rows = min(block_size, 200 - first)
-        expected.append(((B, HQ, rows, D), (B, HQ, rows, D), (B, HQ, rows, rows) if gate else None, not gate))
-        if first:
-            expected.append(((B, HQ, rows, D), (B, HQ, first, D), (B, HQ, 1, first) if gate else None, False))
+
+    def past(rows, keys):
+        return ((B, HQ, rows, D), (B, HQ, keys, D), (B, HQ, 1, keys) if gate else None, False)
+
+    expected, outer = [], block_size * forgetting_attention_torch.MERGED_OUTER_BLOCKS
+    for outer_first in range(200 - queries, 200, outer):
+        outer_end = min(200, outer_first + outer)
+        for first in range(outer_first, outer_end, block_size):
+            rows = min(block_size, outer_end - first)
+            expected.append(((B, HQ, rows, D), (B, HQ, rows, D), (B, HQ, rows, rows) if gate else None, not gate))
+            if first > outer_first:
+                expected.append(past(rows, first - outer_first))
+        if outer_first:
+            expected.append(past(outer_end - outer_first, outer_first))
     if not gate and queries == 200:  # a whole sequence without a gate is one causal scaled_dot_product_attention
         expected = []
     assert calls == expected

@@ -363,3 +363,34 @@ def test_long_decoding_matches_prefill_and_exact_angles():
     torch.testing.assert_close(k_full.double(), rotate_exactly(k, phase, module.temperature), rtol=0, atol=1e-5)
     query_phase = phase.repeat_interleave(2, dim=2)
     torch.testing.assert_close(q_full.double(), rotate_exactly(q, query_phase, module.temperature), rtol=0, atol=1e-5)
+
+
+SELECTIVE_GRID = [o for o in OPTION_GRID if o.get("position_embedding", "selective_rope") == "selective_rope"]
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"hq{h[0]}-hk{h[1]}")
+@pytest.mark.parametrize("options", SELECTIVE_GRID,
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+def test_torch_decode_step_equals_the_general_path(options, heads):
+    """Without autograd a single token takes the torch decoding step; with autograd on, the general path
+    (``phase_increment`` + ``selective_rotary``). From the same cached state, both give the same q, k and state, for a
+    real token and for a pad (``lengths`` 0), and for a first token without any state."""
+    module = make_rotary(*heads, **options)
+    x, q, k = torch.randn(2, 6, HIDDEN), torch.randn(2, 6, heads[0], 8), torch.randn(2, 6, heads[1], 8)
+    with torch.no_grad():
+        _, _, state = module(x[:, :5], q[:, :5], k[:, :5])
+    step = (x[:, 5:], q[:, 5:], k[:, 5:])
+    for cached, lengths in [(state, None), (state, torch.tensor([1, 0])), (None, None)]:
+        with torch.no_grad():
+            q_fast, k_fast, state_fast = module(*step, state=cached, lengths=lengths)
+        with torch.enable_grad():
+            q_ref, k_ref, state_ref = module(*step, state=cached, lengths=lengths)
+        torch.testing.assert_close(q_fast, q_ref.detach(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(k_fast, k_ref.detach(), rtol=0, atol=1e-6)
+        assert state_fast.keys() == state_ref.keys()
+        for name in state_ref:
+            assert state_fast[name].dtype == state_ref[name].dtype and state_fast[name].is_contiguous(), name
+            torch.testing.assert_close(state_fast[name], state_ref[name].detach(), rtol=0, atol=1e-12)
+        if lengths is not None:  # the pad row keeps its phase and history
+            for name in state_ref:
+                torch.testing.assert_close(state_fast[name][1], cached[name][1].to(state_fast[name].dtype))
