@@ -98,6 +98,15 @@ def at_least(low: int):
 positive = interval(0, low_open=True)
 
 
+def fla_mlp_width(hidden_size: int, hidden_ratio: int | None, intermediate_size: int | None) -> int:
+    """flash-linear-attention's MLP width: ``intermediate_size`` if given, else 2/3 · ratio · hidden rounded up to a
+    multiple of 256 (GLA and Gated DeltaNet; the converters size fla checkpoints with it too)."""
+    if intermediate_size is not None:
+        return intermediate_size
+    width = int(hidden_size * (hidden_ratio or 4) * 2 / 3)
+    return 256 * ((width + 255) // 256)
+
+
 def _describe(annotation) -> str:
     """``bool``, ``int or float``, ``one of 'a', 'b'``, ... for an error message."""
     origin = get_origin(annotation)
@@ -197,10 +206,21 @@ class SelectiveRopeConfigBase(PreTrainedConfig):
     partial_rotary_factor: Number = validated_field(interval(0, 1, low_open=True), default=1.0)
     backend: Backend = "auto"
 
+    # -- what the shared model reads (each family defines them from its own fields) --------------------------------
     @property
     def rotary_head_dim(self) -> int:
         """The size of the q/k heads the rotation applies to (set by each family)."""
         raise NotImplementedError
+
+    @property
+    def mlp_width(self) -> int:
+        """The inner width of the decoder block's SwiGLU MLP (set by each family)."""
+        raise NotImplementedError
+
+    @property
+    def mlp_has_bias(self) -> bool:
+        """Whether the MLP's projections have biases (only FoX's ``mlp_bias`` can say so)."""
+        return False
 
     @property
     def num_phase_heads(self) -> int:

@@ -15,7 +15,7 @@ import re
 from ..configuration.fox import SelectiveRopeFoXConfig
 from ..configuration.gated_deltanet import SelectiveRopeGatedDeltaNetConfig
 from ..configuration.gla import SelectiveRopeGLAConfig
-from ..modeling.layers import mlp_width
+from ..configuration.position_embedding import fla_mlp_width
 
 FLA_MODEL_TYPES = ("gla", "gated_deltanet", "forgetting_transformer")
 _TOKENS = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings", "initializer_range")
@@ -70,7 +70,7 @@ def fla_config(source: dict, **overrides):
         num_attention_heads=heads,
         num_key_value_heads=source.get("num_kv_heads") or heads,
         head_dim=hidden // heads,
-        intermediate_size=mlp_width(hidden, source.get("hidden_ratio", 4), source.get("intermediate_size")),
+        intermediate_size=fla_mlp_width(hidden, source.get("hidden_ratio", 4), source.get("intermediate_size")),
         hidden_act=source.get("hidden_act", "swish"),
         rms_norm_eps=source.get("norm_eps", 1e-6),
         attention_bias=bool(source.get("qkv_bias", False)),

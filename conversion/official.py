@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..configuration.fox import SelectiveRopeFoXConfig
-from ..modeling.layers import mlp_width
+from ..configuration.position_embedding import fla_mlp_width
 from .fla import _copy, _require, fla_config, fla_key
 
 OFFICIAL_MODEL_TYPES = ("gla", "gated_deltanet", "transformer")
@@ -170,7 +170,7 @@ def official_config(raw: dict, **overrides):
     config = dict(
         _copy(source, _TOKENS), hidden_size=hidden, num_hidden_layers=source["num_hidden_layers"],
         num_attention_heads=heads, num_key_value_heads=source.get("num_kv_heads") or heads, head_dim=hidden // heads,
-        intermediate_size=mlp_width(hidden, source.get("hidden_ratio", 4), source.get("intermediate_size")),
+        intermediate_size=fla_mlp_width(hidden, source.get("hidden_ratio", 4), source.get("intermediate_size")),
         hidden_act=source.get("hidden_act", "swish"), rms_norm_eps=source.get("norm_eps", 1e-6),
         attention_bias=bool(source.get("qkv_bias", False)), attention_output_bias=False,
         qk_norm=bool(source.get("qk_norm", False)), use_forget_gate=False,

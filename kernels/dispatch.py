@@ -136,13 +136,14 @@ def fla_ops(backend: str, device: torch.device) -> SimpleNamespace | None:
     return ops
 
 
-def keeps_packed(config_value: str | None, device: torch.device | str) -> bool:
-    """Whether packed sequences (``cu_seqlens``) reach the mixers as they are, ``(1, total, ...)``.
+def keeps_packed(backend: str, device: torch.device | str) -> bool:
+    """Whether packed sequences (``cu_seqlens``) reach the mixers as they are, ``(1, total, ...)``, on the resolved
+    ``backend`` (``resolve_backend``).
 
     fla's kernels and our Triton rotary kernel take ``cu_seqlens`` natively, so on the Triton path a packed batch
     pays for no padding; the torch ops take dense right-padded rows (one per sequence) instead.
     """
-    return fla_ops(resolve_backend(config_value, device), torch.device(device)) is not None
+    return fla_ops(backend, torch.device(device)) is not None
 
 
 def _no_packing(cu_seqlens, op: str) -> None:

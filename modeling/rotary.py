@@ -360,10 +360,14 @@ class SelectiveRotaryEmbedding(nn.Module):
         state: dict[str, torch.Tensor] | None = None,
         lengths: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
+        backend: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """``backend``: ``"torch"`` or ``"triton"`` as the model resolved it for this call; ``None``: resolved here
+        from the config's ``backend`` (and ``SELECTIVE_ROPE_BACKEND``)."""
         if self.mode == "nope":
             return q, k, {}
-        backend = resolve_backend(self.backend, q.device)
+        if backend is None:
+            backend = resolve_backend(self.backend, q.device)
         if cu_seqlens is not None and backend != "triton":  # the torch op takes one dense row per sequence
             return self._forward_packed(x, q, k, state, cu_seqlens)
         state = state or {}

@@ -25,6 +25,9 @@ class Family:
     lm_class: type
     # A tiny model exercising the family's options (GQA, short convolutions, ...).
     tiny: dict = field(default_factory=dict)
+    # The family's other option sets the model-level suite (test_models.py) also runs: the settings `tiny` does not
+    # reach (fla's defaults among them), so every option of the family is exercised there.
+    variants: dict = field(default_factory=dict)
 
     def with_options(self, name: str, options: dict) -> Family:
         """The same family with more config fields, named ``family-name``."""
@@ -41,6 +44,8 @@ FAMILIES = {
         SelectiveRopeGLAForCausalLM,
         tiny=dict(**TOKENS, hidden_size=32, num_hidden_layers=2, num_heads=4, num_kv_heads=2, expand_k=1.0,
                   expand_v=1.0, use_short_conv=True, conv_size=3, intermediate_size=48, initializer_range=0.2),
+        # fla's default (no short convolutions) without the output gate; a clamp that binds (gk is about -0.04 here).
+        variants={"plain": dict(use_short_conv=False, use_output_gate=False), "clamped": dict(clamp_min=-0.04)},
     ),
     "gated_deltanet": Family(
         "gated_deltanet",
@@ -51,6 +56,8 @@ FAMILIES = {
         tiny=dict(**TOKENS, hidden_size=32, num_hidden_layers=2, num_heads=2, num_v_heads=4, head_dim=8, expand_v=1.5,
                   use_short_conv=True, conv_size=3, allow_neg_eigval=True, intermediate_size=48,
                   initializer_range=0.2),
+        variants={"plain": dict(use_short_conv=False, use_gate=False),
+                  "sigmoid_gate": dict(output_gate_activation="sigmoid")},
     ),
     "fox": Family(
         "fox",
