@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..configuration.fox import SelectiveRopeFoXConfig
-from ..kernels.dispatch import FLA_MAX_ATTENTION_HEAD_DIM, forgetting_attention
+from ..kernels.forgetting_attention import FLA_MAX_ATTENTION_HEAD_DIM, forgetting_attention
 from ..kernels.rotary_torch import phase_dtype
 from ..kernels.segments import packed_positions
 from .base import SelectiveRopeForCausalLMBase, SelectiveRopeModelBase

@@ -23,7 +23,7 @@ from torch import nn
 from transformers import initialization as init
 
 from ..configuration.gated_deltanet import SelectiveRopeGatedDeltaNetConfig
-from ..kernels.dispatch import gated_delta_rule
+from ..kernels.gated_delta import gated_delta_rule
 from .base import SelectiveRopeForCausalLMBase, SelectiveRopeModelBase
 from .layers import QKVShortConvolutions, RMSNorm
 from .layout import valid_mask

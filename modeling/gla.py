@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..configuration.gla import SelectiveRopeGLAConfig
-from ..kernels.dispatch import gated_linear_attention
+from ..kernels.gla import gated_linear_attention
 from .base import SelectiveRopeForCausalLMBase, SelectiveRopeModelBase
 from .layers import QKVShortConvolutions, RMSNorm
 from .layout import valid_mask
@@ -73,10 +73,7 @@ class GatedLinearAttention(QKVShortConvolutions):
         if lengths is not None:  # pads neither write to nor decay the recurrent state
             valid = valid_mask(lengths, seq_len)[..., None, None]
             k, gk = k * valid, gk * valid
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:  # GQA: each key/value head serves `groups` consecutive query heads
-            k, v, gk = (t.repeat_interleave(groups, dim=2) for t in (k, v, gk))
-
+        # GQA: each key/value head serves `num_heads // num_kv_heads` consecutive query heads (inside the op).
         o, recurrent_state = gated_linear_attention(q, k, v, gk, initial_state=state.get("recurrent"),
                                                     output_final_state=state.keep, cu_seqlens=cu_seqlens,
                                                     backend=backend)

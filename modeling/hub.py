@@ -3,12 +3,28 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 
 from huggingface_hub import HfApi, ModelCard
+from transformers.dynamic_module_utils import custom_object_save
 
 from .model_card import render_model_card, template_texts
-from .remote_code import bundle_auto_map, write_code_bundle
+
+
+def flat_module_name(module: str) -> str:
+    """The flat file (without ``.py``) a class's module is saved as: ``selective_rope.modeling.gla`` ->
+    ``modeling_gla``; a module loaded from a saved model's flat files keeps its name (``...modeling_gla``)."""
+    parts = module.split(".")
+    return f"{parts[1]}_{parts[2]}" if len(parts) == 3 and parts[0] == "selective_rope" else parts[-1]
+
+
+def auto_map(lm_class: type, config_class: type, base_class: type) -> dict[str, str]:
+    """The ``auto_map`` of ``config.json``: AutoConfig, AutoModel and AutoModelForCausalLM in the flat files."""
+    def ref(cls: type) -> str:
+        return f"{flat_module_name(cls.__module__)}.{cls.__name__}"
+
+    return {"AutoConfig": ref(config_class), "AutoModel": ref(base_class), "AutoModelForCausalLM": ref(lm_class)}
 
 
 def unsharded_class(cls: type) -> type:
@@ -40,15 +56,29 @@ class HubMixin:
                              "this model's card use model.push_to_hub(repo_id, model_card=...)")
         self.config.validate()  # transformers validates the config too, but only after the files below are written
         base_class, lm_class = self._auto_classes()
-        self.config.auto_map = bundle_auto_map(lm_class, type(self.config), base_class)
+        self.config.auto_map = auto_map(lm_class, type(self.config), base_class)
         if is_main_process:
             os.makedirs(save_directory, exist_ok=True)
-            write_code_bundle(save_directory, unsharded_class(type(self)).__module__, extra_files=template_texts())
+            self._save_code(save_directory)
         result = super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
         if model_card not in (None, False) and is_main_process:
             name = os.path.basename(os.path.normpath(os.fspath(save_directory)))
             self._resolve_card(model_card, name).save(os.path.join(save_directory, "README.md"))
         return result
+
+    def _save_code(self, save_directory) -> None:
+        """The flat modeling code of this model's family (its own modules and what they import, nothing of the other
+        families). From the installed package it is written by the bundler (``remote_code``), which does not travel:
+        a model loaded from flat files is saved again by transformers' ``custom_object_save``, which copies the module
+        and its relative imports as they are (``save_pretrained`` calls it for models loaded through an Auto class; it
+        is called here for the others)."""
+        module = unsharded_class(type(self)).__module__
+        if module.startswith("selective_rope."):
+            model_type = self.config.model_type
+            bundler = importlib.import_module(f"{__package__}.remote_code")  # not a relative import: it stays behind
+            bundler.write_code_bundle(save_directory, module, templates={model_type: template_texts()[model_type]})
+        elif not self.is_remote_code():
+            custom_object_save(self, save_directory)
 
     def push_to_hub(self, repo_id: str, *, model_card: bool | dict | ModelCard | str = True, **kwargs):
         """Upload config, safetensors weights and the modeling code (transformers' ``push_to_hub``, through our

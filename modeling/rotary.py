@@ -36,7 +36,8 @@ from transformers import initialization as init
 
 from ..configuration.position_embedding import SelectiveRopeConfigBase
 from ..kernels.conv_torch import causal_conv1d
-from ..kernels.dispatch import resolve_backend, selective_rotary, selective_rotary_decode
+from ..kernels.dispatch import resolve_backend
+from ..kernels.rotary import fused_decode_applies, selective_rotary, selective_rotary_decode
 from ..kernels.rotary_torch import phase_dtype
 from .layers import ShortConvolution
 from .layout import SequenceLayout, valid_mask
@@ -369,11 +370,10 @@ class SelectiveRotaryEmbedding(nn.Module):
         if backend is None:
             backend = resolve_backend(self.backend, q.device)
         if cu_seqlens is not None and backend != "triton":  # the torch op takes one dense row per sequence
-            return self._forward_packed(x, q, k, state, cu_seqlens)
+            return self._forward_packed(x, q, k, state, cu_seqlens, backend)
         state = state or {}
         seq_len = x.shape[1]
-        if (backend == "triton" and seq_len == 1 and cu_seqlens is None and self.mode == "selective_rope"
-                and not torch.is_grad_enabled()):
+        if self.mode == "selective_rope" and fused_decode_applies(backend, seq_len, cu_seqlens):
             return self._decode_step(x, q, k, state, lengths)
         valid = None if lengths is None else valid_mask(lengths, seq_len)  # (B, T)
         with no_autocast(x):
@@ -408,10 +408,10 @@ class SelectiveRotaryEmbedding(nn.Module):
     def _state(phase: torch.Tensor, conv_state: torch.Tensor | None) -> dict[str, torch.Tensor]:
         return {"phase": phase} if conv_state is None else {"phase": phase, "phase_conv": conv_state}
 
-    def _forward_packed(self, x, q, k, state, cu_seqlens):
+    def _forward_packed(self, x, q, k, state, cu_seqlens, backend):
         """Packed sequences ``(1, total, ...)`` on the torch path, through one dense row per sequence (the Triton
         kernel takes them as they are): each sequence restarts phase and convolution; state is per sequence."""
         layout = SequenceLayout.from_cu_seqlens(cu_seqlens, total=x.shape[1])
         q_rows, k_rows, new_state = self.forward(layout.to_rows(x), layout.to_rows(q), layout.to_rows(k),
-                                                 state=state, lengths=layout.lengths)
+                                                 state=state, lengths=layout.lengths, backend=backend)
         return layout.from_rows(q_rows), layout.from_rows(k_rows), new_state

@@ -26,6 +26,7 @@ from collections import Counter  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from selective_rope.kernels import dispatch  # noqa: E402
+from selective_rope.kernels.rotary import selective_rotary_decode  # noqa: E402
 from selective_rope.kernels.rotary_torch import selective_rotary  # noqa: E402
 
 from families import FAMILIES  # noqa: E402
@@ -279,7 +280,7 @@ def test_rotary_decode_matches_torch(dtype):
     gate = torch.randn(batch, hk, 1, device=DEVICE)
     valid = torch.rand(batch, device=DEVICE) > 0.3
     temperature = 500000.0 ** (-torch.arange(half, device=DEVICE) / half)
-    actual = dispatch.selective_rotary_decode(q, k, projection, temperature, phase, history, weight, "silu", bias,
+    actual = selective_rotary_decode(q, k, projection, temperature, phase, history, weight, "silu", bias,
                                               gate, valid)
     keep = valid.double()[:, None, None]  # the module's torch path: float64, the increment rounded to float32
     conv, new_history = causal_conv1d((projection.double() * keep).reshape(batch, 1, -1), weight, history.double(),

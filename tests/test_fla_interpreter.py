@@ -18,6 +18,7 @@ import torch
 pytest.importorskip("triton", reason="the Triton path needs triton")
 
 from selective_rope.kernels import dispatch  # noqa: E402
+from selective_rope.kernels.forgetting_attention import forgetting_attention  # noqa: E402
 
 from families import OPTION_VARIANTS  # noqa: E402
 from triton_interpreter import fla_kernels_on_cpu  # noqa: E402
@@ -229,7 +230,7 @@ def test_fox_outputs_at_pads_are_zero_on_both_paths(fla_calls):
     q, k, v = torch.randn(2, 9, 4, 8), torch.randn(2, 9, 2, 8), torch.randn(2, 9, 2, 8)
     log_fgate = torch.nn.functional.logsigmoid(torch.randn(2, 9, 4) + 2)
     valid = torch.arange(9) < torch.tensor([[6], [9]])
-    outputs = {b: dispatch.forgetting_attention(q, k, v, log_fgate, key_valid=valid, backend=b)
+    outputs = {b: forgetting_attention(q, k, v, log_fgate, key_valid=valid, backend=b)
                for b in ("torch", "triton")}
     assert fla_calls["parallel_forgetting_attn"] == 1
     assert (outputs["torch"][0, 6:] == 0).all() and (outputs["triton"][0, 6:] == 0).all()

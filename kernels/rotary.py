@@ -1,0 +1,31 @@
+"""Selective RoPE's rotation on the resolved backend: our PyTorch op (``rotary_torch``) or our Triton kernels
+(``rotary_triton``, imported lazily through ``dispatch.triton_rotary``)."""
+
+from __future__ import annotations
+
+import torch
+
+from .dispatch import triton_rotary
+from .rotary_torch import selective_rotary as selective_rotary_torch
+
+
+def selective_rotary(q, k, increment, temperature, initial_phase=None, *, cu_seqlens=None, backend: str = "torch"):
+    """``rotary_torch.selective_rotary`` (same arguments and results) on the resolved ``backend``; packed sequences
+    (``cu_seqlens``, Triton only) as in ``rotary_triton.selective_rotary_triton``."""
+    if backend == "triton":
+        return triton_rotary().selective_rotary_triton(q, k, increment, temperature, initial_phase,
+                                                       cu_seqlens=cu_seqlens)
+    if cu_seqlens is not None:
+        raise ValueError("cu_seqlens needs the Triton rotary kernel; the torch op takes dense right-padded rows")
+    return selective_rotary_torch(q, k, increment, temperature, initial_phase)
+
+
+def fused_decode_applies(backend: str, seq_len: int, cu_seqlens: torch.Tensor | None) -> bool:
+    """Whether a Selective RoPE call takes the fused single-token step (``selective_rotary_decode``): decoding (one
+    token per row, no packing) on the Triton backend, without gradients (the step has no backward)."""
+    return backend == "triton" and seq_len == 1 and cu_seqlens is None and not torch.is_grad_enabled()
+
+
+def selective_rotary_decode(*args, **kwargs):
+    """The fused single-token step (Triton only): see ``rotary_triton.selective_rotary_decode_triton``."""
+    return triton_rotary().selective_rotary_decode_triton(*args, **kwargs)
