@@ -15,8 +15,17 @@ Measures, on the CPU, in float32 and under ``torch.inference_mode``:
    at each step, so decoding slows down with the context; the numbers are reported, with no flatness target.
 3. the prefill overhead of Selective RoPE (and of fixed RoPE) over NoPE for the same model (informal target
    <= 1.15x).
+4. against the peer, transformers' Llama: a random Llama of the same shape (made here with transformers, no
+   download) and three conversions of it by ``selective_rope.conversion.convert``: the plain port (RoPE, no forget
+   gate: Llama's math in our classes), FoX with RoPE and a forget gate, and Selective RoPE FoX (the converter's
+   default). Cached decoding (ms/token after 256 and 4096 tokens) and prefill (2048 and 8192 tokens), all four
+   models interleaved round by round; ratios to Llama pair the calls of the same round (median and quartiles, wall
+   time; process CPU time too). Targets: Selective RoPE FoX decode <= 1.15x and prefill at 8k <= 1.10x Llama, the
+   plain port <= 1.05x. ``--compare-only`` runs this section alone (``selective-rope bench --full --compare``).
 
-Timing and load watching are shared with the other benchmarks (``benchmarks/common.py``): medians over
+
+Timing and load watching are shared with the other benchmarks (the harness ``selective_rope.bench`` runs this
+script's spec, ``SPEC``): medians over
 interleaved rounds after a warm-up, the script (and every child process) waits for a quiet machine and re-runs
 rounds that other processes disturbed; what it saw is recorded under ``contention`` in the JSON.
 
@@ -25,6 +34,7 @@ Usage::
     python benchmarks/bench_fox_cpu.py               # full run (a few minutes on a quiet 2-core machine)
     python benchmarks/bench_fox_cpu.py --quick       # smoke run
     python benchmarks/bench_fox_cpu.py --output benchmarks/results/fox_cpu.json
+    python benchmarks/bench_fox_cpu.py --compare-only   # section 4 -> benchmarks/results/fox_vs_llama_cpu.json
 """
 
 from __future__ import annotations
@@ -37,38 +47,24 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
-from common import (
-    QUIET,
-    RESULTS_DIR,
-    add_common_arguments,
-    configure,
-    decode_contexts,
-    decode_result,
-    finish,
-    log,
-    num_parameters,
-    position_embedding_overhead,
-    print_decode,
-    print_footer,
-    print_header,
-    print_overhead,
-    profile_overhead,
-    random_ids,
-    run_sections,
-    source_provenance,
-    start_results,
-    target,
-    timed_rounds,
-    write_results,
-)
 
-from selective_rope import SelectiveRopeFoXConfig, SelectiveRopeFoXForCausalLM
+from selective_rope import SelectiveRopeFoXForCausalLM
+from selective_rope.bench.machine import Quiet, source_provenance
+from selective_rope.bench.measure import decode_comparison, num_parameters, prefill_comparison, random_ids
+from selective_rope.bench.report import log, print_comparison
+from selective_rope.bench.runner import Comparison, FamilyBenchmark, Run, run_benchmark
+from selective_rope.bench.timing import target, timed_rounds
+from selective_rope.configuration import SelectiveRopeFoXConfig
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 DEFAULT_OUTPUT = RESULTS_DIR / "fox_cpu.json"
+COMPARE_OUTPUT = RESULTS_DIR / "fox_vs_llama_cpu.json"  # --compare-only
 SOURCES = ["kernels/forgetting_attention_torch.py", "modeling/fox.py", "configuration/fox.py",
            "benchmarks/bench_fox_cpu.py"]
 
@@ -84,6 +80,13 @@ MODEL_CONFIG = {
     "use_forget_gate": True,
 }
 
+# The peer: transformers' Llama of the benchmark model's shape (RoPE base of Llama 3).
+LLAMA_CONFIG = {key: MODEL_CONFIG[key] for key in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                  "num_key_value_heads", "head_dim", "intermediate_size",
+                                                  "vocab_size")}
+LLAMA_ROPE = {"rope_type": "default", "rope_theta": 500000.0}
+PEER_BASE = "llama"
+TARGET_PEER = {"fox_selective": {"decode": 1.15, "prefill": 1.10}, "port": {"decode": 1.05, "prefill": 1.05}}
 TARGET_MEMORY_EXPONENT = 1.5  # peak memory ~ T^e between the two longest lengths: 1 is linear, 2 quadratic
 TARGET_ROPE_OVERHEAD = 1.15  # informal: (Selective) RoPE prefill at most 1.15x NoPE prefill
 WARMUP_LEN = 128  # the short forward run before the memory baseline (lazy initialisation of kernels, buffers)
@@ -94,12 +97,6 @@ SOURCE_HASHES_AT_START: dict[str, str] = {}  # set by main()
 # --------------------------------------------------------------------------------------------------------------------
 # inputs
 # --------------------------------------------------------------------------------------------------------------------
-def build_model(position_embedding: str) -> SelectiveRopeFoXForCausalLM:
-    torch.manual_seed(SEED)
-    config = SelectiveRopeFoXConfig(position_embedding=position_embedding, **MODEL_CONFIG)
-    return SelectiveRopeFoXForCausalLM(config).eval()
-
-
 def rotary_inputs(T: int):
     cfg = SelectiveRopeFoXConfig(**MODEL_CONFIG)
     generator = torch.Generator().manual_seed(7)
@@ -170,11 +167,11 @@ def measured_forward(model, ids: torch.Tensor, use_cache: bool) -> dict:
     return record
 
 
-def prefill_worker(spec: dict) -> dict:
+def prefill_worker(spec: dict, quiet: Quiet) -> dict:
     """Run in a fresh process: memory of ``calls`` forwards at ``seq_len`` (the first is the figure reported), then
     ``repeats`` timed rounds (none when 0)."""
     T, use_cache = spec["seq_len"], spec["use_cache"]
-    model = build_model("selective_rope")
+    model = SPEC.build_model("selective_rope")
     ids = random_ids(T, MODEL_CONFIG["vocab_size"], seed=T)
     result: dict = {"seq_len": T, "use_cache": use_cache, "pid": os.getpid()}
     with torch.inference_mode():
@@ -182,24 +179,24 @@ def prefill_worker(spec: dict) -> dict:
         result["memory_calls"] = [measured_forward(model, ids, use_cache) for _ in range(spec["calls"])]
         if spec["repeats"]:
             result["timing"] = timed_rounds({"prefill": lambda: model(ids, use_cache=use_cache)},
-                                            rounds=spec["repeats"], warmup=0)["prefill"]
+                                            rounds=spec["repeats"], quiet=quiet, warmup=0)["prefill"]
     result["ru_maxrss_mib"] = round(ru_maxrss_kib() / 1024, 1)
-    result["quiet"] = QUIET.summary()
-    result["files_sha256_12"] = source_provenance(SOURCES)["files_sha256_12"]  # what this process imported
+    result["quiet"] = quiet.summary()
+    result["files_sha256_12"] = source_provenance(REPO_ROOT, SOURCES)["files_sha256_12"]  # what this process imported
     return result
 
 
-def run_worker(spec: dict, threads: int) -> dict:
+def run_worker(spec: dict, threads: int, quiet: Quiet) -> dict:
     """``prefill_worker(spec)`` in a fresh Python process (this script with ``--worker``)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec), "--threads", str(threads),
-           "--max-wait", str(QUIET.remaining_s()), "--max-redo", str(QUIET.max_redo)]
+           "--max-wait", str(quiet.remaining_s()), "--max-redo", str(quiet.max_redo)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARKER)]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"worker {spec} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n"
                            f"{proc.stderr[-4000:]}")
     result = json.loads(lines[-1][len(RESULT_MARKER):])
-    QUIET.absorb(result.pop("quiet"))
+    quiet.absorb(result.pop("quiet"))
     # the worker imports the sources afresh: flag any that changed since the run started
     changed = sorted(name for name, digest in result.pop("files_sha256_12").items()
                      if SOURCE_HASHES_AT_START.get(name) != digest)
@@ -212,14 +209,15 @@ def run_worker(spec: dict, threads: int) -> dict:
 # --------------------------------------------------------------------------------------------------------------------
 # 1. prefill time and peak memory
 # --------------------------------------------------------------------------------------------------------------------
-def bench_prefill_memory(lengths: list[int], repeats: dict[int, int], threads: int, memory_calls: int) -> dict:
+def bench_prefill_memory(lengths: list[int], repeats: dict[int, int], threads: int, memory_calls: int,
+                         quiet: Quiet) -> dict:
     cfg = SelectiveRopeFoXConfig(**MODEL_CONFIG)
     heads = cfg.num_attention_heads
     rows = []
     for T in lengths:
         no_cache = run_worker({"seq_len": T, "use_cache": False, "calls": memory_calls, "repeats": repeats[T]},
-                              threads)
-        with_cache = run_worker({"seq_len": T, "use_cache": True, "calls": 1, "repeats": 0}, threads)
+                              threads, quiet)
+        with_cache = run_worker({"seq_len": T, "use_cache": True, "calls": 1, "repeats": 0}, threads, quiet)
         timing = no_cache.pop("timing")
         first, cached = no_cache["memory_calls"][0], with_cache["memory_calls"][0]
         scores_mib = heads * T * T * 4 / 2**20  # one layer's (1, Hq, T, T) float32 scores
@@ -253,33 +251,65 @@ def bench_prefill_memory(lengths: list[int], repeats: dict[int, int], threads: i
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# 2. decode latency vs context length
+# 4. against transformers' Llama
 # --------------------------------------------------------------------------------------------------------------------
-def bench_decode(contexts: list[int], steps: int, steps_per_round: int, warmup_steps: int) -> dict:
-    decoded = decode_contexts(build_model("selective_rope"), contexts, MODEL_CONFIG["vocab_size"], steps,
-                              steps_per_round, warmup_steps)
-    return decode_result(decoded, steps_per_round, warmup_steps, goal=None)
+def build_peers(directory: Path) -> tuple[dict, dict]:
+    """A random transformers Llama saved in ``directory`` and its conversions, all loaded from disk in eval mode:
+    ``{"llama", "port", "fox_rope", "fox_selective"}``, and what the converter reported for each."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from selective_rope.conversion import RetrofitOptions, convert
+
+    torch.manual_seed(SEED)
+    config = LlamaConfig(**LLAMA_CONFIG, rope_parameters=dict(LLAMA_ROPE), max_position_embeddings=32768)
+    LlamaForCausalLM(config).save_pretrained(directory / "llama")
+    variants = {"port": RetrofitOptions(selective=False, forget_gate=False),  # Llama's math in our classes
+                "fox_rope": RetrofitOptions(selective=False),  # + the forget gate
+                "fox_selective": RetrofitOptions()}  # + Selective RoPE: the converter's default
+    models = {PEER_BASE: LlamaForCausalLM.from_pretrained(directory / "llama").eval()}
+    reports = {PEER_BASE: {"attn_implementation": models[PEER_BASE].config._attn_implementation}}
+    for name, options in variants.items():
+        report = convert(directory / "llama", directory / name, options, license="apache-2.0", progress=False)
+        reports[name] = {"options": vars(options), "max_logit_difference": report.max_logit_difference}
+        models[name] = SelectiveRopeFoXForCausalLM.from_pretrained(directory / name).eval()
+        reports[name]["position_embedding"] = models[name].config.position_embedding
+        reports[name]["use_forget_gate"] = models[name].config.use_forget_gate
+    return models, reports
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# 3. position-embedding overhead
-# --------------------------------------------------------------------------------------------------------------------
-def bench_overhead(T: int, rounds: int) -> dict:
-    return position_embedding_overhead(build_model, T, MODEL_CONFIG["vocab_size"], rounds, rotary_inputs,
-                                       TARGET_ROPE_OVERHEAD, SEED, use_cache=True)
+def bench_peer(plan: dict, quiet: Quiet) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench_fox_llama_") as tmp:
+        models, reports = build_peers(Path(tmp))
+        params = {name: num_parameters(m) for name, m in models.items()}
+        decode = decode_comparison(models, plan["peer_decode_contexts"], MODEL_CONFIG["vocab_size"],
+                                   plan["peer_decode_rounds"], plan["peer_decode_steps_per_round"],
+                                   plan["decode_warmup"], PEER_BASE, quiet)
+        prefill = prefill_comparison(models, plan["peer_prefill_lengths"], MODEL_CONFIG["vocab_size"],
+                                     plan["peer_prefill_rounds"], PEER_BASE, quiet)
+    targets = {}
+    for name, goals in TARGET_PEER.items():
+        for row in decode["rows"]:
+            ratio = row["models"][name]["ratio_to_" + PEER_BASE]["median"]
+            targets[f"{name} / llama decode ms/token at context {row['context']}"] = target(ratio, goals["decode"],
+                                                                                          higher_is_better=False)
+        row = prefill["rows"][-1]
+        ratio = row["models"][name]["ratio_to_" + PEER_BASE]["median"]
+        targets[f"{name} / llama prefill at T={row['seq_len']}"] = target(ratio, goals["prefill"],
+                                                                         higher_is_better=False)
+    return {"models": reports, "num_parameters": params, "llama_config": {**LLAMA_CONFIG, "rope": LLAMA_ROPE},
+            "decode": decode, "prefill": prefill, "targets": targets}
+
+
+def print_peer(peer: dict, number: int) -> None:
+    print_comparison(peer["decode"], f"{number}. Against transformers' Llama: cached decoding, ms/token (interleaved, "
+                     "ratios paired by round)", "context")
+    print_comparison(peer["prefill"], f"{number}. Against transformers' Llama: prefill, ms (interleaved)", "seq_len")
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # report
 # --------------------------------------------------------------------------------------------------------------------
-def print_table(results: dict) -> None:
-    cfg = results["model_config"]
-    line = print_header(
-        results, "FoX CPU benchmark",
-        f"model: hidden {cfg['hidden_size']}, layers {cfg['num_hidden_layers']}, heads {cfg['num_attention_heads']} "
-        f"(kv {cfg['num_key_value_heads']}), head dim {cfg['head_dim']}, MLP {cfg['intermediate_size']}, vocab "
-        f"{cfg['vocab_size']}, forget gate {cfg['use_forget_gate']}, {cfg['num_parameters']:,} params, fp32, batch 1")
-
+def print_sections(results: dict) -> None:
     pm = results["prefill_memory"]
     log("1. Prefill time and peak memory (selective_rope; a fresh process per length; peak resident memory above the "
         "baseline, use_cache=False, and use_cache=True in another process)")
@@ -293,74 +323,68 @@ def print_table(results: dict) -> None:
     log(f"   peak memory growth between the two longest lengths: ~T^{pm['growth_exponent_use_cache_false']:.2f} "
         f"(use_cache=True ~T^{pm['growth_exponent_use_cache_true']:.2f})")
 
-    print_decode(results["decode"], 2)
-    print_overhead(results["overhead"], 3)
-    print_footer(results, line)
+
+# --------------------------------------------------------------------------------------------------------------------
+# the spec
+# --------------------------------------------------------------------------------------------------------------------
+def sections(run: Run) -> list:
+    plan = run.plan
+    return [("prefill_memory", "1. prefill time and peak memory (a fresh process per length)",
+             lambda: bench_prefill_memory(plan["prefill_lengths"], plan["prefill_repeats"], run.threads,
+                                          plan["memory_calls"], run.quiet))]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_arguments(parser, DEFAULT_OUTPUT)
-    parser.add_argument("--profile", action="store_true",
-                        help="always profile the Selective RoPE overhead (done anyway when its target is missed)")
+def worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)  # internal: one length
-    args = parser.parse_args(argv)
-    threads = configure(args, SEED)
 
-    if args.worker is not None:
-        print(RESULT_MARKER + json.dumps(prefill_worker(json.loads(args.worker))), flush=True)
-        return 0
 
-    if args.quick:
-        plan = {"prefill_lengths": [512, 1024, 2048], "prefill_repeats": {512: 3, 1024: 3, 2048: 2},
-                "memory_calls": 1, "decode_contexts": [256, 4096], "decode_steps": 8, "decode_steps_per_round": 4,
-                "decode_warmup": 2, "overhead_len": 1024, "overhead_rounds": 3}
-    else:
-        plan = {"prefill_lengths": [1024, 4096, 16384], "prefill_repeats": {1024: 7, 4096: 5, 16384: 3},
-                "memory_calls": 2, "decode_contexts": [256, 4096], "decode_steps": 32, "decode_steps_per_round": 8,
-                "decode_warmup": 4, "overhead_len": 2048, "overhead_rounds": 25}
-
-    start_all = time.perf_counter()
-    results = start_results("bench_fox_cpu", args, threads, SOURCES, plan)
-    SOURCE_HASHES_AT_START.update(results["source"]["files_sha256_12"])
-    probe = build_model("selective_rope")
-    results["model_config"] = {**MODEL_CONFIG, "position_embedding": "selective_rope (sections 1-2); all three in 3",
-                               "num_parameters": num_parameters(probe), "dtype": "float32", "seed": SEED,
-                               "full_config": probe.config.to_diff_dict()}
-    del probe
-
-    log(f"[bench_fox_cpu] mode={results['mode']} threads={torch.get_num_threads()} "
-        f"load avg={results['device']['load_average_start']}")
-    sections = [
-        ("prefill_memory", "1. prefill time and peak memory (a fresh process per length)",
-         lambda: bench_prefill_memory(plan["prefill_lengths"], plan["prefill_repeats"], threads,
-                                      plan["memory_calls"])),
-        ("decode", "2. decode latency",
-         lambda: bench_decode(plan["decode_contexts"], plan["decode_steps"], plan["decode_steps_per_round"],
-                              plan["decode_warmup"])),
-        ("overhead", "3. position-embedding overhead",
-         lambda: bench_overhead(plan["overhead_len"], plan["overhead_rounds"])),
-    ]
-    contention = run_sections(results, sections)
-
-    lengths = plan["prefill_lengths"]
-    results["targets"] = {
-        f"peak memory growth exponent, T={lengths[-2]} -> {lengths[-1]}": results["prefill_memory"]["memory_target"],
-        f"selective_rope / nope prefill time at T={plan['overhead_len']} (informal)":
-            results["overhead"]["selective_rope_over_nope"],
-        f"rope / nope prefill time at T={plan['overhead_len']} (informal)": results["overhead"]["rope_over_nope"],
-    }
-    results["all_targets_met"] = all(t["met"] for t in results["targets"].values())
-    if args.profile or not results["overhead"]["selective_rope_over_nope"]["met"]:
-        log("profiling the Selective RoPE overhead (torch.profiler)")
-        results["overhead"]["profile"] = profile_overhead(build_model, plan["overhead_len"],
-                                                          MODEL_CONFIG["vocab_size"], rotary_inputs, use_cache=True)
-    finish(results, contention, start_all)
-    print_table(results)
-    write_results(args.output, results)
+def run_as_worker(args: argparse.Namespace, threads: int, quiet: Quiet) -> int | None:
+    """With ``--worker``: this process is one length's fresh process (``run_worker``), waiting within the budget the
+    parent passed on."""
+    if args.worker is None:
+        return None
+    print(RESULT_MARKER + json.dumps(prefill_worker(json.loads(args.worker), quiet)), flush=True)
     return 0
 
 
+SPEC = FamilyBenchmark(
+    name="bench_fox_cpu", title="FoX CPU benchmark", family="fox", description=__doc__.split("\n\n")[0],
+    model_config=MODEL_CONFIG, seed=SEED, root=REPO_ROOT, sources=SOURCES, default_output=DEFAULT_OUTPUT,
+    plans={
+        "quick": {"prefill_lengths": [512, 1024, 2048], "prefill_repeats": {512: 3, 1024: 3, 2048: 2},
+                  "memory_calls": 1, "decode_contexts": [256, 4096], "decode_steps": 8, "decode_steps_per_round": 4,
+                  "decode_warmup": 2, "overhead_len": 1024, "overhead_rounds": 3,
+                  "peer_decode_contexts": [256, 1024], "peer_decode_rounds": 3, "peer_decode_steps_per_round": 2,
+                  "peer_prefill_lengths": [512, 1024], "peer_prefill_rounds": 2},
+        "full": {"prefill_lengths": [1024, 4096, 16384], "prefill_repeats": {1024: 7, 4096: 5, 16384: 3},
+                 "memory_calls": 2, "decode_contexts": [256, 4096], "decode_steps": 32, "decode_steps_per_round": 8,
+                 "decode_warmup": 4, "overhead_len": 2048, "overhead_rounds": 25,
+                 "peer_decode_contexts": [256, 4096], "peer_decode_rounds": 12, "peer_decode_steps_per_round": 4,
+                 "peer_prefill_lengths": [2048, 8192], "peer_prefill_rounds": 5},
+    },
+    sections=sections, print_sections=print_sections,
+    targets=lambda results, plan: {
+        f"peak memory growth exponent, T={plan['prefill_lengths'][-2]} -> {plan['prefill_lengths'][-1]}":
+            results["prefill_memory"]["memory_target"]},
+    rotary_inputs=rotary_inputs,
+    model_line=lambda cfg: (
+        f"model: hidden {cfg['hidden_size']}, layers {cfg['num_hidden_layers']}, heads {cfg['num_attention_heads']} "
+        f"(kv {cfg['num_key_value_heads']}), head dim {cfg['head_dim']}, MLP {cfg['intermediate_size']}, vocab "
+        f"{cfg['vocab_size']}, forget gate {cfg['use_forget_gate']}, {cfg['num_parameters']:,} params, fp32, batch 1"),
+    decode_goal=None, overhead_goal=TARGET_ROPE_OVERHEAD, overhead_informal=True,
+    add_arguments=worker_arguments, before_run=run_as_worker,
+    on_start=lambda results: SOURCE_HASHES_AT_START.update(results["source"]["files_sha256_12"]),
+    comparison=Comparison(
+        key="peer", title="against transformers' Llama (random, converted as a plain port and as FoX)",
+        run=lambda spec, run: bench_peer(run.plan, run.quiet), print_section=print_peer, output=COMPARE_OUTPUT,
+        header_title="FoX vs transformers' Llama, CPU",
+        header_line=lambda cfg: (
+            f"models: hidden {cfg['hidden_size']}, layers {cfg['num_hidden_layers']}, heads "
+            f"{cfg['num_attention_heads']} (kv {cfg['num_key_value_heads']}), head dim {cfg['head_dim']}, MLP "
+            f"{cfg['intermediate_size']}, vocab {cfg['vocab_size']}, fp32, batch 1"),
+        only_position_embedding="see peer.models"),
+)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_benchmark(SPEC))

@@ -10,6 +10,9 @@ Measures, on the CPU, in float32 and under ``torch.inference_mode``:
 3. cached decoding latency (ms/token) after a short and a long context: a recurrent model should not slow
    down with the context length;
 4. the prefill overhead of Selective RoPE (and of fixed RoPE) over NoPE for the same model.
+5. Selective RoPE against NoPE, decode (ms/token after 256 and 4096 tokens) and prefill (2048 and 8192 tokens),
+   interleaved, ratios paired by round (target <= 1.10x each); ``--compare-only`` runs this section alone
+   (``selective-rope bench --full --compare``).
 
 The transformers reference: transformers decorates ``torch_chunk_gated_delta_rule`` so that, when
 flash-linear-attention is importable, calling it runs fla's *Triton* ``chunk_gated_delta_rule`` instead (which
@@ -20,7 +23,8 @@ what the decorated name would have dispatched to. Conventions (checked, and the 
 β_t k_t v_tᵀ``, ``o_t = S_tᵀ q_t · K^-0.5``; q and k are passed L2-normalised, with
 ``use_qk_l2norm_in_kernel=False`` for the reference.
 
-Timing and load watching are shared with the other benchmarks (``benchmarks/common.py``): medians over
+Timing and load watching are shared with the other benchmarks (the harness ``selective_rope.bench`` runs this
+script's spec, ``SPEC``): medians over
 interleaved rounds after a warm-up, the script waits for a quiet machine before each section and re-runs rounds
 that other processes disturbed; what it saw is recorded under ``contention`` in the JSON.
 
@@ -33,46 +37,33 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import math
 import sys
-import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import (
-    RESULTS_DIR,
-    add_common_arguments,
-    configure,
-    decode_contexts,
-    decode_result,
-    finish,
-    log,
-    num_parameters,
-    paired_ratio,
-    position_embedding_overhead,
-    prefill_rows,
-    print_decode,
-    print_footer,
-    print_header,
-    print_overhead,
-    print_prefill_rows,
-    profile_overhead,
-    run_sections,
-    start_results,
-    target,
-    timed_rounds,
-    write_results,
-)
 
-from selective_rope import (
-    SelectiveRopeGatedDeltaNetConfig,
-    SelectiveRopeGatedDeltaNetForCausalLM,
+from selective_rope.bench.machine import Quiet
+from selective_rope.bench.report import log
+from selective_rope.bench.runner import (
+    FamilyBenchmark,
+    Run,
+    prefill_section,
+    print_prefill_section,
+    run_benchmark,
+    selective_vs_nope_comparison,
+    with_compare_plans,
 )
+from selective_rope.bench.timing import paired_ratio, target, timed_rounds
+from selective_rope.configuration import SelectiveRopeGatedDeltaNetConfig
 from selective_rope.kernels.gated_delta_torch import chunk_gated_delta_rule
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 DEFAULT_OUTPUT = RESULTS_DIR / "gated_deltanet_cpu.json"
+COMPARE_OUTPUT = RESULTS_DIR / "gated_deltanet_selective_vs_nope_cpu.json"  # --compare-only
 SOURCES = ["kernels/gated_delta_torch.py", "modeling/gated_deltanet.py", "configuration/gated_deltanet.py",
            "benchmarks/bench_gated_deltanet_cpu.py"]
 
@@ -96,12 +87,6 @@ TARGET_ROPE_OVERHEAD = 1.15  # (Selective) RoPE prefill at most 1.15x NoPE prefi
 # --------------------------------------------------------------------------------------------------------------------
 # inputs
 # --------------------------------------------------------------------------------------------------------------------
-def build_model(position_embedding: str) -> SelectiveRopeGatedDeltaNetForCausalLM:
-    torch.manual_seed(SEED)
-    config = SelectiveRopeGatedDeltaNetConfig(position_embedding=position_embedding, **MODEL_CONFIG)
-    return SelectiveRopeGatedDeltaNetForCausalLM(config).eval()
-
-
 def delta_inputs(T: int, dim: int, seed: int):
     """q, k (L2-normalised), v, g, beta as the model makes them: ``g = -exp(A_log) softplus(a + dt_bias)`` with
     fla's initialisation (``A ~ U(0, 16)``, ``dt`` log-uniform in [1e-3, 0.1]) and ``a ~ N(0, 1)``, ``β =
@@ -152,17 +137,9 @@ def transformers_reference():
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# 1. prefill throughput
-# --------------------------------------------------------------------------------------------------------------------
-def bench_prefill(lengths: list[int], repeats: int) -> dict:
-    rows = prefill_rows(build_model("selective_rope"), lengths, MODEL_CONFIG["vocab_size"], repeats, use_cache=True)
-    return {"position_embedding": "selective_rope", "batch_size": 1, "use_cache": True, "warmup": 1, "rows": rows}
-
-
-# --------------------------------------------------------------------------------------------------------------------
 # 2. chunk_gated_delta_rule vs transformers' torch_chunk_gated_delta_rule
 # --------------------------------------------------------------------------------------------------------------------
-def bench_op(lengths: list[int], dims: list[int], rounds: int, oracle_max_len: int) -> dict:
+def bench_op(lengths: list[int], dims: list[int], rounds: int, oracle_max_len: int, quiet: Quiet) -> dict:
     from fla.ops.gated_delta_rule.naive import (
         naive_recurrent_gated_delta_rule,  # the per-token oracle (slow import)
     )
@@ -192,7 +169,7 @@ def bench_op(lengths: list[int], dims: list[int], rounds: int, oracle_max_len: i
                     row["max_abs_err_vs_naive_recurrent"] = {"ours": (o_ours - o_naive).abs().max().item(),
                                                             "transformers": (o_theirs - o_naive).abs().max().item()}
                 stats = timed_rounds({"ours": lambda a=args: ours(*a), "transformers": lambda a=args: theirs(*a)},
-                                     rounds=rounds, warmup=2)
+                                     rounds=rounds, quiet=quiet, warmup=2)
             mine, ref = stats["ours"], stats["transformers"]
             speedup = ref["median_s"] / mine["median_s"]
             row.update({"chunk_gated_delta_rule": mine, "torch_chunk_gated_delta_rule": ref,
@@ -213,35 +190,10 @@ def bench_op(lengths: list[int], dims: list[int], rounds: int, oracle_max_len: i
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# 3. decode latency vs context length
-# --------------------------------------------------------------------------------------------------------------------
-def bench_decode(contexts: list[int], steps: int, steps_per_round: int, warmup_steps: int) -> dict:
-    decoded = decode_contexts(build_model("selective_rope"), contexts, MODEL_CONFIG["vocab_size"], steps,
-                              steps_per_round, warmup_steps)
-    return decode_result(decoded, steps_per_round, warmup_steps, TARGET_DECODE_RATIO)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# 4. position-embedding overhead
-# --------------------------------------------------------------------------------------------------------------------
-def bench_overhead(T: int, rounds: int) -> dict:
-    return position_embedding_overhead(build_model, T, MODEL_CONFIG["vocab_size"], rounds, rotary_inputs,
-                                       TARGET_ROPE_OVERHEAD, SEED, use_cache=True)
-
-
-# --------------------------------------------------------------------------------------------------------------------
 # report
 # --------------------------------------------------------------------------------------------------------------------
-def print_table(results: dict) -> None:
-    cfg = results["model_config"]
-    line = print_header(
-        results, "Gated DeltaNet CPU benchmark",
-        f"model: hidden {cfg['hidden_size']}, layers {cfg['num_hidden_layers']}, heads {cfg['num_heads']}, "
-        f"key/value head dims {cfg['head_dim']}/{cfg['head_v_dim']} (expand_v {cfg['expand_v']}), vocab "
-        f"{cfg['vocab_size']}, short conv {cfg['use_short_conv']}, {cfg['num_parameters']:,} params, fp32, batch 1")
-
-    log("1. Prefill throughput (selective_rope, use_cache=True)")
-    print_prefill_rows(results["prefill"]["rows"])
+def print_sections(results: dict) -> None:
+    print_prefill_section(results, 1)
 
     op = results["delta_op"]
     log(f"2. Gated delta rule forward, B={op['shape']['B']} H={op['shape']['H']} fp32: chunk_gated_delta_rule vs "
@@ -256,75 +208,49 @@ def print_table(results: dict) -> None:
             f"{row['torch_chunk_gated_delta_rule']['median_s'] * 1e3:>9.2f} | {row['speedup']:>7.2f}x | "
             f"{row['max_abs_diff_output']:>9.1e} | {naive_s:>22}")
 
-    print_decode(results["decode"], 3)
-    print_overhead(results["overhead"], 4)
-    print_footer(results, line)
+
+# --------------------------------------------------------------------------------------------------------------------
+# the spec
+# --------------------------------------------------------------------------------------------------------------------
+def sections(run: Run) -> list:
+    plan = run.plan
+    return [("prefill", "1. prefill throughput", lambda: prefill_section(SPEC, run)),
+            ("delta_op", "2. chunk_gated_delta_rule vs transformers torch_chunk_gated_delta_rule",
+             lambda: bench_op(plan["op_lengths"], plan["op_dims"], plan["op_rounds"], plan["op_oracle_max_len"],
+                              run.quiet))]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_arguments(parser, DEFAULT_OUTPUT)
-    parser.add_argument("--profile", action="store_true",
-                        help="always profile the Selective RoPE overhead (done anyway when its target is missed)")
-    args = parser.parse_args(argv)
-    threads = configure(args, SEED)
-
-    if args.quick:
-        plan = {"prefill_lengths": [256, 1024], "prefill_repeats": 3, "op_lengths": [512, 2048], "op_dims": [64],
-                "op_rounds": 3, "op_oracle_max_len": 512, "decode_contexts": [256, 4096], "decode_steps": 8,
-                "decode_steps_per_round": 4, "decode_warmup": 2, "overhead_len": 1024, "overhead_rounds": 3}
-    else:
-        plan = {"prefill_lengths": [256, 1024, 4096], "prefill_repeats": 7, "op_lengths": [512, 2048, 8192],
-                "op_dims": [64, 128], "op_rounds": 9, "op_oracle_max_len": 2048, "decode_contexts": [256, 4096],
-                "decode_steps": 32, "decode_steps_per_round": 8, "decode_warmup": 4, "overhead_len": 2048,
-                "overhead_rounds": 25}
-
-    start_all = time.perf_counter()
-    results = start_results("bench_gated_deltanet_cpu", args, threads, SOURCES, plan)
-    probe = build_model("selective_rope")
-    results["model_config"] = {**MODEL_CONFIG, "position_embedding": "selective_rope (sections 1-3); all three in 4",
-                               "num_v_heads": probe.config.num_v_heads, "head_v_dim": probe.config.head_v_dim,
-                               "conv_size": probe.config.conv_size,
-                               "mlp_width": probe.model.layers[0].mlp.gate_proj.out_features,
-                               "num_parameters": num_parameters(probe), "dtype": "float32", "seed": SEED,
-                               "full_config": probe.config.to_diff_dict()}
-    del probe
-
-    log(f"[bench_gated_deltanet_cpu] mode={results['mode']} threads={torch.get_num_threads()} "
-        f"load avg={results['device']['load_average_start']}")
-    sections = [
-        ("prefill", "1. prefill throughput",
-         lambda: bench_prefill(plan["prefill_lengths"], plan["prefill_repeats"])),
-        ("delta_op", "2. chunk_gated_delta_rule vs transformers torch_chunk_gated_delta_rule",
-         lambda: bench_op(plan["op_lengths"], plan["op_dims"], plan["op_rounds"], plan["op_oracle_max_len"])),
-        ("decode", "3. decode latency",
-         lambda: bench_decode(plan["decode_contexts"], plan["decode_steps"], plan["decode_steps_per_round"],
-                              plan["decode_warmup"])),
-        ("overhead", "4. position-embedding overhead",
-         lambda: bench_overhead(plan["overhead_len"], plan["overhead_rounds"])),
-    ]
-    contention = run_sections(results, sections)
-
+def targets(results: dict, plan: dict) -> dict:
     worst = results["delta_op"]["worst_row"]
-    results["targets"] = {
-        f"op speed-up vs transformers, worst (T={worst['seq_len']}, K={worst['K']})":
-            results["delta_op"]["speed_target"],
-        f"decode {results['decode']['ratio_name']}": results["decode"]["ratio_target"],
-        f"selective_rope / nope prefill time at T={plan['overhead_len']}":
-            results["overhead"]["selective_rope_over_nope"],
-        f"rope / nope prefill time at T={plan['overhead_len']}": results["overhead"]["rope_over_nope"],
-    }
-    results["all_targets_met"] = all(t["met"] for t in results["targets"].values())
-    if args.profile or not results["overhead"]["selective_rope_over_nope"]["met"]:
-        log("profiling the Selective RoPE overhead (torch.profiler)")
-        results["overhead"]["profile"] = profile_overhead(build_model, plan["overhead_len"],
-                                                          MODEL_CONFIG["vocab_size"], rotary_inputs, use_cache=True)
-    finish(results, contention, start_all)
-    print_table(results)
-    write_results(args.output, results)
-    return 0
+    return {f"op speed-up vs transformers, worst (T={worst['seq_len']}, K={worst['K']})":
+            results["delta_op"]["speed_target"]}
+
+
+SPEC = FamilyBenchmark(
+    name="bench_gated_deltanet_cpu", title="Gated DeltaNet CPU benchmark", family="gated_deltanet",
+    description=__doc__.split("\n\n")[0], model_config=MODEL_CONFIG, seed=SEED, root=REPO_ROOT, sources=SOURCES,
+    default_output=DEFAULT_OUTPUT,
+    plans=with_compare_plans({
+        "quick": {"prefill_lengths": [256, 1024], "prefill_repeats": 3, "op_lengths": [512, 2048], "op_dims": [64],
+                  "op_rounds": 3, "op_oracle_max_len": 512, "decode_contexts": [256, 4096], "decode_steps": 8,
+                  "decode_steps_per_round": 4, "decode_warmup": 2, "overhead_len": 1024, "overhead_rounds": 3},
+        "full": {"prefill_lengths": [256, 1024, 4096], "prefill_repeats": 7, "op_lengths": [512, 2048, 8192],
+                 "op_dims": [64, 128], "op_rounds": 9, "op_oracle_max_len": 2048, "decode_contexts": [256, 4096],
+                 "decode_steps": 32, "decode_steps_per_round": 8, "decode_warmup": 4, "overhead_len": 2048,
+                 "overhead_rounds": 25},
+    }),
+    sections=sections, print_sections=print_sections, targets=targets, rotary_inputs=rotary_inputs,
+    model_details=lambda model: {"num_v_heads": model.config.num_v_heads, "head_v_dim": model.config.head_v_dim,
+                                 "conv_size": model.config.conv_size,
+                                 "mlp_width": model.model.layers[0].mlp.gate_proj.out_features},
+    model_line=lambda cfg: (
+        f"model: hidden {cfg['hidden_size']}, layers {cfg['num_hidden_layers']}, heads {cfg['num_heads']}, "
+        f"key/value head dims {cfg['head_dim']}/{cfg['head_v_dim']} (expand_v {cfg['expand_v']}), vocab "
+        f"{cfg['vocab_size']}, short conv {cfg['use_short_conv']}, {cfg['num_parameters']:,} params, fp32, batch 1"),
+    decode_goal=TARGET_DECODE_RATIO, overhead_goal=TARGET_ROPE_OVERHEAD,
+    comparison=selective_vs_nope_comparison(COMPARE_OUTPUT),
+)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_benchmark(SPEC))

@@ -8,6 +8,9 @@ Measures, on the CPU, in float32 and under ``torch.inference_mode``:
 3. cached decoding latency (ms/token) after a short and a long context: a recurrent model should not slow
    down with the context length;
 4. the prefill overhead of Selective RoPE (and of fixed RoPE) over NoPE for the same model.
+5. Selective RoPE against NoPE, decode (ms/token after 256 and 4096 tokens) and prefill (2048 and 8192 tokens),
+   interleaved, ratios paired by round (target <= 1.10x each); ``--compare-only`` runs this section alone
+   (``selective-rope bench --full --compare``).
 
 Every target is reported as ``{"value", "target", "met"}``. Timings are medians over repeats after a warm-up
 (``time.perf_counter``). Whatever is compared (chunk vs naive, the two decode contexts, the three position
@@ -19,7 +22,8 @@ multi-threaded op wait for a descheduled OpenMP thread, and timings inflate by 1
 watches ``/proc/stat``: it waits (within ``--max-wait`` seconds in all) for the machine to be quiet before each
 section, and a round during which other processes kept more than half a core busy is discarded and run again (at
 most ``--max-redo`` times per measurement). What it saw is recorded under ``contention`` in the JSON. The
-timing and load-watching infrastructure is shared with the other families' benchmarks (``benchmarks/common.py``).
+timing and load-watching infrastructure is shared with the other families' benchmarks: the harness
+``selective_rope.bench`` runs this script's spec (``SPEC``).
 
 Usage::
 
@@ -29,40 +33,31 @@ Usage::
 """
 from __future__ import annotations
 
-import argparse
 import sys
-import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import (
-    RESULTS_DIR,
-    add_common_arguments,
-    configure,
-    decode_contexts,
-    decode_result,
-    finish,
-    log,
-    num_parameters,
-    position_embedding_overhead,
-    prefill_rows,
-    print_decode,
-    print_footer,
-    print_header,
-    print_overhead,
-    print_prefill_rows,
-    profile_overhead,
-    run_sections,
-    start_results,
-    target,
-    timed_rounds,
-    write_results,
-)
 
-from selective_rope import SelectiveRopeGLAConfig, SelectiveRopeGLAForCausalLM
+from selective_rope.bench.machine import Quiet
+from selective_rope.bench.report import log
+from selective_rope.bench.runner import (
+    FamilyBenchmark,
+    Run,
+    prefill_section,
+    print_prefill_section,
+    run_benchmark,
+    selective_vs_nope_comparison,
+    with_compare_plans,
+)
+from selective_rope.bench.timing import target, timed_rounds
+from selective_rope.configuration import SelectiveRopeGLAConfig
 from selective_rope.kernels.gla_torch import chunk_gla
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 DEFAULT_OUTPUT = RESULTS_DIR / "gla_cpu.json"
+COMPARE_OUTPUT = RESULTS_DIR / "gla_selective_vs_nope_cpu.json"  # --compare-only
 SOURCES = ["kernels/gla_torch.py", "modeling/gla.py", "configuration/gla.py", "benchmarks/bench_gla_cpu.py"]
 
 SEED = 0
@@ -83,12 +78,6 @@ TARGET_ROPE_OVERHEAD = 1.15  # (Selective) RoPE prefill at most 1.15x NoPE prefi
 # --------------------------------------------------------------------------------------------------------------------
 # inputs
 # --------------------------------------------------------------------------------------------------------------------
-def build_model(position_embedding: str) -> SelectiveRopeGLAForCausalLM:
-    torch.manual_seed(SEED)
-    config = SelectiveRopeGLAConfig(position_embedding=position_embedding, **MODEL_CONFIG)
-    return SelectiveRopeGLAForCausalLM(config).eval()
-
-
 def gla_inputs(T: int, seed: int):
     B, H, K, V = (GLA_OP_SHAPE[d] for d in "BHKV")
     generator = torch.Generator().manual_seed(seed)
@@ -109,20 +98,10 @@ def rotary_inputs(T: int):
     return x, q, k
 
 
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# 1. prefill throughput
-# --------------------------------------------------------------------------------------------------------------------
-def bench_prefill(lengths: list[int], repeats: int) -> dict:
-    rows = prefill_rows(build_model("selective_rope"), lengths, MODEL_CONFIG["vocab_size"], repeats, use_cache=True)
-    return {"position_embedding": "selective_rope", "batch_size": 1, "use_cache": True, "warmup": 1, "rows": rows}
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # 2. chunk-parallel vs per-token GLA op
 # --------------------------------------------------------------------------------------------------------------------
-def bench_gla_op(lengths: list[int], target_len: int, rounds: int) -> dict:
+def bench_gla_op(lengths: list[int], target_len: int, rounds: int, quiet: Quiet) -> dict:
     # the oracle; imported lazily (slow import)
     from fla.ops.gla.naive import naive_recurrent_gla
 
@@ -136,7 +115,7 @@ def bench_gla_op(lengths: list[int], target_len: int, rounds: int) -> dict:
             args = (q, k, v, gk)
             stats = timed_rounds({"chunk_gla": lambda a=args: chunk_gla(*a),
                                   "naive_recurrent_gla": lambda a=args: naive_recurrent_gla(*a)},
-                                 rounds=rounds, warmup=2)
+                                 rounds=rounds, quiet=quiet, warmup=2)
         chunk, naive = stats["chunk_gla"], stats["naive_recurrent_gla"]
         speedup = naive["median_s"] / chunk["median_s"]
         rows.append({"seq_len": T, "chunk_gla": chunk, "naive_recurrent_gla": naive, "speedup": round(speedup, 2),
@@ -150,40 +129,11 @@ def bench_gla_op(lengths: list[int], target_len: int, rounds: int) -> dict:
             "speedup_target": target(at_target["speedup"], TARGET_CHUNK_SPEEDUP, higher_is_better=True)}
 
 
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# 3. decode latency vs context length
-# --------------------------------------------------------------------------------------------------------------------
-def bench_decode(contexts: list[int], steps: int, steps_per_round: int, warmup_steps: int) -> dict:
-    """Prefill each context with ``use_cache=True``, then decode single tokens greedily, the contexts taking turns
-    (``steps_per_round`` steps each)."""
-    decoded = decode_contexts(build_model("selective_rope"), contexts, MODEL_CONFIG["vocab_size"], steps,
-                              steps_per_round, warmup_steps)
-    return decode_result(decoded, steps_per_round, warmup_steps, TARGET_DECODE_RATIO)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# 4. position-embedding overhead
-# --------------------------------------------------------------------------------------------------------------------
-def bench_overhead(T: int, rounds: int) -> dict:
-    return position_embedding_overhead(build_model, T, MODEL_CONFIG["vocab_size"], rounds, rotary_inputs,
-                                       TARGET_ROPE_OVERHEAD, SEED, use_cache=True)
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # report
 # --------------------------------------------------------------------------------------------------------------------
-def print_table(results: dict) -> None:
-    cfg = results["model_config"]
-    line = print_header(
-        results, "GLA CPU benchmark",
-        f"model: hidden {cfg['hidden_size']}, layers {cfg['num_hidden_layers']}, heads {cfg['num_heads']}, "
-        f"vocab {cfg['vocab_size']}, short conv {cfg['use_short_conv']}, key/value head dims "
-        f"{cfg['head_k_dim']}/{cfg['head_v_dim']}, {cfg['num_parameters']:,} params, fp32, batch 1")
-
-    log("1. Prefill throughput (selective_rope, use_cache=True)")
-    print_prefill_rows(results["prefill"]["rows"])
+def print_sections(results: dict) -> None:
+    print_prefill_section(results, 1)
 
     op = results["gla_op"]
     log(f"2. GLA op forward, B={op['shape']['B']} H={op['shape']['H']} K=V={op['shape']['K']} fp32: "
@@ -196,71 +146,43 @@ def print_table(results: dict) -> None:
             f"{row['naive_recurrent_gla']['median_s'] * 1e3:>10.1f} | {row['speedup']:>8.1f}x | "
             f"{row['max_abs_err_vs_naive']:>9.1e} | {row['chunk_gla']['minor_page_faults_per_call']:>22.0f}")
 
-    print_decode(results["decode"], 3)
-    print_overhead(results["overhead"], 4)
-    print_footer(results, line)
+
+# --------------------------------------------------------------------------------------------------------------------
+# the spec
+# --------------------------------------------------------------------------------------------------------------------
+def sections(run: Run) -> list:
+    plan = run.plan
+    return [("prefill", "1. prefill throughput", lambda: prefill_section(SPEC, run)),
+            ("gla_op", "2. chunk_gla vs naive_recurrent_gla",
+             lambda: bench_gla_op(plan["op_lengths"], plan["op_target"], plan["op_rounds"], run.quiet))]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_arguments(parser, DEFAULT_OUTPUT)
-    parser.add_argument("--profile", action="store_true",
-                        help="always profile the Selective RoPE overhead (done anyway when its target is missed)")
-    args = parser.parse_args(argv)
-    threads = configure(args, SEED)
-
-    if args.quick:
-        plan = {"prefill_lengths": [256, 1024], "prefill_repeats": 3, "op_lengths": [512, 2048], "op_target": 2048,
-                "op_rounds": 3, "decode_contexts": [256, 4096], "decode_steps": 8, "decode_steps_per_round": 4,
-                "decode_warmup": 2, "overhead_len": 1024, "overhead_rounds": 3}
-    else:
-        plan = {"prefill_lengths": [256, 1024, 4096], "prefill_repeats": 7, "op_lengths": [512, 2048],
-                "op_target": 2048, "op_rounds": 9, "decode_contexts": [256, 4096], "decode_steps": 32,
-                "decode_steps_per_round": 8, "decode_warmup": 4, "overhead_len": 2048, "overhead_rounds": 15}
-
-    start_all = time.perf_counter()
-    results = start_results("bench_gla_cpu", args, threads, SOURCES, plan)
-    probe = build_model("selective_rope")
-    results["model_config"] = {**MODEL_CONFIG, "position_embedding": "selective_rope (sections 1-3); all three in 4",
-                               "head_k_dim": probe.config.head_k_dim, "head_v_dim": probe.config.head_v_dim,
-                               "expand_k": probe.config.expand_k, "expand_v": probe.config.expand_v,
-                               "conv_size": probe.config.conv_size, "num_parameters": num_parameters(probe),
-                               "dtype": "float32", "seed": SEED, "full_config": probe.config.to_diff_dict()}
-    del probe
-
-    log(f"[bench_gla_cpu] mode={results['mode']} threads={torch.get_num_threads()} "
-        f"load avg={results['device']['load_average_start']}")
-    sections = [
-        ("prefill", "1. prefill throughput",
-         lambda: bench_prefill(plan["prefill_lengths"], plan["prefill_repeats"])),
-        ("gla_op", "2. chunk_gla vs naive_recurrent_gla",
-         lambda: bench_gla_op(plan["op_lengths"], plan["op_target"], plan["op_rounds"])),
-        ("decode", "3. decode latency",
-         lambda: bench_decode(plan["decode_contexts"], plan["decode_steps"], plan["decode_steps_per_round"],
-                              plan["decode_warmup"])),
-        ("overhead", "4. position-embedding overhead",
-         lambda: bench_overhead(plan["overhead_len"], plan["overhead_rounds"])),
-    ]
-    contention = run_sections(results, sections)
-
-    results["targets"] = {
-        f"chunk_gla speed-up vs naive at T={plan['op_target']}": results["gla_op"]["speedup_target"],
-        f"decode {results['decode']['ratio_name']}": results["decode"]["ratio_target"],
-        f"selective_rope / nope prefill time at T={plan['overhead_len']}":
-            results["overhead"]["selective_rope_over_nope"],
-        f"rope / nope prefill time at T={plan['overhead_len']}": results["overhead"]["rope_over_nope"],
-    }
-    results["all_targets_met"] = all(t["met"] for t in results["targets"].values())
-    if args.profile or not results["overhead"]["selective_rope_over_nope"]["met"]:
-        log("profiling the Selective RoPE overhead (torch.profiler)")
-        results["overhead"]["profile"] = profile_overhead(build_model, plan["overhead_len"],
-                                                          MODEL_CONFIG["vocab_size"], rotary_inputs, use_cache=True)
-    finish(results, contention, start_all)
-    print_table(results)
-    write_results(args.output, results)
-    return 0
+SPEC = FamilyBenchmark(
+    name="bench_gla_cpu", title="GLA CPU benchmark", family="gla", description=__doc__.split("\n\n")[0],
+    model_config=MODEL_CONFIG, seed=SEED, root=REPO_ROOT, sources=SOURCES, default_output=DEFAULT_OUTPUT,
+    plans=with_compare_plans({
+        "quick": {"prefill_lengths": [256, 1024], "prefill_repeats": 3, "op_lengths": [512, 2048], "op_target": 2048,
+                  "op_rounds": 3, "decode_contexts": [256, 4096], "decode_steps": 8, "decode_steps_per_round": 4,
+                  "decode_warmup": 2, "overhead_len": 1024, "overhead_rounds": 3},
+        "full": {"prefill_lengths": [256, 1024, 4096], "prefill_repeats": 7, "op_lengths": [512, 2048],
+                 "op_target": 2048, "op_rounds": 9, "decode_contexts": [256, 4096], "decode_steps": 32,
+                 "decode_steps_per_round": 8, "decode_warmup": 4, "overhead_len": 2048, "overhead_rounds": 15},
+    }),
+    sections=sections, print_sections=print_sections,
+    targets=lambda results, plan: {
+        f"chunk_gla speed-up vs naive at T={plan['op_target']}": results["gla_op"]["speedup_target"]},
+    rotary_inputs=rotary_inputs,
+    model_details=lambda model: {"head_k_dim": model.config.head_k_dim, "head_v_dim": model.config.head_v_dim,
+                                 "expand_k": model.config.expand_k, "expand_v": model.config.expand_v,
+                                 "conv_size": model.config.conv_size},
+    model_line=lambda cfg: (
+        f"model: hidden {cfg['hidden_size']}, layers {cfg['num_hidden_layers']}, heads {cfg['num_heads']}, "
+        f"vocab {cfg['vocab_size']}, short conv {cfg['use_short_conv']}, key/value head dims "
+        f"{cfg['head_k_dim']}/{cfg['head_v_dim']}, {cfg['num_parameters']:,} params, fp32, batch 1"),
+    decode_goal=TARGET_DECODE_RATIO, overhead_goal=TARGET_ROPE_OVERHEAD,
+    comparison=selective_vs_nope_comparison(COMPARE_OUTPUT),
+)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_benchmark(SPEC))

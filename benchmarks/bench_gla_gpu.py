@@ -32,10 +32,15 @@ from pathlib import Path
 
 import torch
 from bench_rotary_gpu import L2Flush, cuda_timings, gpu_info, require_cuda
-from common import RESULTS_DIR, log, num_parameters, source_provenance, write_results
 
 from selective_rope import SelectiveRopeGLAConfig, SelectiveRopeGLAForCausalLM
+from selective_rope.bench.machine import source_provenance
+from selective_rope.bench.measure import num_parameters
+from selective_rope.bench.report import log, write_results
 from selective_rope.kernels import dispatch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
 DEFAULT_OUTPUT = RESULTS_DIR / "gla_gpu.json"
 SOURCES = ["kernels/dispatch.py", "kernels/rotary_triton.py", "kernels/gla_torch.py", "modeling/gla.py",
@@ -178,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             "training_precision": "bf16 autocast, float32 weights", "decode_precision": "bf16 weights"}
     probe = build_model("selective_rope", layers)
     results = {"benchmark": "bench_gla_gpu", "mode": "quick" if args.quick else "full", "device": gpu_info(),
-               "source": source_provenance(SOURCES), "plan": plan,
+               "source": source_provenance(REPO_ROOT, SOURCES), "plan": plan,
                "model_config": {**MODEL_CONFIG, "num_hidden_layers": layers, "num_parameters": num_parameters(probe),
                                 "full_config": probe.config.to_diff_dict()}}
     del probe

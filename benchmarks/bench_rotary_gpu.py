@@ -34,10 +34,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import RESULTS_DIR, log, source_provenance, summarize, write_results
 
+from selective_rope.bench.machine import source_provenance
+from selective_rope.bench.report import log, write_results
+from selective_rope.bench.timing import summarize
 from selective_rope.kernels.conv_torch import causal_conv1d
 from selective_rope.kernels.rotary_torch import selective_rotary
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
 DEFAULT_OUTPUT = RESULTS_DIR / "rotary_gpu.json"
 SOURCES = ["kernels/rotary_triton.py", "kernels/rotary_torch.py", "kernels/conv_torch.py", "kernels/dispatch.py",
@@ -322,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             "heads": HEADS, "head_dim": HEAD_DIM, "pairs": PAIRS, "conv_taps": CONV_TAPS, "dtype": args.dtype,
             "repeats": repeats, "torch_compile": not args.no_compile, "l2_flush": not args.no_flush_l2}
     results = {"benchmark": "bench_rotary_gpu", "mode": "quick" if args.quick else "full", "device": info,
-               "peak_bandwidth_gbps": peak_gbps, "source": source_provenance(SOURCES), "plan": plan,
+               "peak_bandwidth_gbps": peak_gbps, "source": source_provenance(REPO_ROOT, SOURCES), "plan": plan,
                "traffic_model": traffic_bytes.__doc__.strip()}
     flush = L2Flush(not args.no_flush_l2)
     start = time.perf_counter()

@@ -31,6 +31,8 @@ from huggingface_hub.errors import (
 )
 from transformers import PreTrainedConfig
 
+from ..kernels.backends import BACKENDS
+
 Number = int | float
 
 PositionEmbedding = Literal["selective_rope", "rope", "nope"]
@@ -38,7 +40,7 @@ PhaseGateType = Literal["head", "low_rank", "channel"]
 PhaseProjection = Literal["low_rank", "full_rank", "scalar", "dense_low_rank"]
 PhaseConvolutionType = Literal["learned", "difference"]
 TemperatureType = Literal["rope", "rfa", "gaussian", "laplace", "uniform"]
-Backend = Literal["auto", "torch", "triton"]
+Backend = Literal[BACKENDS]  # the same as Literal["auto", "torch", "triton"]
 
 PHASE_GATE_TYPES = get_args(PhaseGateType)  # the converter's command-line choices
 PHASE_PROJECTIONS = get_args(PhaseProjection)

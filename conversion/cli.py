@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import fields
 
 from ..configuration.position_embedding import PHASE_CONV_TYPES, PHASE_GATE_TYPES, PHASE_PROJECTIONS
 from .convert import DTYPES, SUPPORTED_SOURCES, ConversionError, convert
@@ -35,7 +36,8 @@ the same OUTPUT removes it (and says so).
 """
 
 
-def add_convert_parser(commands) -> argparse.ArgumentParser:
+def add_parser(commands) -> argparse.ArgumentParser:
+    defaults = RetrofitOptions()  # the options' defaults are written once, in RetrofitOptions
     parser = commands.add_parser("convert", help="retrofit Selective RoPE onto a RoPE or NoPE checkpoint",
                                  description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="a save_pretrained directory (or a Hub id when the network allows)")
@@ -45,21 +47,24 @@ def add_convert_parser(commands) -> argparse.ArgumentParser:
     parts.add_argument("--no-selective", dest="selective", action="store_false",
                        help="keep the source's position embedding (a plain port into our classes)")
     parts.add_argument("--no-phase-gate", dest="phase_gate", action="store_false", help="no sigmoid phase gate")
-    parts.add_argument("--phase-gate-type", choices=PHASE_GATE_TYPES, default="head")
-    parts.add_argument("--phase-gate-rank", type=_positive_int, default=16,
+    parts.add_argument("--phase-gate-type", choices=PHASE_GATE_TYPES, default=defaults.phase_gate_type)
+    parts.add_argument("--phase-gate-rank", type=_positive_int, default=defaults.phase_gate_rank,
                        help="inner width of the low_rank and channel gates")
-    parts.add_argument("--phase-proj", choices=PHASE_PROJECTIONS, default="low_rank", help="phase projection type")
-    parts.add_argument("--phase-proj-rank", type=_positive_int, default=32,
+    parts.add_argument("--phase-proj", choices=PHASE_PROJECTIONS, default=defaults.phase_proj,
+                       help="phase projection type")
+    parts.add_argument("--phase-proj-rank", type=_positive_int, default=defaults.phase_proj_rank,
                        help="rank per key head (low_rank) or in total (dense_low_rank)")
-    parts.add_argument("--phase-conv-type", choices=PHASE_CONV_TYPES, default="learned",
+    parts.add_argument("--phase-conv-type", choices=PHASE_CONV_TYPES, default=defaults.phase_conv_type,
                        help="learned taps, or the fixed first difference a_t - a_{t-1}")
-    parts.add_argument("--phase-conv-size", type=_non_negative_int, default=4,
+    parts.add_argument("--phase-conv-size", type=_non_negative_int, default=defaults.phase_conv_size,
                        help="width of the learned convolution; 0 disables it")
     parts.add_argument("--no-forget-gate", dest="forget_gate", action="store_false",
                        help="Llama-family sources: no FoX forget gate (plain softmax attention)")
-    parts.add_argument("--forget-gate-bias", type=_finite_float, default=16.0,
-                       help="starting bias of the added forget gate (default 16: log f ~ -1e-7 per token)")
-    parts.add_argument("--seed", type=int, default=0, help="seed of the random starting factors and the probe")
+    parts.add_argument("--forget-gate-bias", type=_finite_float, default=defaults.forget_gate_bias,
+                       help=f"starting bias of the added forget gate (default {defaults.forget_gate_bias:g}: log f ~ "
+                       f"{-math.log1p(math.exp(-defaults.forget_gate_bias)):.0e} per token)")
+    parts.add_argument("--seed", type=int, default=defaults.seed,
+                       help="seed of the random starting factors and the probe")
     out = parser.add_argument_group("output")
     out.add_argument("--dtype", choices=DTYPES, default=None,
                      help="dtype of the converted weights (default: as the source; Selective RoPE stays float32)")
@@ -135,15 +140,10 @@ def _describe(error: Exception) -> str:
     return str(error)
 
 
-def run_convert(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     try:
         with _sigterm_as_interrupt():
-            options = RetrofitOptions(selective=args.selective, phase_gate=args.phase_gate,
-                                      phase_gate_type=args.phase_gate_type, phase_gate_rank=args.phase_gate_rank,
-                                      phase_proj=args.phase_proj, phase_proj_rank=args.phase_proj_rank,
-                                      phase_conv_type=args.phase_conv_type, phase_conv_size=args.phase_conv_size,
-                                      forget_gate=args.forget_gate, forget_gate_bias=args.forget_gate_bias,
-                                      seed=args.seed)
+            options = RetrofitOptions(**{option.name: getattr(args, option.name) for option in fields(RetrofitOptions)})
             report = convert(args.source, args.output, options, dtype=args.dtype, max_shard_size=args.max_shard_size,
                              overwrite=args.overwrite, tolerance=args.tolerance, base_model=args.base_model,
                              license=args.license, progress=args.progress)

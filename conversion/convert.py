@@ -34,11 +34,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from transformers.modeling_utils import load_state_dict
 from transformers.utils import logging
 
-from ..modeling import (
-    SelectiveRopeFoXForCausalLM,
-    SelectiveRopeGatedDeltaNetForCausalLM,
-    SelectiveRopeGLAForCausalLM,
-)
+from ..families import FAMILIES
 from ..modeling.hub import auto_map
 from ..modeling.model_card import render_model_card, template_texts
 from ..modeling.remote_code import write_code_bundle
@@ -70,9 +66,7 @@ from .source_card import check_base_model, check_license, source_license
 logger = logging.get_logger(__name__)
 
 # Our causal-LM classes by model_type (each knows its config class).
-OUR_FAMILIES = {lm.config_class.model_type: lm for lm in (SelectiveRopeGLAForCausalLM,
-                                                          SelectiveRopeGatedDeltaNetForCausalLM,
-                                                          SelectiveRopeFoXForCausalLM)}
+OUR_FAMILIES = {family.model_type: family.lm_class for family in FAMILIES.values()}
 OUR_MODEL_TYPES = tuple(OUR_FAMILIES)
 # The paper's own checkpoints reuse fla's model types; their config.json has a `position_embedding` dict.
 SUPPORTED_SOURCES = [*LLAMA_FAMILY, *FLA_MODEL_TYPES, *OUR_MODEL_TYPES,
@@ -152,7 +146,7 @@ def plan_conversion(source_dir: Path, options: RetrofitOptions) -> SourcePlan:
                            f"model reproduces the source on sequences of up to {window[0]} tokens only")
         return SourcePlan(
             description=f"transformers {model_type} (RoPE type {rope_type!r})",
-            config=config, model_class=SelectiveRopeFoXForCausalLM, rotates=True,
+            config=config, model_class=FAMILIES["fox"].lm_class, rotates=True,
             rename=fox_key_from_llama,
             transform=lambda name, tensor: fold_attention_scaling(name, tensor, attention_scaling, config),
             temperature=inverse_frequencies,

@@ -16,8 +16,10 @@ from ..configuration.fox import SelectiveRopeFoXConfig
 from ..configuration.gated_deltanet import SelectiveRopeGatedDeltaNetConfig
 from ..configuration.gla import SelectiveRopeGLAConfig
 from ..configuration.position_embedding import fla_mlp_width
+from ..families import FAMILIES
 
-FLA_MODEL_TYPES = ("gla", "gated_deltanet", "forgetting_transformer")
+# gla, gated_deltanet, forgetting_transformer
+FLA_MODEL_TYPES = tuple(family.fla_model_type for family in FAMILIES.values())
 _TOKENS = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings", "initializer_range")
 
 

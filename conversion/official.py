@@ -56,9 +56,11 @@ from torch import nn
 
 from ..configuration.fox import SelectiveRopeFoXConfig
 from ..configuration.position_embedding import fla_mlp_width
+from ..families import FAMILIES
 from .fla import _copy, _require, fla_config, fla_key
 
-OFFICIAL_MODEL_TYPES = ("gla", "gated_deltanet", "transformer")
+# gla, gated_deltanet, transformer
+OFFICIAL_MODEL_TYPES = tuple(family.official_model_type for family in FAMILIES.values())
 _TOKENS = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings", "initializer_range")
 # Every argument of the official SelectiveRoPE a config can set (the layer sets the head sizes itself).
 _SELECTIVE_KEYS = {"type", "skip_conv", "dtype", "d_conv", "temp_type", "temp_theta", "temp_max", "temp_grad",

@@ -20,7 +20,8 @@ import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import selective_rope  # noqa: F401  (registers our models with the Auto classes)
-from selective_rope.demo import FAMILIES, continuation_accuracy, demo_config, progressions
+from selective_rope.demo import continuation_accuracy, demo_config, progressions
+from selective_rope.families import FAMILY_NAMES
 
 # FSDP2 through accelerate: every decoder block is one unit (all-gathered before its forward, resharded after), its
 # activations are recomputed in the backward pass, and checkpoints are torch.distributed.checkpoint shards.
@@ -64,7 +65,7 @@ def accelerate_fsdp_on_cpu():
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--strategy", choices=["ddp", "fsdp"], default="fsdp")
-    parser.add_argument("--family", choices=FAMILIES, default="gla", help="a new tiny model of this family")
+    parser.add_argument("--family", choices=FAMILY_NAMES, default="gla", help="a new tiny model of this family")
     parser.add_argument("--init", type=Path, help="start from this saved / converted model directory instead")
     parser.add_argument("--output-dir", type=Path, required=True, help="checkpoints and final/ go here")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output-dir")

@@ -32,8 +32,8 @@ from types import SimpleNamespace
 
 import torch
 
-BACKENDS = ("auto", "torch", "triton")
-ENV_VAR = "SELECTIVE_ROPE_BACKEND"
+from .backends import BACKENDS, ENV_VAR, interpreting
+
 # The devices fla's kernels run on. Only CUDA: tests add "cpu" to run them under Triton's interpreter.
 FLA_DEVICES = ("cuda",)
 
@@ -57,10 +57,6 @@ def requested_backend(config_value: str | None = None) -> str:
     if value not in BACKENDS:
         raise ValueError(f"`backend`={value!r} is invalid: expected one of {list(BACKENDS)}.")
     return value
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
 def resolve_backend(config_value: str | None, device: torch.device | str) -> str:

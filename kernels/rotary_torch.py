@@ -38,7 +38,8 @@ def rotary_angles(phase: torch.Tensor, temperature: torch.Tensor) -> torch.Tenso
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first ``2R`` dims of ``x`` in GPT-NeoX halves; dims ``>= 2R`` pass through.
 
-    ``x``: ``(B, T, H, D)``; ``cos``/``sin``: ``(B, T, H, R)`` float32. Computed in float32, returned in x's dtype.
+    ``x``: ``(B, T, ..., D)``; ``cos``/``sin``: ``(B, T, ..., R)`` float32, broadcastable to ``x``'s leading dims.
+    Computed in float32, returned in x's dtype.
     """
     half = cos.shape[-1]
     x_float = x.float()
@@ -75,9 +76,10 @@ def selective_rotary(
     if initial_phase is not None:
         phase = phase + initial_phase.to(dtype).unsqueeze(1)
     angle = rotary_angles(phase, temperature)
-    cos, sin = angle.cos(), angle.sin()
+    cos, sin = angle.cos(), angle.sin()  # (B, T, Hk, R)
+    # query head h = hk * G + g rotates with key head hk: q viewed as (B, T, Hk, G, D) against (B, T, Hk, 1, R)
     groups = q.shape[2] // num_key_heads
-    q_cos, q_sin = (t.repeat_interleave(groups, dim=2) for t in (cos, sin)) if groups > 1 else (cos, sin)
+    grouped_q = q.reshape(*q.shape[:2], num_key_heads, groups, q.shape[-1])
 
     if seq_len > 0:
         final_phase = phase[:, -1]
@@ -87,4 +89,5 @@ def selective_rotary(
         final_phase = phase.new_zeros(batch, num_key_heads, half)
     # A copy, never a view of `phase`: the cache must not keep the whole (B, T, Hk, R) tensor alive, and FSDP2
     # warns about (and cannot guard) view outputs of a sharded module.
-    return rotate(q, q_cos, q_sin), rotate(k, cos, sin), final_phase.clone(memory_format=torch.contiguous_format)
+    q_out = rotate(grouped_q, cos.unsqueeze(3), sin.unsqueeze(3)).flatten(2, 3)
+    return q_out, rotate(k, cos, sin), final_phase.clone(memory_format=torch.contiguous_format)

@@ -37,10 +37,9 @@ Runs on CUDA, and on CPU under ``TRITON_INTERPRET=1`` (how the tests check it ag
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from .backends import interpreting
 from .rotary_torch import TWO_PI
 
 # Inside try/except: transformers' remote-code loader requires every library a shipped file imports outside such
@@ -54,13 +53,9 @@ except ImportError as error:
 __all__ = ["selective_rotary_decode_triton", "selective_rotary_triton"]
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
-
-
 def _config(rotary_pairs: int, pass_dims: int) -> dict[str, int]:
     """One fixed configuration (no autotuning): small tiles under the interpreter, wider ones on a GPU."""
-    block_t = 16 if _interpreting() else 64
+    block_t = 16 if interpreting() else 64
     block_r = max(1, min(triton.next_power_of_2(max(rotary_pairs, 1)), 64))
     block_p = max(1, min(triton.next_power_of_2(max(pass_dims, 1)), 64))
     return {"BLOCK_T": block_t, "BLOCK_R": block_r, "BLOCK_P": block_p, "num_warps": 4}

@@ -32,8 +32,9 @@ def append_tokens(cached: torch.Tensor | None, new: torch.Tensor) -> torch.Tenso
     # storage introspection breaks the graph (and recompiles per dtype and rank), while a concatenation traces.
     if torch.is_grad_enabled() or torch.compiler.is_compiling():
         return torch.cat([cached, new], dim=1)
-    if cached.shape[0] and _room(cached) >= length + extra:
-        buffer = cached.as_strided((batch, _room(cached), *inner), cached.stride())
+    room = _room(cached) if cached.shape[0] else 0
+    if room >= length + extra:
+        buffer = cached.as_strided((batch, room, *inner), cached.stride())
     else:
         buffer = cached.new_empty(batch, max(2 * (length + extra), 64), *inner)
         buffer[:, :length].copy_(cached)

@@ -1,8 +1,8 @@
 """selective-rope: Selective RoPE for GLA, Gated DeltaNet and FoX as Hugging Face Transformers models.
 
-Importing the package registers the configs and models with ``AutoConfig``, ``AutoModel`` and
-``AutoModelForCausalLM``, and registers PEFT's default LoRA target modules for our model types
-(:mod:`selective_rope.lora`). It never imports triton or flash-linear-attention.
+Importing the package registers the configs and models of every family (:mod:`selective_rope.families`) with
+``AutoConfig``, ``AutoModel`` and ``AutoModelForCausalLM``, and registers PEFT's default LoRA target modules for our
+model types (:mod:`selective_rope.lora`). It never imports triton or flash-linear-attention.
 """
 
 from pathlib import Path
@@ -27,6 +27,7 @@ except ModuleNotFoundError as error:
         "sub-packages (configuration/, modeling/, ...) sit at the repository root and only an install maps them into "
         "the package. Run `pip install -e .` in the checkout, or start Python outside it to use the installed "
         "package", name=error.name) from None
+from .families import FAMILIES
 from .lora import register_lora_defaults
 from .modeling import (
     SelectiveRopeCache,
@@ -41,15 +42,10 @@ from .modeling import (
 
 __version__ = "0.1.0"
 
-_FAMILIES = [
-    (SelectiveRopeGLAConfig, SelectiveRopeGLAModel, SelectiveRopeGLAForCausalLM),
-    (SelectiveRopeGatedDeltaNetConfig, SelectiveRopeGatedDeltaNetModel, SelectiveRopeGatedDeltaNetForCausalLM),
-    (SelectiveRopeFoXConfig, SelectiveRopeFoXModel, SelectiveRopeFoXForCausalLM),
-]
-for _config, _model, _lm in _FAMILIES:
-    AutoConfig.register(_config.model_type, _config, exist_ok=True)
-    AutoModel.register(_config, _model, exist_ok=True)
-    AutoModelForCausalLM.register(_config, _lm, exist_ok=True)
+for _family in FAMILIES.values():
+    AutoConfig.register(_family.model_type, _family.config_class, exist_ok=True)
+    AutoModel.register(_family.config_class, _family.model_class, exist_ok=True)
+    AutoModelForCausalLM.register(_family.config_class, _family.lm_class, exist_ok=True)
 register_lora_defaults()
 
 __all__ = [

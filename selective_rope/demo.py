@@ -7,6 +7,7 @@ with a random step, ``a, a+d, a+2d, ...``; the model must infer ``d`` from the p
 
 from __future__ import annotations
 
+import argparse
 import time
 from pathlib import Path
 
@@ -25,22 +26,14 @@ def progressions(batch: int, length: int, generator: torch.Generator) -> torch.T
     return torch.cat([torch.full((batch, 1), BOS), terms], dim=1)
 
 
-FAMILIES = ("gla", "gated_deltanet", "fox")
-
-
 def demo_config(family: str = "gla"):
-    """A 2-layer, ~0.1 M-parameter model of ``family`` for the demo task."""
-    from . import SelectiveRopeFoXConfig, SelectiveRopeGatedDeltaNetConfig, SelectiveRopeGLAConfig
+    """A 2-layer, ~0.1 M-parameter model of ``family`` (a name in :data:`selective_rope.families.FAMILIES`)."""
+    from .families import get_family
 
-    common = dict(vocab_size=MODULUS + 2, hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                  bos_token_id=BOS, eos_token_id=None, pad_token_id=PAD, phase_bias=True, initializer_range=0.05)
-    if family == "gla":
-        return SelectiveRopeGLAConfig(**common, num_heads=2, expand_k=1.0, expand_v=1.0, use_short_conv=True)
-    if family == "gated_deltanet":
-        return SelectiveRopeGatedDeltaNetConfig(**common, num_heads=2, head_dim=32, expand_v=1.0, use_short_conv=True)
-    if family == "fox":
-        return SelectiveRopeFoXConfig(**common, num_attention_heads=2, num_key_value_heads=2)
-    raise ValueError(f"unknown family {family!r}; expected one of {list(FAMILIES)}")
+    spec = get_family(family)
+    return spec.config_class(vocab_size=MODULUS + 2, hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                             bos_token_id=BOS, eos_token_id=None, pad_token_id=PAD, phase_bias=True,
+                             initializer_range=0.05, **spec.head_layout(64, 2, square=True))
 
 
 def train(model, seconds: float, max_steps: int, generator: torch.Generator, batch: int = 32, length: int = 24):
@@ -113,3 +106,27 @@ def run_demo(output_dir: str = "demo_output", seconds: float = 60.0, max_steps: 
     print(f"prompt {' '.join(map(str, prompt))} -> generated {' '.join(map(str, generated.tolist()))} "
           f"(expected {' '.join(map(str, expected))})")
     return {"final_loss": final_loss, "accuracy": accuracy, "generated": generated.tolist(), "output_dir": str(output)}
+
+
+# -- selective-rope demo --------------------------------------------------------------------------------------------
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    from .families import FAMILY_NAMES
+
+    parser = commands.add_parser("demo", help="train a tiny model on CPU, save, reload and generate",
+                                 description="Train a tiny selective-rope model (SelectiveRopeGLA by default) on a "
+                                 "synthetic task (continuing arithmetic progressions), save it, reload it with "
+                                 "AutoModelForCausalLM and generate.")
+    parser.add_argument("--family", choices=FAMILY_NAMES, default="gla", help="model family (default gla)")
+    parser.add_argument("--output-dir", default="demo_output", help="where the trained model is saved")
+    parser.add_argument("--seconds", type=float, default=60.0, help="training time budget (default 60)")
+    parser.add_argument("--max-steps", type=int, default=2000, help="upper bound on training steps")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.seconds <= 0 or args.max_steps <= 0:
+        raise SystemExit("selective-rope demo: --seconds and --max-steps must be positive")
+    run_demo(args.output_dir, args.seconds, args.max_steps, args.seed, args.family)
+    return 0

@@ -37,15 +37,12 @@ run this registration: name ``target_modules`` there (the list above).
 
 from __future__ import annotations
 
-MIXER_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "g_proj"]
-MLP_TARGETS = ["gate_proj", "up_proj", "down_proj"]
+from .families import FAMILIES, MIXER_TARGETS, MLP_TARGETS
 
-#: ``model_type -> LoRA target modules`` registered with PEFT.
-LORA_TARGET_MODULES: dict[str, list[str]] = {
-    "selective_rope_gla": MIXER_TARGETS + MLP_TARGETS,
-    "selective_rope_gated_deltanet": MIXER_TARGETS + MLP_TARGETS,
-    "selective_rope_fox": MIXER_TARGETS + MLP_TARGETS,
-}
+__all__ = ["LORA_TARGET_MODULES", "MIXER_TARGETS", "MLP_TARGETS", "register_lora_defaults"]
+
+#: ``model_type -> LoRA target modules`` registered with PEFT (each family's ``lora_targets``).
+LORA_TARGET_MODULES: dict[str, list[str]] = {family.model_type: family.lora_targets for family in FAMILIES.values()}
 
 
 def register_lora_defaults() -> bool:

@@ -4,9 +4,9 @@ import warnings
 import torch
 
 if not torch.cuda.is_available():
-    # No GPU: Triton kernels (ours, and fla's in test_fla_interpreter.py) run on CPU in Triton's interpreter. Triton
-    # reads the setting when it is first imported, which transformers does through torch._dynamo: so before anything
-    # else is imported.
+    # No GPU: Triton kernels (ours, and fla's in kernels/test_backend_parity.py) run on CPU in Triton's interpreter.
+    # Triton reads the setting when it is first imported, which transformers does through torch._dynamo: so before
+    # anything else is imported.
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402

@@ -1,20 +1,12 @@
-"""The model families the shared model-level suite runs on. A new family adds one entry here."""
+"""The model families the shared model-level suite runs on: every family of the package's registry
+(:mod:`selective_rope.families`) with a tiny config exercising its options. A new family adds its entry there and its
+tiny config here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from selective_rope import (
-    SelectiveRopeFoXConfig,
-    SelectiveRopeFoXForCausalLM,
-    SelectiveRopeFoXModel,
-    SelectiveRopeGatedDeltaNetConfig,
-    SelectiveRopeGatedDeltaNetForCausalLM,
-    SelectiveRopeGatedDeltaNetModel,
-    SelectiveRopeGLAConfig,
-    SelectiveRopeGLAForCausalLM,
-    SelectiveRopeGLAModel,
-)
+from selective_rope.families import FAMILIES as REGISTRY
 
 
 @dataclass
@@ -36,40 +28,33 @@ class Family:
 
 TOKENS = dict(vocab_size=61, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
+TINY = {
+    "gla": dict(**TOKENS, hidden_size=32, num_hidden_layers=2, num_heads=4, num_kv_heads=2, expand_k=1.0,
+                expand_v=1.0, use_short_conv=True, conv_size=3, intermediate_size=48, initializer_range=0.2),
+    # Grouped value heads (2 query/key heads, 4 value heads), β in (0, 2).
+    "gated_deltanet": dict(**TOKENS, hidden_size=32, num_hidden_layers=2, num_heads=2, num_v_heads=4, head_dim=8,
+                           expand_v=1.5, use_short_conv=True, conv_size=3, allow_neg_eigval=True, intermediate_size=48,
+                           initializer_range=0.2),
+    # GQA, explicit head_dim, biases and every FoX Pro option.
+    "fox": dict(**TOKENS, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8, intermediate_size=48, attention_bias=True, mlp_bias=True, qk_norm=True,
+                use_output_gate=True, use_output_norm=True, use_k_shift=True, use_v_shift=True,
+                initializer_range=0.2),
+}
+# Each family's other option sets the model-level suite also runs (Family.variants): the settings TINY does not reach.
+VARIANTS = {
+    # fla's default (no short convolutions) without the output gate; a clamp that binds (gk is about -0.04 here).
+    "gla": {"plain": dict(use_short_conv=False, use_output_gate=False), "clamped": dict(clamp_min=-0.04)},
+    "gated_deltanet": {"plain": dict(use_short_conv=False, use_gate=False),
+                       "sigmoid_gate": dict(output_gate_activation="sigmoid")},
+}
+missing = sorted(set(REGISTRY) - set(TINY))
+assert not missing, f"families without a tiny test config in tests/families.py: {missing}"
+
 FAMILIES = {
-    "gla": Family(
-        "gla",
-        SelectiveRopeGLAConfig,
-        SelectiveRopeGLAModel,
-        SelectiveRopeGLAForCausalLM,
-        tiny=dict(**TOKENS, hidden_size=32, num_hidden_layers=2, num_heads=4, num_kv_heads=2, expand_k=1.0,
-                  expand_v=1.0, use_short_conv=True, conv_size=3, intermediate_size=48, initializer_range=0.2),
-        # fla's default (no short convolutions) without the output gate; a clamp that binds (gk is about -0.04 here).
-        variants={"plain": dict(use_short_conv=False, use_output_gate=False), "clamped": dict(clamp_min=-0.04)},
-    ),
-    "gated_deltanet": Family(
-        "gated_deltanet",
-        SelectiveRopeGatedDeltaNetConfig,
-        SelectiveRopeGatedDeltaNetModel,
-        SelectiveRopeGatedDeltaNetForCausalLM,
-        # Grouped value heads (2 query/key heads, 4 value heads), β in (0, 2).
-        tiny=dict(**TOKENS, hidden_size=32, num_hidden_layers=2, num_heads=2, num_v_heads=4, head_dim=8, expand_v=1.5,
-                  use_short_conv=True, conv_size=3, allow_neg_eigval=True, intermediate_size=48,
-                  initializer_range=0.2),
-        variants={"plain": dict(use_short_conv=False, use_gate=False),
-                  "sigmoid_gate": dict(output_gate_activation="sigmoid")},
-    ),
-    "fox": Family(
-        "fox",
-        SelectiveRopeFoXConfig,
-        SelectiveRopeFoXModel,
-        SelectiveRopeFoXForCausalLM,
-        # GQA, explicit head_dim, biases and every FoX Pro option.
-        tiny=dict(**TOKENS, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=8, intermediate_size=48, attention_bias=True, mlp_bias=True, qk_norm=True,
-                  use_output_gate=True, use_output_norm=True, use_k_shift=True, use_v_shift=True,
-                  initializer_range=0.2),
-    ),
+    name: Family(name, spec.config_class, spec.model_class, spec.lm_class, tiny=TINY[name],
+                 variants=VARIANTS.get(name, {}))
+    for name, spec in REGISTRY.items()
 }
 
 # Selective RoPE options the model-level suite (test_models.py) also runs on every family, besides the defaults: those

@@ -48,7 +48,7 @@ class _TensorLoopVariables(interpreter.ASTTransformer):
 
 def counting(ops: SimpleNamespace, calls: Counter) -> SimpleNamespace:
     """``ops`` with every call counted under its name, and under ``name + "[packed]"`` when given ``cu_seqlens`` (also
-    used by tests/test_cuda.py)."""
+    used by tests/kernels/test_backend_parity.py)."""
     def counted(name, fn):
         def wrapper(*args, **kwargs):
             calls[name] += 1

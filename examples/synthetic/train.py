@@ -68,24 +68,15 @@ LENGTH_UNIT = {"parity": "bits", "mqar": "key-value pairs", "copy": "string leng
 # ----------------------------------------------------------------------------------------------------------- model
 
 def build_config(task, family: str, variant: str, layers: int, hidden: int, heads: int, overrides: dict):
-    from selective_rope import SelectiveRopeFoXConfig, SelectiveRopeGatedDeltaNetConfig, SelectiveRopeGLAConfig
+    from selective_rope.families import get_family
 
+    spec = get_family(family)
     common = dict(vocab_size=task.vocab_size, hidden_size=hidden, num_hidden_layers=layers,
                   intermediate_size=2 * hidden, bos_token_id=None, eos_token_id=None, pad_token_id=None,
                   tie_word_embeddings=False, initializer_range=0.05, **VARIANTS[variant])
-    if family == "gla":
-        kwargs = dict(common, num_heads=heads, expand_k=1.0, expand_v=1.0, use_short_conv=True)
-        config_class = SelectiveRopeGLAConfig
-    elif family == "gated_deltanet":
-        kwargs = dict(common, num_heads=heads, head_dim=hidden // heads, expand_v=1.0, use_short_conv=True)
-        config_class = SelectiveRopeGatedDeltaNetConfig
-    elif family == "fox":
-        kwargs = dict(common, num_attention_heads=heads, num_key_value_heads=heads)
-        config_class = SelectiveRopeFoXConfig
-    else:
-        raise ValueError(f"unknown family {family!r}")
+    kwargs = dict(common, **spec.head_layout(hidden, heads, square=True))
     kwargs.update(overrides)
-    return config_class(**kwargs)
+    return spec.config_class(**kwargs)
 
 
 def task_settings(task_name: str, **overrides) -> dict:
@@ -331,11 +322,13 @@ def parse_overrides(pairs: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from selective_rope.families import FAMILY_NAMES
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", choices=TASKS, required=True)
     parser.add_argument("--variant", choices=list(VARIANTS), required=True)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--family", choices=["gla", "gated_deltanet", "fox"])
+    parser.add_argument("--family", choices=FAMILY_NAMES)
     parser.add_argument("--layers", type=int)
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--heads", type=int)

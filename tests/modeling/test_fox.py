@@ -1,4 +1,5 @@
-"""FoX-specific properties: the Llama-family identity, cache cropping, bounded attention memory."""
+"""FoX-specific properties: the Llama-family identity, bounded attention memory, the growing key timeline (cache
+cropping: tests/modeling/test_cache.py)."""
 
 from __future__ import annotations
 
@@ -67,40 +68,6 @@ def test_unsupported_llama_sources_are_refused():
     from transformers import GPT2Config
     with pytest.raises(ValueError, match="unsupported source architecture 'gpt2'"):
         fox_config_from_llama(GPT2Config())
-
-
-@pytest.mark.parametrize("position_embedding", ["rope", "nope"])
-def test_crop_rolls_the_attention_cache_back(position_embedding):
-    config = SelectiveRopeFoXConfig(**{**FOX.tiny, "position_embedding": position_embedding,
-                                       "use_k_shift": False, "use_v_shift": False})
-    model = SelectiveRopeFoXForCausalLM(config).eval()
-    ids = torch.randint(3, 61, (2, 12))
-    other = torch.randint(3, 61, (2, 3))
-    mask = torch.ones(2, 12, dtype=torch.long)
-    mask[1, :4] = 0  # left padding: holes in the key timeline survive the crop
-    with torch.no_grad():
-        cache = model(ids[:, :9], attention_mask=mask[:, :9], use_cache=True).past_key_values
-        for t in range(9, 12):
-            model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache, use_cache=True)
-        cache.crop(-3)
-        assert cache.get_seq_length() == 9
-        steps = [model(other[:, j:j + 1], attention_mask=mask[:, :10 + j], past_key_values=cache,
-                       use_cache=True).logits for j in range(3)]
-        full = model(torch.cat([ids[:, :9], other], 1), attention_mask=mask).logits[:, 9:]
-    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("family_name,overrides", [("fox", {}), ("fox", {"position_embedding": "rope"}),
-                                                   ("gla", {}), ("gated_deltanet", {})])
-def test_crop_refuses_states_it_cannot_roll_back(family_name, overrides):
-    family = FAMILIES[family_name]
-    model = family.lm_class(family.config_class(**{**family.tiny, **overrides})).eval()
-    with torch.no_grad():
-        cache = model(torch.randint(3, 61, (1, 5)), use_cache=True).past_key_values
-    with pytest.raises(NotImplementedError, match="cannot be rolled back"):
-        cache.crop(-1)
-    with pytest.raises(ValueError, match="negative"):
-        cache.crop(2)
 
 
 class LargestTensor(TorchDispatchMode):

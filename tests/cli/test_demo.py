@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from selective_rope import SelectiveRopeGLAForCausalLM
 from selective_rope.cli import main
-from selective_rope.demo import BOS, FAMILIES, MODULUS, demo_config, progressions, run_demo
+from selective_rope.demo import BOS, MODULUS, demo_config, progressions, run_demo
+from selective_rope.families import FAMILY_NAMES
 
 
 def test_progressions_are_arithmetic():
@@ -22,7 +23,7 @@ def test_progressions_are_arithmetic():
     assert (steps == steps[:, :1]).all() and (steps > 0).all()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_demo_trains_saves_reloads_and_generates(tmp_path, capsys, family):
     result = run_demo(str(tmp_path / "out"), seconds=30, max_steps=3, seed=0, family=family)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")

@@ -135,7 +135,8 @@ def test_each_copy_of_the_travelling_code_runs_its_own_attention_op(tmp_path):
         model.save_pretrained(tmp_path / name)
         torch.save(ids, tmp_path / name / "ids.pt")
     kernel = tmp_path / "altered" / "kernels_forgetting_attention_torch.py"
-    original = "    return _attention_inference(q, k, v, cum, key_valid, scale, block_size)\n"
+    # the eager path calls the op's function directly (no dispatch); torch.compile calls the op itself
+    original = "        return _attention_merged(q, k, v, cum, scale, block_size)\n"
     assert kernel.read_text().count(original) == 1
     kernel.write_text(kernel.read_text().replace(original, original.replace("return ", "return 1.0 + ")))
     code = import_blocker("selective_rope") + textwrap.dedent("""

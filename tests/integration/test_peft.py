@@ -176,7 +176,7 @@ def test_trainer_with_lora_and_activation_checkpointing(tmp_path):
 def test_the_readme_lora_snippet_runs_as_written(tmp_path, monkeypatch):
     """The README's LoRA block, executed as it stands: the adapter is a causal-LM one, so AutoPeftModelForCausalLM
     reloads it onto the recorded base model, and merging gives our class back (equal to the base: nothing trained)."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "AutoPeftModelForCausalLM" in b]
     assert len(blocks) == 1
     family = FAMILIES["gla"]

@@ -180,28 +180,91 @@ def record_sdpa_calls(monkeypatch):
     return calls
 
 
-def test_decoding_is_a_single_block(monkeypatch):
-    q, k, v, g = make_inputs(3000)
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa2", "mqa"])
+@pytest.mark.parametrize("gate", [True, False], ids=["gate", "no_gate"])
+@pytest.mark.parametrize("padded", [False, True], ids=["full", "holes"])
+def test_decoding_step(monkeypatch, heads, gate, padded):
+    # one query per row takes the direct path (no blocks, no scaled_dot_product_attention call)
+    q, k, v, g, valid = padded_inputs(300, heads=heads)
+    g, valid = (g if gate else None), (valid if padded else None)
     calls = record_sdpa_calls(monkeypatch)
     with torch.no_grad():
-        o = forgetting_attention(q[:, -1:], k, v, g)
-    assert calls == [((B, HQ, 1, D), (B, HK, 3000, D), (B, HQ, 1, 3000))]
-    torch.testing.assert_close(o, reference(q[:, -1:], k, v, g).float(), **EXACT_TOL)
+        o = forgetting_attention(q[:, -1:], k, v, g, key_valid=valid)
+    assert calls == [] and o.shape == (B, 1, heads[0], DV)
+    torch.testing.assert_close(o, reference(q[:, -1:], k, v, g, key_valid=valid).float(), **EXACT_TOL)
+
+
+def record_flash_calls(monkeypatch):
+    """Record (q, k, attn_mask, is_causal) shapes of every call of the merged path's CPU flash kernel."""
+    calls = []
+    flash = forgetting_attention_torch._CPU_FLASH
+
+    def recording(q, k, v, dropout, is_causal, attn_mask=None, scale=None):
+        calls.append((tuple(q.shape), tuple(k.shape), None if attn_mask is None else tuple(attn_mask.shape),
+                      is_causal))
+        return flash(q, k, v, dropout, is_causal, attn_mask=attn_mask, scale=scale)
+
+    monkeypatch.setattr(forgetting_attention_torch, "_CPU_FLASH", recording)
+    return calls
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa2"])
+@pytest.mark.parametrize("gate", [True, False], ids=["gate", "no_gate"])
+@pytest.mark.parametrize("queries,block_size", [(190, 32), (200, 32), (200, 7), (64, 64), (3, 32)])
+def test_merged_blocks_read_their_square_and_the_past_keys(monkeypatch, heads, gate, queries, block_size):
+    # without padding: per query block, one call on its own (rows x rows) causal square and one on the keys before
+    # it (a key-only mask), merged by log-sum-exp; lengths that are and are not multiples of the block
+    q, k, v, g = make_inputs(200, heads)
+    g = g if gate else None
+    calls = record_flash_calls(monkeypatch)
+    with torch.no_grad():
+        o = forgetting_attention(q[:, -queries:], k, v, g, block_size=block_size)
+    torch.testing.assert_close(o, reference(q[:, -queries:], k, v, g).float(), **EXACT_TOL)
+    expected = []
+    for first in range(200 - queries, 200, block_size):
+        rows = min(block_size, 200 - first)
+        expected.append(((B, HQ, rows, D), (B, HQ, rows, D), (B, HQ, rows, rows) if gate else None, not gate))
+        if first:
+            expected.append(((B, HQ, rows, D), (B, HQ, first, D), (B, HQ, 1, first) if gate else None, False))
+    if not gate and queries == 200:  # a whole sequence without a gate is one causal scaled_dot_product_attention
+        expected = []
+    assert calls == expected
+
+
+def test_merged_path_with_value_size_above_key_size():
+    # the flash kernel takes one head size: q and k are padded with zero columns
+    q, k, _, g = make_inputs(50)
+    v = torch.randn(B, 50, HK, 2 * D)
+    with torch.no_grad():
+        o = forgetting_attention(q[:, 10:], k, v, g, block_size=16)
+    torch.testing.assert_close(o, reference(q[:, 10:], k, v, g).float(), **EXACT_TOL)
 
 
 @pytest.mark.parametrize("gate", [True, False], ids=["gate", "no_gate"])
-def test_blocks_are_bounded_and_read_only_past_keys(monkeypatch, gate):
+def test_padded_blocks_are_bounded_and_read_only_past_keys(monkeypatch, gate):
+    # with holes in the key timeline: one scaled_dot_product_attention per block, its mask a bounded tile
     monkeypatch.setattr(forgetting_attention_torch, "BLOCK_ELEMENTS", 32 * B * HQ * 200)  # 32 rows at Tk=200
-    q, k, v, g = make_inputs(200)
+    q, k, v, g, valid = padded_inputs(200)
     g = g if gate else None
     calls = record_sdpa_calls(monkeypatch)
     with torch.no_grad():
-        o = forgetting_attention(q[:, 10:], k, v, g)
-    torch.testing.assert_close(o, reference(q[:, 10:], k, v, g).float(), **EXACT_TOL)
+        o = forgetting_attention(q[:, 10:], k, v, g, key_valid=valid)
+    torch.testing.assert_close(o, reference(q[:, 10:], k, v, g, key_valid=valid).float(), **EXACT_TOL)
     # 190 queries in blocks of 32 rows, each against the keys up to its last query only
     heads = HQ if gate else 1  # without a gate one mask serves every head
-    assert calls == [((B, HQ, rows, D), (B, HK, first + rows, D), (B if gate else 1, heads, rows, first + rows))
+    assert calls == [((B, HQ, rows, D), (B, HK, first + rows, D), (B, heads, rows, first + rows))
                      for first in range(10, 200, 32) for rows in [min(32, 200 - first)]]
+
+
+def test_merged_path_off_cpu_falls_back_to_masked_blocks(monkeypatch):
+    # without the CPU flash kernel (other devices), unpadded timelines take the masked blocks as well
+    q, k, v, g = make_inputs(90)
+    monkeypatch.setattr(forgetting_attention_torch, "_CPU_FLASH", None)
+    calls = record_sdpa_calls(monkeypatch)
+    with torch.no_grad():
+        o = forgetting_attention(q[:, 5:], k, v, g, block_size=32)
+    assert len(calls) == 3
+    torch.testing.assert_close(o, reference(q[:, 5:], k, v, g).float(), **EXACT_TOL)
 
 
 def test_autograd_blocks_are_bounded_and_read_only_past_keys(monkeypatch):
@@ -225,10 +288,10 @@ def test_autograd_blocks_are_bounded_and_read_only_past_keys(monkeypatch):
     torch.testing.assert_close(o.detach(), reference(q[:, 10:], k, v, g).float(), **EXACT_TOL)
 
 
-def padded_inputs(seq_len, gate_shift=2.0):
+def padded_inputs(seq_len, gate_shift=2.0, heads=(HQ, HK)):
     """make_inputs plus a key_valid mask with holes everywhere (the first and last slots, runs of holes),
     batch row 0 left-padded (its first 4 queries see no valid key); invalid slots carry a garbage gate."""
-    q, k, v, g = make_inputs(seq_len, gate_shift=gate_shift)
+    q, k, v, g = make_inputs(seq_len, heads, gate_shift=gate_shift)
     valid = torch.rand(B, seq_len) > 0.3
     valid[0, :4] = False
     valid[0, 4] = True

@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
-# `python -c "import torch"` exits with $TORCH_MISSING (0: torch is installed); everything else succeeds.
+# `python -c "import torch"` exits with $TORCH_MISSING (0: torch is installed), `python -m pytest` with $PYTEST_STATUS;
+# everything else succeeds.
 PYTHON = """#!/usr/bin/env bash
 echo "python $*" >> "$CALLS"
 if [ "$1" = "-c" ] && [ "$2" = "import torch" ]; then exit "${TORCH_MISSING:-0}"; fi
+if [ "$1" = "-m" ] && [ "$2" = "pytest" ]; then exit "${PYTEST_STATUS:-0}"; fi
 if [ "$1" = "-c" ]; then echo "2.13.0+cu130"; fi
 """
 SELECTIVE_ROPE = """#!/usr/bin/env bash
@@ -22,7 +24,8 @@ echo "selective-rope $*" >> "$CALLS"
 """
 
 
-def _run(tmp_path: Path, script: str, args: list[str], torch_installed: bool) -> tuple[list[str], str]:
+def _stand_ins(tmp_path: Path, torch_installed: bool = True, pytest_status: int = 0) -> tuple[dict, Path]:
+    """The environment with the stand-ins first on PATH, and the file they record their calls in."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     for name, text in (("python", PYTHON), ("selective-rope", SELECTIVE_ROPE)):
@@ -31,7 +34,12 @@ def _run(tmp_path: Path, script: str, args: list[str], torch_installed: bool) ->
     calls = tmp_path / "calls.txt"
     calls.unlink(missing_ok=True)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "CALLS": str(calls),
-           "TORCH_MISSING": "0" if torch_installed else "1"}
+           "TORCH_MISSING": "0" if torch_installed else "1", "PYTEST_STATUS": str(pytest_status)}
+    return env, calls
+
+
+def _run(tmp_path: Path, script: str, args: list[str], torch_installed: bool) -> tuple[list[str], str]:
+    env, calls = _stand_ins(tmp_path, torch_installed)
     run = subprocess.run(["bash", str(REPO / "scripts" / script), *args], env=env, capture_output=True, text=True,
                          timeout=60)
     assert run.returncode == 0, run.stderr
@@ -55,3 +63,14 @@ def test_scripts_install_torch_where_there_is_none(tmp_path, script):
     install = calls.index("python -m pip install --quiet torch==2.13.0")
     assert install < next(i for i, call in enumerate(calls) if " -e ." in call)  # torch first, then the package
     assert "download.pytorch.org/whl/cpu" in out  # says how to get the CPU build instead
+
+
+@pytest.mark.parametrize("pytest_status", [0, 1, 5])
+def test_ci_runs_the_readme_test_command_and_fails_when_nothing_was_collected(tmp_path, pytest_status):
+    """.ci/run is scripts/test.sh with its status, except that pytest's "no tests collected" (5) is a failure with a
+    message, never a pass."""
+    env, calls = _stand_ins(tmp_path, pytest_status=pytest_status)
+    run = subprocess.run(["bash", str(REPO / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60)
+    assert calls.read_text().splitlines()[-1] == "python -m pytest tests -p no:cacheprovider"
+    assert run.returncode == pytest_status
+    assert ("pytest collected no tests" in run.stderr) == (pytest_status == 5)

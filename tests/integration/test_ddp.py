@@ -2,10 +2,10 @@
 DistributedDataParallel over gloo.
 
 The test launches this file as the worker script (``python -m torch.distributed.run --nproc_per_node 2
-tests/test_ddp.py OUT``, or ``accelerate launch --multi_gpu --num_processes 2 ...``). Each rank builds every family
-with a *different* random initialisation and trains on its own shard of the batch (Trainer's distributed sampler);
-DDP broadcasts rank 0's weights and averages the gradients, so both ranks must end with identical parameters, and
-the loss must fall.
+tests/integration/test_ddp.py OUT``, or ``accelerate launch --multi_gpu --num_processes 2 ...``). Each rank builds
+every family with a *different* random initialisation and trains on its own shard of the batch (Trainer's
+distributed sampler); DDP broadcasts rank 0's weights and averages the gradients, so both ranks must end with
+identical parameters, and the loss must fall.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ ROWS, LENGTH = 8, 12
 
 
 def worker(out_dir: Path) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: families.py
     from transformers import Trainer, TrainingArguments
 
     from families import FAMILIES

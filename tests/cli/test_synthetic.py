@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SYNTHETIC = Path(__file__).resolve().parent.parent / "examples" / "synthetic"
+SYNTHETIC = Path(__file__).resolve().parents[2] / "examples" / "synthetic"
 sys.path.insert(0, str(SYNTHETIC))
 
 _matplotlib_before = "matplotlib" in sys.modules

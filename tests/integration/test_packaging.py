@@ -19,7 +19,7 @@ try:
 except ModuleNotFoundError:
     tomllib = pytest.importorskip("tomli")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 # What a build reads: the metadata files and the package folders pyproject names.
 BUILD_INPUTS = ["pyproject.toml", "README.md", "LICENSE", "MANIFEST.in", "selective_rope",

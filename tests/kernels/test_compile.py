@@ -4,7 +4,7 @@ with the eager results.
 Compiling a whole model takes minutes on a small CPU, so the default run keeps one cheap check of what broke before:
 FoX's attention op under dynamic shapes, at the shapes of training and of cached decoding (torch 2.13 failed there
 with "sources must not be empty for symbol ..." while building guards). The whole-model checks are ``slow``:
-``python -m pytest tests/test_compile.py -m slow``.
+``python -m pytest tests/kernels/test_compile.py -m slow``.
 """
 
 from __future__ import annotations

@@ -140,9 +140,15 @@ def test_bench_runs_and_writes_json(tmp_path, capsys):
 def test_bench_full_runs_the_repository_scripts(tmp_path, monkeypatch, capfd):
     script = tmp_path / "bench_fox_cpu.py"
     script.write_text("import sys; print('fox script', sys.argv[1:])\n")
-    monkeypatch.setattr(cli, "BENCHMARKS_DIR", tmp_path)
+    from selective_rope.bench import cli as bench_command
+
+    monkeypatch.setattr(bench_command, "BENCHMARKS_DIR", tmp_path)
     assert cli.main(["bench", "--family", "fox", "--full", "--quick"]) == 0
     assert "fox script ['--quick']" in capfd.readouterr().out  # the script's own output
+    assert cli.main(["bench", "--family", "fox", "--full", "--compare"]) == 0  # the comparison with Llama alone
+    assert "fox script ['--compare-only']" in capfd.readouterr().out
+    with pytest.raises(SystemExit, match="--compare runs the source repository's benchmark scripts"):
+        cli.main(["bench", "--family", "fox", "--compare"])
     with pytest.raises(SystemExit, match="--full needs the source repository's benchmark scripts"):
         cli.main(["bench", "--family", "gla", "--full"])
     script.write_text("import sys; sys.exit(3)\n")

@@ -1,7 +1,8 @@
 """FSDP2 through transformers' Trainer and accelerate on two CPU processes (gloo), against one process.
 
 The test saves each model once (the three families, and a tiny Llama converted to FoX), then launches this file as
-the worker script (``python -m torch.distributed.run --nproc_per_node 2 tests/test_fsdp.py OUT``). Both ranks load
+the worker script (``python -m torch.distributed.run --nproc_per_node 2 tests/integration/test_fsdp.py OUT``).
+Both ranks load
 the same checkpoint and train under FSDP2 as ``examples/train_distributed.py`` sets it up (float32 units for the
 Selective RoPE modules, one unit per decoder block, FSDP's activation checkpointing, sharded checkpoints); the same
 training in this process, on the same global batches in the same order, is the reference. No dropout, a sequential
@@ -33,7 +34,8 @@ from selective_rope import SelectiveRotaryEmbedding
 from selective_rope.conversion import convert
 from selective_rope.kernels.rotary_torch import phase_dtype
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (families.py) when run as the worker script
 from train_distributed import FSDP_CONFIG, accelerate_fsdp_on_cpu  # noqa: E402
 
 from families import FAMILIES  # noqa: E402
@@ -366,7 +368,7 @@ def test_rotary_stays_float32_in_a_model_loaded_in_bf16(tmp_path):
 def test_example_commands(tmp_path):
     """The README's commands for examples/train_distributed.py, with fewer steps: FSDP2 with checkpoints, resumed,
     and DDP; each ends by reloading its final directory and comparing logits with the trained model's."""
-    example = Path(__file__).resolve().parent.parent / "examples" / "train_distributed.py"
+    example = Path(__file__).resolve().parents[2] / "examples" / "train_distributed.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("CUDA_VISIBLE_DEVICES", None)
     for options in (["--strategy", "fsdp", "--output-dir", "fsdp_run", "--max-steps", "20", "--save-steps", "10"],

@@ -24,9 +24,9 @@ from selective_rope.kernels.rotary import selective_rotary
 from families import FAMILIES
 from isolation import import_blocker
 
-REPO = Path(__file__).resolve().parents[1]
-needs_interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter check; tests/test_cuda.py "
-                                       "compares the backends on the GPU")
+REPO = Path(__file__).resolve().parents[2]
+needs_interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter check; "
+                                       "tests/kernels/test_backend_parity.py compares the backends on the GPU")
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,93 @@
+"""The benchmark harness (bench/, ``selective_rope.bench``): a family spec's whole run at tiny sizes writes the
+record every CPU benchmark writes, with the shared sections after the family's own, numbered in turn."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from selective_rope.bench.machine import Quiet
+from selective_rope.bench.runner import (
+    FamilyBenchmark,
+    prefill_section,
+    print_prefill_section,
+    run_benchmark,
+    selective_vs_nope_comparison,
+)
+from selective_rope.bench.timing import paired_ratio, target, timed_rounds
+
+TINY = dict(hidden_size=32, num_hidden_layers=1, num_heads=2, vocab_size=64, use_short_conv=True)
+PLAN = {"prefill_lengths": [8, 16], "prefill_repeats": 1, "decode_contexts": [4, 12], "decode_steps": 2,
+        "decode_steps_per_round": 1, "decode_warmup": 1, "overhead_len": 8, "overhead_rounds": 1}
+
+
+def rotary_inputs(T: int):
+    return torch.randn(1, T, 32), torch.randn(1, T, 2, 8), torch.randn(1, T, 2, 8)
+
+
+def test_a_family_spec_runs_the_shared_sections_after_its_own(tmp_path, capsys):
+    seen = {}
+
+    def sections(run):
+        seen["quiet"] = run.quiet
+        return [("prefill", "1. prefill throughput", lambda: prefill_section(spec, run))]
+
+    spec = FamilyBenchmark(
+        name="bench_tiny", title="tiny", family="gla", model_config=TINY, seed=0, root=tmp_path,
+        sources=["missing.py"], default_output=tmp_path / "default.json", plans={"quick": PLAN, "full": PLAN},
+        sections=sections, print_sections=lambda results: print_prefill_section(results, 1),
+        targets=lambda results, plan: {"prefill rows": target(len(results["prefill"]["rows"]), 2, True)},
+        rotary_inputs=rotary_inputs, decode_goal=100.0)
+    output = tmp_path / "out.json"
+    assert run_benchmark(spec, ["--quick", "--output", str(output), "--threads", "1", "--max-wait", "0"]) == 0
+    results = json.loads(output.read_text())
+    assert list(results)[:10] == ["benchmark", "mode", "command", "device", "source", "plan", "model_config",
+                                  "prefill", "decode", "overhead"]
+    assert results["benchmark"] == "bench_tiny" and results["mode"] == "quick" and results["plan"] == PLAN
+    assert results["model_config"]["position_embedding"] == "selective_rope (sections 1-2); all three in 3"
+    assert [row["seq_len"] for row in results["prefill"]["rows"]] == [8, 16]
+    assert [row["context"] for row in results["decode"]["rows"]] == [4, 12]
+    assert set(results["overhead"]["timings"]) == {"nope", "rope", "selective_rope"}
+    assert list(results["targets"]) == ["prefill rows", "decode ms/token at 12 / at 4",
+                                        "selective_rope / nope prefill time at T=8",
+                                        "rope / nope prefill time at T=8"]
+    assert results["targets"]["prefill rows"]["met"]
+    assert results["contention"]["quiet"] == seen["quiet"].summary()
+    out = capsys.readouterr().out
+    for title in ("1. Prefill throughput", "2. Decode", "3. Position-embedding prefill overhead", "Targets"):
+        assert title in out
+
+
+def test_compare_only_runs_the_comparison_alone_into_its_own_file(tmp_path, capsys):
+    compare_plan = {**PLAN, "compare_decode_contexts": [4, 8], "compare_decode_rounds": 2,
+                    "compare_decode_steps_per_round": 1, "compare_decode_warmup": 1,
+                    "compare_prefill_lengths": [8, 16], "compare_prefill_rounds": 2}
+    spec = FamilyBenchmark(
+        name="bench_tiny", title="tiny", family="gla", model_config=TINY, seed=0, root=tmp_path, sources=[],
+        default_output=tmp_path / "full.json", plans={"quick": compare_plan, "full": compare_plan},
+        sections=lambda run: [], print_sections=lambda results: None, targets=lambda results, plan: {},
+        rotary_inputs=rotary_inputs, comparison=selective_vs_nope_comparison(tmp_path / "compare.json"))
+    assert run_benchmark(spec, ["--quick", "--compare-only", "--threads", "1", "--max-wait", "0"]) == 0
+    assert not (tmp_path / "full.json").exists()
+    results = json.loads((tmp_path / "compare.json").read_text())
+    assert "decode" not in results and "overhead" not in results
+    assert [row["context"] for row in results["compare"]["decode"]["rows"]] == [4, 8]
+    assert [row["seq_len"] for row in results["compare"]["prefill"]["rows"]] == [8, 16]
+    for row in results["compare"]["decode"]["rows"] + results["compare"]["prefill"]["rows"]:
+        assert set(row["models"]) == {"nope", "selective_rope"}
+        assert row["models"]["selective_rope"]["ratio_to_nope"]["pairs"] == 2  # two interleaved rounds, paired
+    assert list(results["targets"]) == ["selective_rope / nope decode ms/token at context 4",
+                                        "selective_rope / nope decode ms/token at context 8",
+                                        "selective_rope / nope prefill at T=8", "selective_rope / nope prefill at T=16"]
+    assert results["model_config"]["summary"].startswith("hidden 32, layers 1, heads 2")
+    assert "bench_tiny: Selective RoPE vs NoPE" in capsys.readouterr().out
+
+
+def test_timed_rounds_interleave_and_pair_the_calls():
+    order = []
+    stats = timed_rounds({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, rounds=4,
+                         quiet=Quiet(max_wait_s=0, max_redo=0), calls=1, warmup=0, min_round_s=0)
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]  # the first function rotates each round
+    assert stats["a"]["repeats"] == stats["b"]["repeats"] == 4
+    assert paired_ratio({"x": {"times_s": [2, 4]}, "y": {"times_s": [1, 1]}}, "x", "y") == 3
