@@ -69,7 +69,7 @@ class SelectiveRopePreTrainedModel(HubMixin, PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)  # Linear / Conv1d: N(0, initializer_range); Embedding; RMSNorm ones
-        if isinstance(module, SelectiveRotaryEmbedding) and module.mode != "nope":
+        if isinstance(module, SelectiveRotaryEmbedding) and module.position_embedding != "nope":
             init.copy_(module.temperature, module.initial_temperature())
             if getattr(module, "phase_bias", None) is not None:
                 init.zeros_(module.phase_bias)
@@ -104,7 +104,7 @@ class SelectiveRopePreTrainedModel(HubMixin, PreTrainedModel):
         policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
         for module in self.modules():
             is_new = isinstance(module, SelectiveRotaryEmbedding) and not isinstance(module, FSDPModule)
-            if is_new and module.mode != "nope":  # NoPE has no parameters
+            if is_new and module.position_embedding != "nope":  # NoPE has no parameters
                 fully_shard(module.float(), mesh=mesh, mp_policy=policy)
 
     @classmethod

@@ -139,13 +139,13 @@ class ForgettingAttention(nn.Module):
         """Selective RoPE continues its cached state. RoPE's phase is the number of real tokens so far: recomputed
         from the key timeline rather than cached, so that cropping the cache keeps it exact."""
         rotary_state = state.scope("rotary")
-        if self.rotary.mode == "rope" and "valid" in state:
+        if self.rotary.position_embedding == "rope" and "valid" in state:
             seen = state.get("valid").sum(dim=1).to(phase_dtype(x.device))  # (B,)
-            previous = {"phase": seen[:, None, None].expand(-1, self.num_kv_heads, self.rotary.half)}
+            previous = {"phase": seen[:, None, None].expand(-1, self.num_kv_heads, self.rotary.rotary_pairs)}
         else:
             previous = rotary_state.previous()
         q, k, new_rotary_state = self.rotary(x, q, k, previous, lengths, cu_seqlens, backend=backend)
-        if self.rotary.mode == "selective_rope":
+        if self.rotary.position_embedding == "selective_rope":
             rotary_state.update(new_rotary_state)
         return q, k
 
