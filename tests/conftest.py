@@ -26,6 +26,15 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _keep_thread_count():
+    """Restore torch's intra-op thread count after each test: code under test may set it (the benchmark runner does),
+    and results compared bit for bit with another process (remote code) need the same count there and here."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def one_thread():
     """Run the test with one intra-op thread (restored afterwards)."""
