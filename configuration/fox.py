@@ -35,7 +35,7 @@ class SelectiveRopeFoXConfig(SelectiveRopeConfigBase):
 
     model_type = "selective_rope_fox"
     keys_to_ignore_at_inference = ["past_key_values"]
-    attribute_map = {"norm_eps": "rms_norm_eps"}  # the name the shared block reads
+    attribute_map = {"norm_eps": "rms_norm_eps"}  # the name the other families and the shared model use
 
     vocab_size: int = validated_field(at_least(1), default=32000)
     hidden_size: int = validated_field(at_least(1), default=4096)
@@ -73,6 +73,14 @@ class SelectiveRopeFoXConfig(SelectiveRopeConfigBase):
         if self.attention_output_bias is None:
             self.attention_output_bias = self.attention_bias
         super().__post_init__(**kwargs)
+
+    @property
+    def mlp_width(self) -> int:
+        return self.intermediate_size
+
+    @property
+    def mlp_has_bias(self) -> bool:
+        return self.mlp_bias
 
     @property
     def rotary_head_dim(self) -> int:

@@ -9,7 +9,16 @@ from typing import Literal
 
 from huggingface_hub.dataclasses import validated_field
 
-from .position_embedding import Number, SelectiveRopeConfigBase, _require, at_least, interval, positive, strict_config
+from .position_embedding import (
+    Number,
+    SelectiveRopeConfigBase,
+    _require,
+    at_least,
+    fla_mlp_width,
+    interval,
+    positive,
+    strict_config,
+)
 
 
 @strict_config
@@ -74,6 +83,10 @@ class SelectiveRopeGLAConfig(SelectiveRopeConfigBase):
     @property
     def head_v_dim(self) -> int:
         return self.value_dim // self.num_heads
+
+    @property
+    def mlp_width(self) -> int:
+        return fla_mlp_width(self.hidden_size, self.hidden_ratio, self.intermediate_size)
 
     @property
     def rotary_head_dim(self) -> int:

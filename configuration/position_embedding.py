@@ -100,6 +100,15 @@ def at_least(low: int):
 positive = interval(0, low_open=True)
 
 
+def fla_mlp_width(hidden_size: int, hidden_ratio: int | None, intermediate_size: int | None) -> int:
+    """flash-linear-attention's MLP width: ``intermediate_size`` if given, else 2/3 · ratio · hidden rounded up to a
+    multiple of 256 (GLA and Gated DeltaNet; the converters size fla checkpoints with it too)."""
+    if intermediate_size is not None:
+        return intermediate_size
+    width = int(hidden_size * (hidden_ratio or 4) * 2 / 3)
+    return 256 * ((width + 255) // 256)
+
+
 def _describe(annotation) -> str:
     """``bool``, ``int or float``, ``one of 'a', 'b'``, ... for an error message."""
     origin = get_origin(annotation)
@@ -166,12 +175,17 @@ class SelectiveRopeConfigBase(PreTrainedConfig):
         phase_conv_size: kernel size of the learned convolution on the phase increment; 0 disables it.
         phase_conv_activation: ``None`` or ``"silu"`` (``"swish"`` is accepted as its other name, as in
             flash-linear-attention, and kept as given), applied after either convolution.
-        temperature_type: ``"rope"``, ``"rfa"`` (tan schedule), or sampled ``"gaussian"``/``"laplace"``/``"uniform"``.
+        temperature_type: the schedule of the temperature ``τ``, the per-pair rotation frequencies (RoPE's inverse
+            frequencies; the name is the paper's, not a sampling temperature): ``"rope"``, ``"rfa"`` (tan schedule),
+            or sampled ``"gaussian"``/``"laplace"``/``"uniform"``.
         temperature_theta: ``rope``: base (>= 1); ``rfa``: angle bound in (0, 1); sampled types: scale (> 0).
-        temperature_max: overall scale of the temperature schedule (> 0).
+        temperature_max: a factor multiplying every frequency of the schedule (> 0; named after the official
+            code's ``temp_max``, it is a scale, not a bound).
         temperature_trainable: learn the temperature.
         temperature_seed: seed of the sampled temperature types.
         partial_rotary_factor: fraction in (0, 1] of each head's q/k dims that rotate (the rotary part must be even).
+
+    Kernels (not a position-embedding option: it selects who runs every op of the model, mixers included):
         backend: ``"auto"`` (Triton kernels and flash-linear-attention on CUDA, PyTorch elsewhere), ``"torch"``
             (PyTorch everywhere) or ``"triton"`` (as auto on CUDA; on CPU our Triton rotary kernels under
             ``TRITON_INTERPRET=1``). The environment variable ``SELECTIVE_ROPE_BACKEND``, when set, overrides it.
@@ -197,12 +211,25 @@ class SelectiveRopeConfigBase(PreTrainedConfig):
     temperature_trainable: bool = False
     temperature_seed: int = 0
     partial_rotary_factor: Number = validated_field(interval(0, 1, low_open=True), default=1.0)
+
+    # Kernels: who runs every op of the model (kernels/dispatch.py), not only the rotation.
     backend: Backend = "auto"
 
+    # -- what the shared model reads (each family defines them from its own fields) --------------------------------
     @property
     def rotary_head_dim(self) -> int:
         """The size of the q/k heads the rotation applies to (set by each family)."""
         raise NotImplementedError
+
+    @property
+    def mlp_width(self) -> int:
+        """The inner width of the decoder block's SwiGLU MLP (set by each family)."""
+        raise NotImplementedError
+
+    @property
+    def mlp_has_bias(self) -> bool:
+        """Whether the MLP's projections have biases (only FoX's ``mlp_bias`` can say so)."""
+        return False
 
     @property
     def num_phase_heads(self) -> int:

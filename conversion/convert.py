@@ -35,8 +35,9 @@ from transformers.modeling_utils import load_state_dict
 from transformers.utils import logging
 
 from ..families import FAMILIES
+from ..modeling.hub import auto_map
 from ..modeling.model_card import render_model_card, template_texts
-from ..modeling.remote_code import bundle_auto_map, write_code_bundle
+from ..modeling.remote_code import write_code_bundle
 from ..modeling.rotary import SelectiveRotaryEmbedding
 from .fla import FLA_MODEL_TYPES, fla_config, fla_key
 from .llama import (
@@ -612,9 +613,10 @@ def _write_metadata(plan: SourcePlan, source_dir: Path, directory: Path, out_dty
     config = plan.config
     config.architectures = [plan.model_class.__name__]
     config.dtype = out_dtype
-    config.auto_map = bundle_auto_map(plan.model_class, type(config), plan.model_class.model_class)
+    config.auto_map = auto_map(plan.model_class, type(config), plan.model_class.model_class)
     config.save_pretrained(directory)
-    write_code_bundle(directory, plan.model_class.__module__, extra_files=template_texts())
+    write_code_bundle(directory, plan.model_class.__module__,
+                      templates={config.model_type: template_texts()[config.model_type]})
     if (source_dir / "generation_config.json").exists():
         shutil.copy2(source_dir / "generation_config.json", directory)
     else:

@@ -15,15 +15,16 @@ import re
 from ..configuration.fox import SelectiveRopeFoXConfig
 from ..configuration.gated_deltanet import SelectiveRopeGatedDeltaNetConfig
 from ..configuration.gla import SelectiveRopeGLAConfig
+from ..configuration.position_embedding import fla_mlp_width
 from ..families import FAMILIES
-from ..modeling.layers import mlp_width
 
 # gla, gated_deltanet, forgetting_transformer
 FLA_MODEL_TYPES = tuple(family.fla_model_type for family in FAMILIES.values())
 _TOKENS = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings", "initializer_range")
 
 
-def _require(source: dict, field: str, ok, allowed: str) -> None:
+def _check_source(source: dict, field: str, ok, allowed: str) -> None:
+    """Refuse a source checkpoint whose config field ``field`` fails ``ok`` (an option we cannot convert)."""
     value = source.get(field)
     if not ok(value):
         raise ValueError(f"unsupported {source['model_type']} source: {field}={value!r} ({allowed})")
@@ -38,7 +39,7 @@ def fla_config(source: dict, **overrides):
     kind = source.get("model_type")
     if kind not in FLA_MODEL_TYPES:
         raise ValueError(f"unsupported flash-linear-attention model_type {kind!r}; supported: {list(FLA_MODEL_TYPES)}")
-    _require(source, "attn", lambda v: v is None, "hybrid softmax-attention layers are not supported")
+    _check_source(source, "attn", lambda v: v is None, "hybrid softmax-attention layers are not supported")
     common = dict(_copy(source, _TOKENS), position_embedding="nope", hidden_size=source["hidden_size"],
                   num_hidden_layers=source["num_hidden_layers"])
 
@@ -51,7 +52,7 @@ def fla_config(source: dict, **overrides):
             ("hidden_act", lambda v: v in (None, "swish", "silu"), "fla uses it as the output-gate activation; "
                                                                    "ours is swish"),
         ]:
-            _require(source, field, ok, allowed)
+            _check_source(source, field, ok, allowed)
         fields = _copy(source, ("num_heads", "num_kv_heads", "expand_k", "expand_v", "use_short_conv", "conv_size",
                                 "use_output_gate", "clamp_min", "hidden_ratio", "intermediate_size", "hidden_act",
                                 "norm_eps"))
@@ -63,16 +64,16 @@ def fla_config(source: dict, **overrides):
                                 "intermediate_size", "hidden_act", "norm_eps"))
         return SelectiveRopeGatedDeltaNetConfig(**{**common, **fields, **overrides})
 
-    _require(source, "window_size", lambda v: v is None, "sliding windows are not supported")
-    _require(source, "qk_norm", lambda v: not v, "fla's q/k GroupNorm (per head and channel, eps 1e-5) has no "
-                                                  "counterpart in SelectiveRopeFoX's Qwen3-style q/k norm")
-    _require(source, "elementwise_affine", lambda v: v in (None, True), "norms must have weights")
+    _check_source(source, "window_size", lambda v: v is None, "sliding windows are not supported")
+    _check_source(source, "qk_norm", lambda v: not v, "fla's q/k GroupNorm (per head and channel, eps 1e-5) has no "
+                                                      "counterpart in SelectiveRopeFoX's Qwen3-style q/k norm")
+    _check_source(source, "elementwise_affine", lambda v: v in (None, True), "norms must have weights")
     hidden, heads = source["hidden_size"], source["num_heads"]
     fields = dict(
         num_attention_heads=heads,
         num_key_value_heads=source.get("num_kv_heads") or heads,
         head_dim=hidden // heads,
-        intermediate_size=mlp_width(hidden, source.get("hidden_ratio", 4), source.get("intermediate_size")),
+        intermediate_size=fla_mlp_width(hidden, source.get("hidden_ratio", 4), source.get("intermediate_size")),
         hidden_act=source.get("hidden_act", "swish"),
         rms_norm_eps=source.get("norm_eps", 1e-6),
         attention_bias=bool(source.get("qkv_bias", False)),

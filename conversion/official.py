@@ -55,9 +55,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..configuration.fox import SelectiveRopeFoXConfig
+from ..configuration.position_embedding import fla_mlp_width
 from ..families import FAMILIES
-from ..modeling.layers import mlp_width
-from .fla import _copy, _require, fla_config, fla_key
+from .fla import _check_source, _copy, fla_config, fla_key
 
 # gla, gated_deltanet, transformer
 OFFICIAL_MODEL_TYPES = tuple(family.official_model_type for family in FAMILIES.values())
@@ -152,27 +152,27 @@ def official_config(raw: dict, **overrides):
                              "starts at position 0, ours at 1, and GLA's per-channel decay makes the output depend on "
                              "that; Selective RoPE and NoPE GLA sources are supported)")
         for name in ("norm_q", "norm_k"):  # an L2 norm of q or k has no counterpart in our GLA
-            _require(source, name, lambda v: not v, "L2-normalised q/k are not supported")
+            _check_source(source, name, lambda v: not v, "L2-normalised q/k are not supported")
         # fla's GLA always divides by 16; the official model passes its config's value on
         fields.setdefault("gate_logit_normalizer", source.get("gate_logit_normalizer", 16))
         return fla_config(source, **fields)
     if model_type == "gated_deltanet":
         return fla_config(source, **fields)
 
-    _require(source, "window_size", lambda v: v is None, "sliding windows are not supported")
+    _check_source(source, "window_size", lambda v: v is None, "sliding windows are not supported")
     if source.get("qk_norm"):
         # The official attention normalises q and k before RoPE but after Selective RoPE (where the score then
         # depends on more than the phase difference), with fla's RMSNorm and its default eps.
-        _require(source, "qk_norm", lambda v: kind != "selective_rope", "the official attention applies its q/k "
-                 "RMS norms after Selective RoPE; here the rotation is the last transform of q and k")
-        _require(source, "norm_eps", lambda v: v == QK_NORM_EPS, f"its q/k norms use eps {QK_NORM_EPS:g} and its "
-                 "other norms norm_eps; here all norms share one eps, so norm_eps must equal it")
+        _check_source(source, "qk_norm", lambda v: kind != "selective_rope", "the official attention applies its q/k "
+                      "RMS norms after Selective RoPE; here the rotation is the last transform of q and k")
+        _check_source(source, "norm_eps", lambda v: v == QK_NORM_EPS, f"its q/k norms use eps {QK_NORM_EPS:g} and its "
+                      "other norms norm_eps; here all norms share one eps, so norm_eps must equal it")
     hidden, heads = source["hidden_size"], source["num_heads"]
-    _require(source, "hidden_size", lambda v: v % heads == 0, f"must be a multiple of num_heads ({heads})")
+    _check_source(source, "hidden_size", lambda v: v % heads == 0, f"must be a multiple of num_heads ({heads})")
     config = dict(
         _copy(source, _TOKENS), hidden_size=hidden, num_hidden_layers=source["num_hidden_layers"],
         num_attention_heads=heads, num_key_value_heads=source.get("num_kv_heads") or heads, head_dim=hidden // heads,
-        intermediate_size=mlp_width(hidden, source.get("hidden_ratio", 4), source.get("intermediate_size")),
+        intermediate_size=fla_mlp_width(hidden, source.get("hidden_ratio", 4), source.get("intermediate_size")),
         hidden_act=source.get("hidden_act", "swish"), rms_norm_eps=source.get("norm_eps", 1e-6),
         attention_bias=bool(source.get("qkv_bias", False)), attention_output_bias=False,
         qk_norm=bool(source.get("qk_norm", False)), use_forget_gate=False,
@@ -191,13 +191,13 @@ def official_key(model_type: str, name: str) -> str:
     return f"{prefix}.rotary.{renamed}"
 
 
-def official_tensor(name: str, tensor: torch.Tensor, half: int) -> torch.Tensor:
-    """A source tensor in our layout, by its name here (:func:`official_key`); ``half``: the model's ``R``. A tensor
-    of an unexpected rank is left as it is, for the converter's shape check to name."""
+def official_tensor(name: str, tensor: torch.Tensor, rotary_pairs: int) -> torch.Tensor:
+    """A source tensor in our layout, by its name here (:func:`official_key`); ``rotary_pairs``: the model's ``R``.
+    A tensor of an unexpected rank is left as it is, for the converter's shape check to name."""
     if name.endswith(".rotary.phase_proj.weight") and tensor.dim() == 3:  # full-rank (H, D/H, R) -> (H, R, D/H)
         return tensor.transpose(1, 2)
     if name.endswith(".rotary.phase_proj.scale") and tensor.dim() == 1:  # one scale per head -> per frequency too
-        return tensor[:, None].expand(-1, half)
+        return tensor[:, None].expand(-1, rotary_pairs)
     if name.endswith(".rotary.phase_bias") and tensor.dim() == 4:  # (1, 1, H, R) -> (H, R)
         return tensor.reshape(tensor.shape[2:])
     if name.endswith(".rotary.temperature") and tensor.dim() == 4:  # (1, 1, 1, R) -> (R,)
@@ -245,27 +245,28 @@ class OfficialSelectiveRoPE(nn.Module):
     Whole unpadded sequences without cache only (what the probe runs), in float64: the official math as intended.
     """
 
-    mode = "selective_rope"
+    position_embedding = "selective_rope"  # what the mixers read of our rotary module
 
     def __init__(self, options: dict, tensors: dict[str, torch.Tensor], num_heads: int):
         super().__init__()
         self.options, self.num_heads = options, num_heads
         self.tensors = {name: tensor.double() for name, tensor in tensors.items()}
 
-    def forward(self, x, q, k, state=None, lengths=None, cu_seqlens=None):
+    def forward(self, x, q, k, state=None, lengths=None, cu_seqlens=None, backend=None):
+        """Our rotary module's signature; ``backend`` is not read (this is float64 PyTorch whatever the backend)."""
         if state or lengths is not None or cu_seqlens is not None:
             raise ValueError("the official reference runs whole unpadded sequences without cache")
         get, weights = self.options.get, self.tensors
         batch, seq_len, hidden = x.shape
         heads = self.num_heads
         temperature = weights["temperature"].reshape(-1)  # (R,)
-        half = temperature.shape[0]
+        rotary_pairs = temperature.shape[0]
         chunks = x.double().view(batch, seq_len, heads, hidden // heads)
         u = chunks * torch.rsqrt(chunks.pow(2).sum(-1, keepdim=True) + L2_EPS)  # (B, T, H, D/H)
         flat = u.flatten(2)
         if get("phi_parametrization", "low-rank") == "low-rank":
             phi = F.linear(F.linear(flat, weights["phi_proj.0.weight"]), weights["phi_proj.1.weight"])
-            phi = phi.view(batch, seq_len, heads, half)
+            phi = phi.view(batch, seq_len, heads, rotary_pairs)
         else:  # one weight-normalised (over its inputs) block per head, one scale per head
             block = weights["phi_proj.scalar"][:, None, None] * F.normalize(weights["phi_proj.weight"], dim=-2)
             phi = torch.einsum("bthi,hio->btho", u, block)
@@ -275,7 +276,7 @@ class OfficialSelectiveRoPE(nn.Module):
             taps = weights["phi_conv1d.weight"]  # (H·R, 1, K)
             signal = phi.flatten(2).transpose(1, 2)  # (B, H·R, T)
             phi = F.conv1d(F.pad(signal, (taps.shape[-1] - 1, 0)), taps, groups=taps.shape[0])
-            phi = phi.transpose(1, 2).view(batch, seq_len, heads, half)
+            phi = phi.transpose(1, 2).view(batch, seq_len, heads, rotary_pairs)
             if get("conv_act") is not None:
                 phi = F.silu(phi)
         if get("use_bias", False):

@@ -92,7 +92,7 @@ def starting_parameters(model: nn.Module, options: RetrofitOptions, temperature:
     try:
         values = {}
         for name, module in model.named_modules():
-            if isinstance(module, SelectiveRotaryEmbedding) and module.mode != "nope":
+            if isinstance(module, SelectiveRotaryEmbedding) and module.position_embedding != "nope":
                 module.to_empty(device="cpu")
                 _start_rotary(module, temperature)
                 values.update(_detached(module, name))
@@ -116,7 +116,7 @@ def _start_rotary(rotary: SelectiveRotaryEmbedding, temperature: torch.Tensor | 
         raise ValueError(f"the source has {start.numel()} RoPE frequencies but the model rotates "
                          f"{rotary.temperature.numel()} pairs per head")
     rotary.temperature.copy_(start)
-    if rotary.mode == "rope":
+    if rotary.position_embedding == "rope":
         return
     projection = rotary.phase_proj
     projection.init_custom_parameters()

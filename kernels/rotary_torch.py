@@ -41,9 +41,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     ``x``: ``(B, T, ..., D)``; ``cos``/``sin``: ``(B, T, ..., R)`` float32, broadcastable to ``x``'s leading dims.
     Computed in float32, returned in x's dtype.
     """
-    half = cos.shape[-1]
+    r = cos.shape[-1]  # rotary_pairs
     x_float = x.float()
-    x1, x2, rest = x_float[..., :half], x_float[..., half : 2 * half], x_float[..., 2 * half :]
+    x1, x2, rest = x_float[..., :r], x_float[..., r : 2 * r], x_float[..., 2 * r :]  # GPT-NeoX halves, then the rest
     rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest], dim=-1)
     return rotated.to(x.dtype)
 
@@ -70,9 +70,10 @@ def selective_rotary(
         Rotated ``q`` and ``k`` (input dtypes) and the final phase ``(B, Hk, R)`` in ``phase_dtype``.
     """
     batch, seq_len, num_key_heads = k.shape[:3]
-    half = temperature.shape[-1]
+    rotary_pairs = temperature.shape[-1]
     dtype = phase_dtype(q.device)
-    phase = torch.cumsum(increment.to(dtype), dim=1).expand(batch, seq_len, num_key_heads, half)  # (B, T, Hk, R)
+    phase = torch.cumsum(increment.to(dtype), dim=1)  # (B, T, Hk, 1 or R)
+    phase = phase.expand(batch, seq_len, num_key_heads, rotary_pairs)  # (B, T, Hk, R)
     if initial_phase is not None:
         phase = phase + initial_phase.to(dtype).unsqueeze(1)
     angle = rotary_angles(phase, temperature)
@@ -86,7 +87,7 @@ def selective_rotary(
     elif initial_phase is not None:
         final_phase = initial_phase.to(dtype)
     else:
-        final_phase = phase.new_zeros(batch, num_key_heads, half)
+        final_phase = phase.new_zeros(batch, num_key_heads, rotary_pairs)
     # A copy, never a view of `phase`: the cache must not keep the whole (B, T, Hk, R) tensor alive, and FSDP2
     # warns about (and cannot guard) view outputs of a sharded module.
     q_out = rotate(grouped_q, cos.unsqueeze(3), sin.unsqueeze(3)).flatten(2, 3)

@@ -1,20 +1,17 @@
-"""What every family shares: the pre-norm block, the base model and the causal-LM head.
+"""What every family shares: the pre-norm block, the base model and the causal-LM head (the architecture; saving and
+uploading are in :mod:`.hub`).
 
-A family provides its config class and its mixer (``mixer_class``); the mixer maps
-``(hidden_states (N, L, D), lengths, state) -> (output (N, L, D), new_state)`` over right-padded rows (see
-:mod:`.layout`) and keeps its decoding state in a flat dict of tensors (batch first). On the fla path
-(``dispatch.keeps_packed``) packed sequences stay packed: the mixer then gets ``(1, total, D)`` and ``cu_seqlens``
-instead of rows, and returns one state row per sequence all the same. Its ``token_states`` names the
-entries that are per-token histories ``(N, T_seen, ...)`` (FoX's keys and values): only those can be cropped.
+A family provides its config class and its mixer (``mixer_class``, see :class:`~.mixer.Mixer`); the mixer maps
+right-padded rows ``(N, L, D)`` (see :mod:`.layout`) to ``(N, L, D)`` and keeps its decoding state in a
+:class:`~.mixer.LayerState`. Where the kernels take packed sequences (``dispatch.keeps_packed``) they stay packed: the
+mixer then gets ``(1, total, D)`` and ``cu_seqlens`` instead of rows, and still leaves one state row per sequence.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
-from huggingface_hub import HfApi, ModelCard
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
@@ -23,61 +20,39 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.utils import logging
 from transformers.utils.generic import can_return_tuple
 
-from ..kernels.dispatch import keeps_packed
+from ..kernels.dispatch import keeps_packed, resolve_backend
 from .cache import SelectiveRopeCache
+from .hub import HubMixin, unsharded_class
 from .inputs import check_cache, check_kwargs, check_tokens, packed_offsets, padding_mask
-from .layers import GatedMLP, RMSNorm, mlp_width
+from .layers import GatedMLP, RMSNorm
 from .layout import SequenceLayout
-from .model_card import render_model_card, template_texts
-from .remote_code import bundle_auto_map, write_code_bundle
+from .mixer import LayerState, Mixer
 from .rotary import SelectiveRotaryEmbedding
 
 logger = logging.get_logger(__name__)
 
 
-def substate(state: dict[str, torch.Tensor] | None, prefix: str) -> dict[str, torch.Tensor]:
-    """The entries of ``state`` under ``prefix.``, without the prefix."""
-    prefix = prefix + "."
-    return {name[len(prefix):]: t for name, t in (state or {}).items() if name.startswith(prefix)}
-
-
-def with_prefix(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    return {f"{prefix}.{name}": t for name, t in state.items()}
-
-
-def unsharded_class(cls: type) -> type:
-    """``cls``, or the class FSDP2 derived ``cls`` from: ``fully_shard`` swaps a module's class for
-    ``FSDP<Class>(FSDPModule, Class)``, defined in torch, which must not name the code we save."""
-    original = cls.__bases__[-1]
-    return original if cls.__name__ == f"FSDP{original.__name__}" else cls
-
-
 class SelectiveRopeDecoderBlock(GradientCheckpointingLayer):
     """``x + mixer(norm(x))`` then ``x + mlp(norm(x))``."""
 
-    def __init__(self, config, layer_idx: int, mixer_class: type[nn.Module]):
+    def __init__(self, config, layer_idx: int, mixer_class: type[Mixer]):
         super().__init__()
         self.layer_idx = layer_idx
         self.attn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.attn = mixer_class(config, layer_idx)
         self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
-        # GLA/GDN size the MLP from hidden_ratio (flash-linear-attention's rule); FoX gives intermediate_size and
-        # mlp_bias as Llama does.
-        width = mlp_width(config.hidden_size, getattr(config, "hidden_ratio", None), config.intermediate_size)
-        self.mlp = GatedMLP(config.hidden_size, width, bias=getattr(config, "mlp_bias", False))
+        self.mlp = GatedMLP(config.hidden_size, config.mlp_width, bias=config.mlp_has_bias,
+                            activation=config.hidden_act)
 
-    def forward(self, hidden_states: torch.Tensor, lengths: torch.Tensor | None = None,
-                state: dict[str, torch.Tensor] | None = None, use_cache: bool = False,
-                cu_seqlens: torch.Tensor | None = None):
-        mixed, new_state = self.attn(self.attn_norm(hidden_states), lengths=lengths, state=state, use_cache=use_cache,
-                                     cu_seqlens=cu_seqlens)
-        hidden_states = hidden_states + mixed
-        hidden_states = hidden_states + self.mlp(self.mlp_norm(hidden_states))
-        return hidden_states, new_state
+    def forward(self, hidden_states: torch.Tensor, state: LayerState, lengths: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, backend: str = "torch") -> torch.Tensor:
+        hidden_states = hidden_states + self.attn(self.attn_norm(hidden_states), state, lengths=lengths,
+                                                  cu_seqlens=cu_seqlens, backend=backend)
+        return hidden_states + self.mlp(self.mlp_norm(hidden_states))
 
 
-class SelectiveRopePreTrainedModel(PreTrainedModel):
-    """Weight initialisation and the transformers flags shared by every family."""
+class SelectiveRopePreTrainedModel(HubMixin, PreTrainedModel):
+    """Weight initialisation and the transformers flags shared by every family (Hub methods: :class:`.hub.HubMixin`)."""
 
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
@@ -94,7 +69,7 @@ class SelectiveRopePreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)  # Linear / Conv1d: N(0, initializer_range); Embedding; RMSNorm ones
-        if isinstance(module, SelectiveRotaryEmbedding) and module.mode != "nope":
+        if isinstance(module, SelectiveRotaryEmbedding) and module.position_embedding != "nope":
             init.copy_(module.temperature, module.initial_temperature())
             if getattr(module, "phase_bias", None) is not None:
                 init.zeros_(module.phase_bias)
@@ -129,7 +104,7 @@ class SelectiveRopePreTrainedModel(PreTrainedModel):
         policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
         for module in self.modules():
             is_new = isinstance(module, SelectiveRotaryEmbedding) and not isinstance(module, FSDPModule)
-            if is_new and module.mode != "nope":  # NoPE has no parameters
+            if is_new and module.position_embedding != "nope":  # NoPE has no parameters
                 fully_shard(module.float(), mesh=mesh, mp_policy=policy)
 
     @classmethod
@@ -137,100 +112,12 @@ class SelectiveRopePreTrainedModel(PreTrainedModel):
         # generate() must not build a DynamicCache for us: our forward creates a SelectiveRopeCache.
         return False
 
-    def _auto_classes(self) -> tuple[type, type]:
-        """(base model class, causal-LM class) of this family."""
-        raise NotImplementedError
-
-    def save_pretrained(self, save_directory: str | os.PathLike, *args, is_main_process: bool = True,
-                        model_card: bool | dict | ModelCard | str | None = None, **kwargs):
-        """transformers' ``save_pretrained``, plus the modeling code as flat files and the ``auto_map`` naming
-        AutoConfig, AutoModel and AutoModelForCausalLM, so the directory also loads with ``trust_remote_code=True``
-        where ``selective_rope`` is not installed. The code is written first so ``push_to_hub=True`` uploads it.
-
-        ``model_card``: also write this model's card as ``README.md`` (``True``: rendered from the family's template
-        with the directory's name; a dict: arguments of :meth:`model_card`; a ``ModelCard`` or markdown: as given).
-        Not with ``push_to_hub=True``, which uploads transformers' generic card: use :meth:`push_to_hub` instead."""
-        if model_card not in (None, False) and kwargs.get("push_to_hub"):
-            raise ValueError("save_pretrained(push_to_hub=True) uploads transformers' generic model card; to upload "
-                             "this model's card use model.push_to_hub(repo_id, model_card=...)")
-        self.config.validate()  # transformers validates the config too, but only after the files below are written
-        base_class, lm_class = self._auto_classes()
-        self.config.auto_map = bundle_auto_map(lm_class, type(self.config), base_class)
-        if is_main_process:
-            os.makedirs(save_directory, exist_ok=True)
-            write_code_bundle(save_directory, unsharded_class(type(self)).__module__, extra_files=template_texts())
-        result = super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
-        if model_card not in (None, False) and is_main_process:
-            name = os.path.basename(os.path.normpath(os.fspath(save_directory)))
-            self._resolve_card(model_card, name).save(os.path.join(save_directory, "README.md"))
-        return result
-
-    def push_to_hub(self, repo_id: str, *, model_card: bool | dict | ModelCard | str = True, **kwargs):
-        """Upload config, safetensors weights and the modeling code (transformers' ``push_to_hub``, through our
-        :meth:`save_pretrained`), then this model's card as ``README.md``.
-
-        transformers puts a generic card into its upload (or keeps the card the repository already has), so ours
-        follows in a second commit to the same branch or pull request.
-
-        Args:
-            model_card: ``True`` (default): rendered from the family's template (:meth:`model_card`) for ``repo_id``;
-                a dict: arguments of :meth:`model_card` (``model_name``, ``license``, ``base_model``,
-                ``base_model_relation``, ``provenance``); a ``huggingface_hub.ModelCard`` or markdown text: uploaded as
-                given; ``False``: only transformers' upload (the repository's existing card is kept).
-            kwargs: transformers' ``push_to_hub`` arguments (``commit_message``, ``private``, ``token``,
-                ``revision``, ``create_pr``, ``max_shard_size``, ``tags``; tags are added to our card too).
-
-        Returns:
-            The ``CommitInfo`` of the last commit (the card's); with ``create_pr=True``, that of the pull request
-            (``pr_url``, ``pr_revision``), which received both commits.
-        """
-        commit = super().push_to_hub(repo_id, **kwargs)
-        if model_card is False:
-            return commit
-        repo_id = commit.repo_url.repo_id  # as the Hub names it (namespace included)
-        tags = kwargs.get("tags") or []
-        card = self._resolve_card(model_card, repo_id, [*(self.model_tags or []),
-                                                        *([tags] if isinstance(tags, str) else tags)])
-        # With create_pr=True the card joins transformers' pull request, or opens one if transformers had nothing new
-        # to upload (then it made no commit and returned the branch's head).
-        card_commit = HfApi(endpoint=commit.repo_url.endpoint).upload_file(
-            path_or_fileobj=str(card).encode(), path_in_repo="README.md", repo_id=repo_id,
-            token=kwargs.get("token"), revision=commit.pr_revision or kwargs.get("revision"),
-            create_pr=bool(kwargs.get("create_pr")) and commit.pr_revision is None,
-            commit_message="Add the selective-rope model card",
-        )
-        return commit if commit.pr_url else card_commit
-
-    def _resolve_card(self, model_card, repo_id: str, tags: list[str] | None = None) -> ModelCard:
-        if model_card is True:
-            card = self.model_card(repo_id)
-        elif isinstance(model_card, dict):
-            card = self.model_card(repo_id, **model_card)
-        elif isinstance(model_card, ModelCard):
-            card = model_card
-        elif isinstance(model_card, str):
-            card = ModelCard(model_card)
-        else:
-            raise TypeError(f"model_card must be True, False, a dict of model_card() arguments, a ModelCard or "
-                            f"markdown text; got {type(model_card).__name__}")
-        if tags:
-            card.data.tags = list(dict.fromkeys([*(card.data.tags or []), *tags]))
-        return card
-
-    def model_card(self, repo_id: str = "path/to/model", **card_info):
-        """This model's card (a ``huggingface_hub.ModelCard``) from its family's template in ``model_cards/``.
-
-        ``card_info``: ``model_name``, ``license`` (default ``apache-2.0``; required with ``base_model``: a model
-        made from another one is under its license), ``base_model`` (a Hub id), ``base_model_relation``,
-        ``provenance`` (markdown for "How it was made"). Save it with ``card.save(directory + "/README.md")``.
-        """
-        return render_model_card(self.config, repo_id=repo_id, num_parameters=self.num_parameters(), **card_info)
-
-
 class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
-    """Embeddings -> blocks -> final norm. Subclasses set ``config_class`` and ``mixer_class``."""
+    """Embeddings -> blocks -> final norm. Subclasses set ``config_class`` and ``mixer_class``; ``lm_class`` is set by
+    the family's causal-LM class, which names this one as its ``model_class``."""
 
-    mixer_class: type[nn.Module]
+    mixer_class: type[Mixer]
+    lm_class: type[PreTrainedModel]  # the family's SelectiveRopeForCausalLMBase subclass
 
     def __init__(self, config):
         super().__init__(config)
@@ -246,10 +133,8 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
         return self.embeddings
 
     def _auto_classes(self) -> tuple[type, type]:
-        # Naming convention of every family module: SelectiveRopeXModel next to SelectiveRopeXForCausalLM.
         cls = unsharded_class(type(self))
-        lm_name = cls.__name__.removesuffix("Model") + "ForCausalLM"
-        return cls, getattr(sys.modules[cls.__module__], lm_name)
+        return cls, cls.lm_class
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embeddings = value
@@ -300,8 +185,10 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
             past_key_values = SelectiveRopeCache(self.config)
 
         hidden_states = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        # Which kernels run, decided once for the whole call (SELECTIVE_ROPE_BACKEND may override the config).
+        backend = resolve_backend(self.config.backend, hidden_states.device)
         packed = None  # offsets of the sequences packed in `rows` when the mixers take them as they are
-        if cu_seqlens is not None and keeps_packed(self.config.backend, hidden_states.device):
+        if cu_seqlens is not None and keeps_packed(backend, hidden_states.device):
             # fla's kernels and our Triton rotary kernel take packed sequences natively: no padding to pay for.
             packed = cu_seqlens.to(device=hidden_states.device, dtype=torch.int32)
         layout = None if packed is not None else self._layout(hidden_states.shape[:2], mask, cu_seqlens)
@@ -314,11 +201,11 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
         for layer_idx, block in enumerate(self.layers):
             if all_hidden_states is not None:
                 all_hidden_states.append(restore(rows))
-            state = past_key_values.layers[layer_idx].states if past_key_values is not None else None
-            rows, new_state = block(rows, lengths=lengths, state=state, use_cache=use_cache, cu_seqlens=packed)
+            cached = past_key_values.layers[layer_idx] if past_key_values is not None else None
+            state = LayerState(cached.states if cached is not None else None, keep=use_cache)
+            rows = block(rows, state, lengths=lengths, cu_seqlens=packed, backend=backend)
             if use_cache:
-                past_key_values.layers[layer_idx].set(new_state, num_new_tokens=hidden_states.shape[1],
-                                                      token_states=block.attn.token_states)
+                cached.commit(state.new, num_new_tokens=hidden_states.shape[1], token_states=state.token_histories)
         hidden_states = restore(self.norm(rows))
         if all_hidden_states is not None:
             all_hidden_states.append(hidden_states)
@@ -354,6 +241,11 @@ class SelectiveRopeForCausalLMBase(SelectiveRopePreTrainedModel, GenerationMixin
 
     model_class: type[SelectiveRopeModelBase]
     _tied_weights_keys = {"lm_head.weight": "model.embeddings.weight"}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "model_class" in cls.__dict__:  # a family's LM class (not a class FSDP derives from it)
+            cls.model_class.lm_class = cls
 
     def __init__(self, config):
         super().__init__(config)

@@ -2,16 +2,55 @@
 
 A layer holds named tensors whose first dimension is the batch: the recurrent state, short-convolution histories and
 the Selective RoPE state (``rotary.phase``, ``rotary.phase_conv``). Beam search, ``num_return_sequences`` and batch
-selection act on every tensor alike, so a new family only chooses names. Entries the mixer declares as
-``token_states`` (FoX's keys, values, log forget gates) are per-token histories ``(B, T_seen, ...)``: ``crop`` shortens
-them. Any other entry is a running state (a recurrence, a convolution history, a phase) that cannot be rolled back, so
-``crop`` refuses layers that hold one.
+selection act on every tensor alike, so a new family only chooses names. Entries a mixer grew with
+``LayerState.extend`` (FoX's keys, values, log forget gates) are per-token histories ``(B, T_seen, ...)``, appended to
+by :func:`append_tokens`: ``crop`` shortens them. Any other entry is a running state (a recurrence, a convolution
+history, a phase) that cannot be rolled back, so ``crop`` refuses layers that hold one.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+def append_tokens(cached: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    """``cat([cached, new], dim=1)`` for a per-token history, without copying the whole history every step.
+
+    When not recording gradients, the history ``(B, T, ...)`` is kept as the front of a buffer ``(B, capacity, ...)``
+    (grown by doubling): ``new`` is written in place after it and the longer front is returned, so decoding copies
+    O(1) tokens per step instead of O(T). The room is read from the strides, not from ``Tensor._base``, which
+    ``torch.inference_mode`` does not keep. A cached tensor without room (fresh from beam reordering or
+    ``batch_select_indices``) is copied into a new buffer once; ``crop`` slices the front, and the freed slots are
+    then overwritten. Like every cache update this mutates the cache: branch from a ``copy.deepcopy`` of it.
+    """
+    if cached is None:
+        return new
+    batch, length, *inner = cached.shape
+    extra = new.shape[1]
+    # Training through a cache: keep autograd's view of every tensor intact. Under torch.compile: the buffer's
+    # storage introspection breaks the graph (and recompiles per dtype and rank), while a concatenation traces.
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return torch.cat([cached, new], dim=1)
+    room = _room(cached) if cached.shape[0] else 0
+    if room >= length + extra:
+        buffer = cached.as_strided((batch, room, *inner), cached.stride())
+    else:
+        buffer = cached.new_empty(batch, max(2 * (length + extra), 64), *inner)
+        buffer[:, :length].copy_(cached)
+    buffer[:, length:length + extra].copy_(new)
+    return buffer[:, :length + extra]
+
+
+def _room(cached: torch.Tensor) -> int:
+    """The time capacity of the buffer whose front ``cached`` is (its own length if it is not such a front)."""
+    token = cached[0, 0].numel()
+    contiguous_tokens = cached[0, 0].is_contiguous() and cached.stride(1) == token and cached.storage_offset() == 0
+    if not contiguous_tokens or cached.stride(0) % token:
+        return cached.shape[1]
+    capacity = cached.stride(0) // token
+    fits = cached.untyped_storage().nbytes() >= cached.shape[0] * capacity * token * cached.element_size()
+    return capacity if fits else cached.shape[1]
 
 
 class SelectiveRopeCacheLayer(CacheLayerMixin):
@@ -29,13 +68,10 @@ class SelectiveRopeCacheLayer(CacheLayerMixin):
         shapes = {name: tuple(t.shape) for name, t in self.states.items()}
         return f"{self.__class__.__name__}(seen_tokens={self.seen_tokens}, states={shapes})"
 
-    # -- what the mixers use ---------------------------------------------------------------------------------------
-    def get(self, name: str) -> torch.Tensor | None:
-        return self.states.get(name)
-
-    def set(self, states: dict[str, torch.Tensor], num_new_tokens: int, token_states=()) -> None:
-        """Store the states after a forward over ``num_new_tokens`` columns (padding included); ``token_states``
-        names the per-token histories among them."""
+    # -- what the model uses ----------------------------------------------------------------------------------------
+    def commit(self, states: dict[str, torch.Tensor], num_new_tokens: int, token_states=()) -> None:
+        """Store the states a mixer left after a forward over ``num_new_tokens`` columns (padding included);
+        ``token_states`` names the per-token histories among them (see ``LayerState``)."""
         self.states.update(states)
         self.token_states = frozenset(token_states)
         self.seen_tokens += num_new_tokens
@@ -46,7 +82,8 @@ class SelectiveRopeCacheLayer(CacheLayerMixin):
         pass
 
     def update(self, key_states, value_states, *args, **kwargs):
-        raise NotImplementedError("selective-rope layers keep named states; use `get`/`set`, not `update`")
+        raise NotImplementedError("selective-rope layers keep named states, written by the model (`commit`), not "
+                                  "key/value pairs (`update`)")
 
     def get_seq_length(self) -> int:
         return self.seen_tokens
@@ -100,12 +137,8 @@ class SelectiveRopeCache(Cache):
     """Cache for every selective-rope family. Created by the model's ``forward`` when ``use_cache`` is set and none
     is given (``generate`` relies on that), or up front: ``SelectiveRopeCache(model.config)``."""
 
-    def __init__(self, config=None, num_layers: int | None = None):
-        if num_layers is None:
-            if config is None:
-                raise ValueError("SelectiveRopeCache needs a config or num_layers")
-            num_layers = config.num_hidden_layers
-        super().__init__(layers=[SelectiveRopeCacheLayer() for _ in range(num_layers)])
+    def __init__(self, config):
+        super().__init__(layers=[SelectiveRopeCacheLayer() for _ in range(config.num_hidden_layers)])
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0

@@ -24,52 +24,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..configuration.fox import SelectiveRopeFoXConfig
-from ..kernels.dispatch import FLA_MAX_ATTENTION_HEAD_DIM, forgetting_attention, resolve_backend
+from ..kernels.forgetting_attention import FLA_MAX_ATTENTION_HEAD_DIM, forgetting_attention
 from ..kernels.rotary_torch import phase_dtype
 from ..kernels.segments import packed_positions
-from .base import SelectiveRopeForCausalLMBase, SelectiveRopeModelBase, substate, with_prefix
+from .base import SelectiveRopeForCausalLMBase, SelectiveRopeModelBase
 from .layers import RMSNorm
 from .layout import SequenceLayout, valid_mask
+from .mixer import LayerState
 from .rotary import SelectiveRotaryEmbedding
-
-
-def append_tokens(cached: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-    """``cat([cached, new], dim=1)`` for the per-token cache, without copying the whole timeline every step.
-
-    When not recording gradients, the timeline ``(B, T, ...)`` is kept as the front of a buffer ``(B, capacity, ...)``
-    (grown by doubling): ``new`` is written in place after it and the longer front is returned, so decoding copies
-    O(1) tokens per step instead of O(T). The room is read from the strides, not from ``Tensor._base``, which
-    ``torch.inference_mode`` does not keep. A cached tensor without room (fresh from beam reordering or
-    ``batch_select_indices``) is copied into a new buffer once; ``crop`` slices the front, and the freed slots are
-    then overwritten. Like every cache update this mutates the cache: branch from a ``copy.deepcopy`` of it.
-    """
-    if cached is None:
-        return new
-    batch, length, *inner = cached.shape
-    extra = new.shape[1]
-    # Training through a cache: keep autograd's view of every tensor intact. Under torch.compile: the buffer's
-    # storage introspection breaks the graph (and recompiles per dtype and rank), while a concatenation traces.
-    if torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return torch.cat([cached, new], dim=1)
-    room = _room(cached) if cached.shape[0] else 0
-    if room >= length + extra:
-        buffer = cached.as_strided((batch, room, *inner), cached.stride())
-    else:
-        buffer = cached.new_empty(batch, max(2 * (length + extra), 64), *inner)
-        buffer[:, :length].copy_(cached)
-    buffer[:, length:length + extra].copy_(new)
-    return buffer[:, :length + extra]
-
-
-def _room(cached: torch.Tensor) -> int:
-    """The time capacity of the buffer whose front ``cached`` is (its own length if it is not such a front)."""
-    token = cached[0, 0].numel()
-    contiguous_tokens = cached[0, 0].is_contiguous() and cached.stride(1) == token and cached.storage_offset() == 0
-    if not contiguous_tokens or cached.stride(0) % token:
-        return cached.shape[1]
-    capacity = cached.stride(0) // token
-    fits = cached.untyped_storage().nbytes() >= cached.shape[0] * capacity * token * cached.element_size()
-    return capacity if fits else cached.shape[1]
 
 
 def last_real(x: torch.Tensor, lengths: torch.Tensor | None, previous: torch.Tensor | None,
@@ -107,15 +69,15 @@ def token_shift(x: torch.Tensor, alpha: torch.Tensor, previous: torch.Tensor | N
 
 
 class ForgettingAttention(nn.Module):
-    # The per-token key timeline; the cache can crop these (and nothing else).
-    token_states: tuple[str, ...] = ("key", "value", "log_fgate", "valid")
+    """The FoX mixer (:class:`~.mixer.Mixer`). Its state: the key timeline ``key``, ``value`` ``(B, T_seen, Hk, D)``,
+    ``log_fgate`` ``(B, T_seen, Hq)`` and ``valid`` ``(B, T_seen)``, per-token histories the cache can crop; the
+    token shifts' last keys / values and the Selective RoPE state, running states."""
 
     def __init__(self, config: SelectiveRopeFoXConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.backend = config.backend
         hidden, heads, kv_heads, head_dim = config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
 
         self.q_proj = nn.Linear(hidden, heads * head_dim, bias=config.attention_bias)
@@ -131,27 +93,24 @@ class ForgettingAttention(nn.Module):
         self.o_norm = RMSNorm(head_dim, eps=config.rms_norm_eps) if config.use_output_norm else None
         self.g_proj = nn.Linear(hidden, heads * head_dim, bias=False) if config.use_output_gate else None
 
-    def forward(self, x: torch.Tensor, lengths: torch.Tensor | None = None,
-                state: dict[str, torch.Tensor] | None = None, use_cache: bool = False,
-                cu_seqlens: torch.Tensor | None = None):
-        """``x``: ``(B, T, D)`` right-padded rows -> ``(B, T, D)`` and the new state (empty unless ``use_cache``).
+    def forward(self, x: torch.Tensor, state: LayerState, *, lengths: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, backend: str = "torch") -> torch.Tensor:
+        """``x``: ``(B, T, D)`` right-padded rows -> ``(B, T, D)``; the new state goes into ``state``.
         Packed sequences: ``x`` ``(1, total, D)`` with ``cu_seqlens`` (fla path only); the cache then holds one
         right-padded row per sequence, as on the torch path."""
         batch, seq_len, _ = x.shape
-        state = state or {}
-        new_state: dict[str, torch.Tensor] = {}
         valid = valid_mask(lengths, seq_len) if lengths is not None else None  # (B, T)
 
         q = self.q_proj(x).view(batch, seq_len, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim)
         if self.k_shift_proj is not None:  # the shift state is the last unshifted key / value
-            if use_cache:
-                new_state["k_shift"] = last_real(k, lengths, state.get("k_shift"), cu_seqlens)
+            if state.keep:
+                state.set("k_shift", last_real(k, lengths, state.get("k_shift"), cu_seqlens))
             k = token_shift(k, torch.sigmoid(self.k_shift_proj(x).float()), state.get("k_shift"), cu_seqlens)
         if self.v_shift_proj is not None:
-            if use_cache:
-                new_state["v_shift"] = last_real(v, lengths, state.get("v_shift"), cu_seqlens)
+            if state.keep:
+                state.set("v_shift", last_real(v, lengths, state.get("v_shift"), cu_seqlens))
             v = token_shift(v, torch.sigmoid(self.v_shift_proj(x).float()), state.get("v_shift"), cu_seqlens)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -162,72 +121,65 @@ class ForgettingAttention(nn.Module):
             if valid is not None:
                 log_fgate = log_fgate * valid[..., None]
 
-        q, k, rotary_state = self.rotary(x, q, k, self._rotary_state(state), lengths, cu_seqlens)
-        if self.rotary.mode == "selective_rope":
-            new_state.update(with_prefix(rotary_state, "rotary"))
+        q, k = self._rotate(x, q, k, state, lengths, cu_seqlens, backend)
 
-        backend = resolve_backend(self.backend, x.device)
         if cu_seqlens is None:
-            o, timeline = self._attend(q, k, v, log_fgate, valid, state, use_cache, backend)  # (B, T, Hq, D)
+            o = self._attend(q, k, v, log_fgate, valid, state, backend)  # (B, T, Hq, D)
         else:
-            o, timeline = self._attend_packed(q, k, v, log_fgate, state, use_cache, backend, cu_seqlens)
-        new_state.update(timeline)
+            o = self._attend_packed(q, k, v, log_fgate, state, backend, cu_seqlens)
 
         if self.o_norm is not None:
             o = self.o_norm(o)
         o = o.reshape(batch, seq_len, self.num_heads * self.head_dim)
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x))
-        return self.o_proj(o), (new_state if use_cache else {})
+        return self.o_proj(o)
+
+    def _rotate(self, x, q, k, state: LayerState, lengths, cu_seqlens, backend):
+        """Selective RoPE continues its cached state. RoPE's phase is the number of real tokens so far: recomputed
+        from the key timeline rather than cached, so that cropping the cache keeps it exact."""
+        rotary_state = state.scope("rotary")
+        if self.rotary.position_embedding == "rope" and "valid" in state:
+            seen = state.get("valid").sum(dim=1).to(phase_dtype(x.device))  # (B,)
+            previous = {"phase": seen[:, None, None].expand(-1, self.num_kv_heads, self.rotary.rotary_pairs)}
+        else:
+            previous = rotary_state.previous()
+        q, k, new_rotary_state = self.rotary(x, q, k, previous, lengths, cu_seqlens, backend=backend)
+        if self.rotary.position_embedding == "selective_rope":
+            rotary_state.update(new_rotary_state)
+        return q, k
 
     @staticmethod
-    def _attend(q, k, v, log_fgate, valid, state, use_cache, backend):
-        """Attention over right-padded rows continuing the cached key timeline: ``(o, the new timeline or {})``."""
+    def _attend(q, k, v, log_fgate, valid, state: LayerState, backend):
+        """Attention over right-padded rows continuing the cached key timeline, which this call's tokens extend."""
         batch, seq_len = q.shape[:2]
+        valid = valid if valid is not None else torch.ones(batch, seq_len, dtype=torch.bool, device=q.device)
         # The key timeline: cached slots followed by this call's tokens.
-        new_valid = valid if valid is not None else torch.ones(batch, seq_len, dtype=torch.bool, device=q.device)
-        if "key" in state:
-            k, v = append_tokens(state["key"], k), append_tokens(state["value"], v)
-            new_valid = append_tokens(state["valid"], new_valid)
-            if log_fgate is not None:
-                log_fgate = append_tokens(state["log_fgate"], log_fgate)
-        key_valid = None if bool(new_valid.all()) else new_valid
-        o = forgetting_attention(q, k, v, log_fgate, key_valid=key_valid, backend=backend)
-        return o, (_timeline(k, v, log_fgate, new_valid) if use_cache else {})
+        k, v, valid = state.extend("key", k), state.extend("value", v), state.extend("valid", valid)
+        if log_fgate is not None:
+            log_fgate = state.extend("log_fgate", log_fgate)
+        key_valid = None if bool(valid.all()) else valid
+        return forgetting_attention(q, k, v, log_fgate, key_valid=key_valid, backend=backend)
 
-    def _attend_packed(self, q, k, v, log_fgate, state, use_cache, backend, cu_seqlens):
-        """Attention over sequences packed in ``(1, total, ...)``: ``(o, the new timeline or {})``. fla's kernel takes
-        whole sequences as they are; the cached timeline is one right-padded row per sequence, as on the torch path
-        (the layout decoding continues from)."""
+    def _attend_packed(self, q, k, v, log_fgate, state: LayerState, backend, cu_seqlens):
+        """Attention over sequences packed in ``(1, total, ...)``. fla's kernel takes whole sequences as they are; the
+        cached timeline is one right-padded row per sequence, as on the torch path (the layout decoding continues
+        from)."""
         native = "key" not in state and self.head_dim <= FLA_MAX_ATTENTION_HEAD_DIM
         o = forgetting_attention(q, k, v, log_fgate, cu_seqlens=cu_seqlens, backend=backend) if native else None
-        if native and not use_cache:
-            return o, {}
+        if native and not state.keep:
+            return o
         layout = SequenceLayout.from_cu_seqlens(cu_seqlens, total=q.shape[1])
         valid = layout.valid  # (N, L)
         k_rows, v_rows = layout.to_rows(k), layout.to_rows(v)
         gates = None if log_fgate is None else layout.to_rows(log_fgate) * valid[..., None]  # zero at pads, as on rows
-        if native:
-            return o, _timeline(k_rows, v_rows, gates, valid)
+        if native:  # a fresh timeline: only the cache needs it
+            for name, rows in (("key", k_rows), ("value", v_rows), ("valid", valid), ("log_fgate", gates)):
+                if rows is not None:
+                    state.extend(name, rows)
+            return o
         # fla cannot continue a cached timeline: attend through the rows, as the torch path does
-        o, timeline = self._attend(layout.to_rows(q), k_rows, v_rows, gates, valid, state, use_cache, backend)
-        return layout.from_rows(o), timeline
-
-    def _rotary_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if self.rotary.mode != "rope" or "valid" not in state:
-            return substate(state, "rotary")
-        # RoPE's phase is the number of real tokens so far: recomputed from the key timeline rather than cached,
-        # so that cropping the cache keeps it exact.
-        seen = state["valid"].sum(dim=1).to(phase_dtype(state["valid"].device))  # (B,)
-        return {"phase": seen[:, None, None].expand(-1, self.num_kv_heads, self.rotary.half)}
-
-
-def _timeline(key, value, log_fgate, valid) -> dict[str, torch.Tensor]:
-    """The cache entries of the key timeline (rows ``(B, T_seen, ...)``)."""
-    timeline = dict(key=key, value=value, valid=valid)
-    if log_fgate is not None:
-        timeline["log_fgate"] = log_fgate
-    return timeline
+        return layout.from_rows(self._attend(layout.to_rows(q), k_rows, v_rows, gates, valid, state, backend))
 
 
 class SelectiveRopeFoXModel(SelectiveRopeModelBase):

@@ -23,10 +23,11 @@ from torch import nn
 from transformers import initialization as init
 
 from ..configuration.gated_deltanet import SelectiveRopeGatedDeltaNetConfig
-from ..kernels.dispatch import gated_delta_rule, resolve_backend
-from .base import SelectiveRopeForCausalLMBase, SelectiveRopeModelBase, substate, with_prefix
-from .layers import RMSNorm, ShortConvolution
+from ..kernels.gated_delta import gated_delta_rule
+from .base import SelectiveRopeForCausalLMBase, SelectiveRopeModelBase
+from .layers import QKVShortConvolutions, RMSNorm
 from .layout import valid_mask
+from .mixer import LayerState
 from .rotary import SelectiveRotaryEmbedding
 
 
@@ -36,8 +37,9 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
-class GatedDeltaNet(nn.Module):
-    token_states: tuple[str, ...] = ()  # everything it caches is a running state
+class GatedDeltaNet(QKVShortConvolutions):
+    """The Gated DeltaNet mixer (:class:`~.mixer.Mixer`). Its state: ``recurrent`` ``(B, HV, Dk, Dv)`` float32, the
+    short convolutions' histories and the rotary state, all running states."""
 
     def __init__(self, config: SelectiveRopeGatedDeltaNetConfig, layer_idx: int):
         super().__init__()
@@ -45,7 +47,6 @@ class GatedDeltaNet(nn.Module):
         self.num_heads, self.num_v_heads = config.num_heads, config.num_v_heads
         self.head_k_dim, self.head_v_dim = config.head_dim, config.head_v_dim
         self.allow_neg_eigval = config.allow_neg_eigval
-        self.backend = config.backend
         hidden, key_dim, value_dim = config.hidden_size, config.key_dim, config.value_dim
 
         self.q_proj = nn.Linear(hidden, key_dim, bias=False)
@@ -57,11 +58,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
         self.A_log._no_weight_decay = True
         self.dt_bias._no_weight_decay = True
-        self.use_short_conv = config.use_short_conv
-        if self.use_short_conv:
-            self.q_conv1d = ShortConvolution(key_dim, config.conv_size, activation="silu")
-            self.k_conv1d = ShortConvolution(key_dim, config.conv_size, activation="silu")
-            self.v_conv1d = ShortConvolution(value_dim, config.conv_size, activation="silu")
+        self.init_short_convolutions(config.use_short_conv, (key_dim, key_dim, value_dim), config.conv_size)
         self.rotary = SelectiveRotaryEmbedding(config, self.num_heads, self.num_heads, self.head_k_dim)
         self.g_proj = nn.Linear(hidden, value_dim, bias=False) if config.use_gate else None
         self.gate_activation = config.output_gate_activation
@@ -79,21 +76,14 @@ class GatedDeltaNet(nn.Module):
         dt = torch.exp(torch.rand(heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=dt_floor)
         init.copy_(self.dt_bias, dt + torch.log(-torch.expm1(-dt)))
 
-    def forward(self, x: torch.Tensor, lengths: torch.Tensor | None = None,
-                state: dict[str, torch.Tensor] | None = None, use_cache: bool = False,
-                cu_seqlens: torch.Tensor | None = None):
-        """``x``: ``(B, T, D)`` right-padded rows -> ``(B, T, D)`` and the new state (empty unless ``use_cache``).
+    def forward(self, x: torch.Tensor, state: LayerState, *, lengths: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, backend: str = "torch") -> torch.Tensor:
+        """``x``: ``(B, T, D)`` right-padded rows -> ``(B, T, D)``; the new state goes into ``state``.
         Packed sequences: ``x`` ``(1, total, D)`` with ``cu_seqlens`` (fla path only), one state row per sequence."""
         batch, seq_len, _ = x.shape
-        state = state or {}
-        new_state: dict[str, torch.Tensor] = {}
 
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.use_short_conv:
-            q, new_state["q_conv"] = self.q_conv1d(q, state.get("q_conv"), lengths, cu_seqlens=cu_seqlens)
-            k, new_state["k_conv"] = self.k_conv1d(k, state.get("k_conv"), lengths, cu_seqlens=cu_seqlens)
-            v, new_state["v_conv"] = self.v_conv1d(v, state.get("v_conv"), lengths, cu_seqlens=cu_seqlens)
-        else:
+        q, k, v = self.short_convolutions(self.q_proj(x), self.k_proj(x), self.v_proj(x), state, lengths, cu_seqlens)
+        if not self.use_short_conv:  # the SiLU the convolutions would apply
             q, k, v = F.silu(q), F.silu(k), F.silu(v)
         q = l2_normalize(q.view(batch, seq_len, self.num_heads, self.head_k_dim)).to(x.dtype)
         k = l2_normalize(k.view(batch, seq_len, self.num_heads, self.head_k_dim)).to(x.dtype)
@@ -104,25 +94,25 @@ class GatedDeltaNet(nn.Module):
             beta = beta * 2
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())  # (B, T, HV)
 
-        q, k, rotary_state = self.rotary(x, q, k, substate(state, "rotary"), lengths, cu_seqlens)
-        new_state.update(with_prefix(rotary_state, "rotary"))
+        rotary_state = state.scope("rotary")
+        q, k, new_rotary_state = self.rotary(x, q, k, rotary_state.previous(), lengths, cu_seqlens, backend=backend)
+        rotary_state.update(new_rotary_state)
 
         if lengths is not None:  # β = 0 and g = 0: pads leave the state exactly as it was
             valid = valid_mask(lengths, seq_len)[..., None]
             beta, g = beta * valid, g * valid
         # Grouped value heads: value head j reads key head j // (num_v_heads / num_heads), inside the op.
         o, recurrent_state = gated_delta_rule(q, k, v, g, beta, initial_state=state.get("recurrent"),
-                                              output_final_state=use_cache, cu_seqlens=cu_seqlens,
-                                              backend=resolve_backend(self.backend, x.device))
-        if use_cache:
-            new_state["recurrent"] = recurrent_state
+                                              output_final_state=state.keep, cu_seqlens=cu_seqlens, backend=backend)
+        if state.keep:
+            state.set("recurrent", recurrent_state)
 
         o = self.o_norm(o)  # (B, T, HV, Dv)
         if self.g_proj is not None:
             gate = self.g_proj(x).view(batch, seq_len, self.num_v_heads, self.head_v_dim)
             o = o * (torch.sigmoid(gate) if self.gate_activation == "sigmoid" else F.silu(gate))
         o = o.reshape(batch, seq_len, self.num_v_heads * self.head_v_dim)
-        return self.o_proj(o), (new_state if use_cache else {})
+        return self.o_proj(o)
 
 
 class SelectiveRopeGatedDeltaNetModel(SelectiveRopeModelBase):

@@ -16,15 +16,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..configuration.gla import SelectiveRopeGLAConfig
-from ..kernels.dispatch import gated_linear_attention, resolve_backend
-from .base import SelectiveRopeForCausalLMBase, SelectiveRopeModelBase, substate, with_prefix
-from .layers import RMSNorm, ShortConvolution
+from ..kernels.gla import gated_linear_attention
+from .base import SelectiveRopeForCausalLMBase, SelectiveRopeModelBase
+from .layers import QKVShortConvolutions, RMSNorm
 from .layout import valid_mask
+from .mixer import LayerState
 from .rotary import SelectiveRotaryEmbedding
 
 
-class GatedLinearAttention(nn.Module):
-    token_states: tuple[str, ...] = ()  # everything it caches is a running state
+class GatedLinearAttention(QKVShortConvolutions):
+    """The GLA mixer (:class:`~.mixer.Mixer`). Its state: ``recurrent`` ``(B, H, Dk, Dv)`` float32, the short
+    convolutions' histories and the rotary state, all running states."""
 
     def __init__(self, config: SelectiveRopeGLAConfig, layer_idx: int):
         super().__init__()
@@ -33,18 +35,14 @@ class GatedLinearAttention(nn.Module):
         self.head_k_dim, self.head_v_dim = config.head_k_dim, config.head_v_dim
         self.gate_logit_normalizer = config.gate_logit_normalizer
         self.clamp_min = config.clamp_min
-        self.backend = config.backend
         hidden, key_width, value_width = config.hidden_size, self.num_kv_heads * self.head_k_dim, \
             self.num_kv_heads * self.head_v_dim
 
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_k_dim, bias=False)
         self.k_proj = nn.Linear(hidden, key_width, bias=False)
         self.v_proj = nn.Linear(hidden, value_width, bias=False)
-        self.use_short_conv = config.use_short_conv
-        if self.use_short_conv:
-            self.q_conv1d = ShortConvolution(self.num_heads * self.head_k_dim, config.conv_size, activation="silu")
-            self.k_conv1d = ShortConvolution(key_width, config.conv_size, activation="silu")
-            self.v_conv1d = ShortConvolution(value_width, config.conv_size, activation="silu")
+        self.init_short_convolutions(config.use_short_conv, (self.num_heads * self.head_k_dim, key_width, value_width),
+                                     config.conv_size)
         self.gk_proj = nn.Sequential(nn.Linear(hidden, config.gate_low_rank_dim, bias=False),
                                      nn.Linear(config.gate_low_rank_dim, key_width, bias=True))
         self.rotary = SelectiveRotaryEmbedding(config, self.num_heads, self.num_kv_heads, self.head_k_dim)
@@ -53,20 +51,13 @@ class GatedLinearAttention(nn.Module):
         self.g_norm = RMSNorm(self.head_v_dim, eps=config.norm_eps)
         self.o_proj = nn.Linear(self.num_heads * self.head_v_dim, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, lengths: torch.Tensor | None = None,
-                state: dict[str, torch.Tensor] | None = None, use_cache: bool = False,
-                cu_seqlens: torch.Tensor | None = None):
-        """``x``: ``(B, T, D)`` right-padded rows -> ``(B, T, D)`` and the new state (empty unless ``use_cache``).
+    def forward(self, x: torch.Tensor, state: LayerState, *, lengths: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, backend: str = "torch") -> torch.Tensor:
+        """``x``: ``(B, T, D)`` right-padded rows -> ``(B, T, D)``; the new state goes into ``state``.
         Packed sequences: ``x`` ``(1, total, D)`` with ``cu_seqlens`` (fla path only), one state row per sequence."""
         batch, seq_len, _ = x.shape
-        state = state or {}
-        new_state: dict[str, torch.Tensor] = {}
 
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.use_short_conv:
-            q, new_state["q_conv"] = self.q_conv1d(q, state.get("q_conv"), lengths, cu_seqlens=cu_seqlens)
-            k, new_state["k_conv"] = self.k_conv1d(k, state.get("k_conv"), lengths, cu_seqlens=cu_seqlens)
-            v, new_state["v_conv"] = self.v_conv1d(v, state.get("v_conv"), lengths, cu_seqlens=cu_seqlens)
+        q, k, v = self.short_convolutions(self.q_proj(x), self.k_proj(x), self.v_proj(x), state, lengths, cu_seqlens)
         q = q.view(batch, seq_len, self.num_heads, self.head_k_dim)
         k = k.view(batch, seq_len, self.num_kv_heads, self.head_k_dim)
         v = v.view(batch, seq_len, self.num_kv_heads, self.head_v_dim)
@@ -75,27 +66,25 @@ class GatedLinearAttention(nn.Module):
             gk = gk.clamp_min(self.clamp_min)
         gk = gk.view(batch, seq_len, self.num_kv_heads, self.head_k_dim)
 
-        q, k, rotary_state = self.rotary(x, q, k, substate(state, "rotary"), lengths, cu_seqlens)
-        new_state.update(with_prefix(rotary_state, "rotary"))
+        rotary_state = state.scope("rotary")
+        q, k, new_rotary_state = self.rotary(x, q, k, rotary_state.previous(), lengths, cu_seqlens, backend=backend)
+        rotary_state.update(new_rotary_state)
 
         if lengths is not None:  # pads neither write to nor decay the recurrent state
             valid = valid_mask(lengths, seq_len)[..., None, None]
             k, gk = k * valid, gk * valid
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:  # GQA: each key/value head serves `groups` consecutive query heads
-            k, v, gk = (t.repeat_interleave(groups, dim=2) for t in (k, v, gk))
-
+        # GQA: each key/value head serves `num_heads // num_kv_heads` consecutive query heads (inside the op).
         o, recurrent_state = gated_linear_attention(q, k, v, gk, initial_state=state.get("recurrent"),
-                                                    output_final_state=use_cache, cu_seqlens=cu_seqlens,
-                                                    backend=resolve_backend(self.backend, x.device))
-        if use_cache:
-            new_state["recurrent"] = recurrent_state
+                                                    output_final_state=state.keep, cu_seqlens=cu_seqlens,
+                                                    backend=backend)
+        if state.keep:
+            state.set("recurrent", recurrent_state)
 
         o = self.g_norm(o)  # (B, T, H, Dv)
         o = o.reshape(batch, seq_len, self.num_heads * self.head_v_dim)
         if self.g_proj is not None:
             o = o * F.silu(self.g_proj(x))
-        return self.o_proj(o), (new_state if use_cache else {})
+        return self.o_proj(o)
 
 
 class SelectiveRopeGLAModel(SelectiveRopeModelBase):

@@ -1,4 +1,5 @@
-"""Building blocks shared by every family: RMSNorm, SwiGLU MLP, causal short convolution."""
+"""Building blocks shared by every family: RMSNorm, SwiGLU MLP, causal short convolution (and the q/k/v triple of
+them that GLA and Gated DeltaNet share)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.conv_torch import causal_conv1d
+from .mixer import LayerState
 
 
 class RMSNorm(nn.Module):
@@ -23,25 +25,24 @@ class RMSNorm(nn.Module):
         return self.weight * x_float.to(x.dtype)
 
 
-class GatedMLP(nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+# The configs' `hidden_act` values: "swish" (flash-linear-attention's name) and "silu" (Llama's) are one function.
+MLP_ACTIVATIONS = {"silu": F.silu, "swish": F.silu}
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+
+class GatedMLP(nn.Module):
+    """SwiGLU feed-forward: ``down(act(gate(x)) * up(x))``, ``act`` the config's ``hidden_act``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, activation: str = "silu"):
         super().__init__()
+        if activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"hidden_act={activation!r} is not supported: expected one of {list(MLP_ACTIVATIONS)}")
+        self.act_fn = MLP_ACTIVATIONS[activation]
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def mlp_width(hidden_size: int, hidden_ratio: int | None, intermediate_size: int | None) -> int:
-    """flash-linear-attention's rule: 2/3 · ratio · hidden, rounded up to a multiple of 256, unless given."""
-    if intermediate_size is not None:
-        return intermediate_size
-    width = int(hidden_size * (hidden_ratio or 4) * 2 / 3)
-    return 256 * ((width + 255) // 256)
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 class ShortConvolution(nn.Conv1d):
@@ -60,3 +61,31 @@ class ShortConvolution(nn.Conv1d):
         if dtype is not None:
             x = x.to(dtype)
         return causal_conv1d(x, self.weight.squeeze(1), state, lengths, self.activation, cu_seqlens=cu_seqlens)
+
+
+class QKVShortConvolutions(nn.Module):
+    """Base of the mixers with optional causal SiLU short convolutions on q, k and v (GLA, Gated DeltaNet).
+
+    The modules are the mixer's own ``q_conv1d``, ``k_conv1d``, ``v_conv1d`` (flash-linear-attention's parameter
+    names, so its checkpoints map onto ours) and their histories the layer state's ``q_conv``, ``k_conv``, ``v_conv``.
+    """
+
+    def init_short_convolutions(self, use_short_conv: bool, widths: tuple[int, int, int], conv_size: int) -> None:
+        """``widths``: the channels of q, k and v."""
+        self.use_short_conv = use_short_conv
+        if use_short_conv:
+            self.q_conv1d, self.k_conv1d, self.v_conv1d = (
+                ShortConvolution(width, conv_size, activation="silu") for width in widths)
+
+    def short_convolutions(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: LayerState,
+                           lengths: torch.Tensor | None, cu_seqlens: torch.Tensor | None):
+        """``(q, k, v)`` ``(B, T, C)`` each through its convolution, continuing and updating the cached histories;
+        unchanged without short convolutions."""
+        if not self.use_short_conv:
+            return q, k, v
+        convolved = []
+        for name, x, conv in (("q_conv", q, self.q_conv1d), ("k_conv", k, self.k_conv1d), ("v_conv", v, self.v_conv1d)):
+            x, history = conv(x, state.get(name), lengths, cu_seqlens=cu_seqlens)  # history (B, K-1, C)
+            state.set(name, history)
+            convolved.append(x)
+        return tuple(convolved)

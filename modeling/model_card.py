@@ -11,7 +11,8 @@ from importlib import resources
 
 from huggingface_hub import ModelCard
 
-# The remote-code bundle replaces this line with the templates' text: only .py files travel with a model.
+# A saved model's flat copy of this module assigns its family's template here, at its end (see remote_code.py): only
+# .py files travel with a model.
 BUNDLED_TEMPLATES: dict[str, str] | None = None
 
 POSITION_EMBEDDING_FIELDS = (

@@ -1,6 +1,7 @@
 """The Selective RoPE module (SPEC §3), shared by every family.
 
-Per token ``t`` and key head ``h`` (frequency pairs ``i < R``):
+Per token ``t`` and key head ``h`` (frequency pairs ``i < R``; ``R`` is ``rotary_pairs`` in the code, half the
+rotary dims):
 
     u_t   = x_t split into Hk chunks, each L2-normalised
     a_t   = P(u_t)                                  phase projection (low-rank / full-rank / scalar / dense low-rank)
@@ -37,7 +38,8 @@ from transformers import initialization as init
 
 from ..configuration.position_embedding import SelectiveRopeConfigBase
 from ..kernels.conv_torch import causal_conv1d
-from ..kernels.dispatch import resolve_backend, selective_rotary, selective_rotary_decode
+from ..kernels.dispatch import resolve_backend
+from ..kernels.rotary import selective_rotary, selective_rotary_decode, single_token_step_applies
 from ..kernels.rotary_torch import phase_dtype, rotary_angles, rotate
 from .layers import ShortConvolution
 from .layout import SequenceLayout, valid_mask
@@ -45,22 +47,22 @@ from .layout import SequenceLayout, valid_mask
 
 def rotary_temperature(kind: str, theta: float, rotary_dim: int, scale: float = 1.0, seed: int = 0) -> torch.Tensor:
     """The per-frequency temperature τ (float32, length ``rotary_dim // 2``) for each ``temperature_type``."""
-    half = rotary_dim // 2
+    rotary_pairs = rotary_dim // 2
     if kind == "rope":
-        exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float64)[:half] / rotary_dim
+        exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float64)[:rotary_pairs] / rotary_dim
         tau = theta ** (-exponent)
     elif kind == "rfa":
-        angles = torch.linspace(0.0, theta * math.pi, half, dtype=torch.float64)
+        angles = torch.linspace(0.0, theta * math.pi, rotary_pairs, dtype=torch.float64)
         tau = torch.tan(angles / 2) / math.tan(theta * math.pi / 2)
     else:
         generator = torch.Generator().manual_seed(seed)
         if kind == "gaussian":
-            omega = torch.randn(half, generator=generator, dtype=torch.float64)
+            omega = torch.randn(rotary_pairs, generator=generator, dtype=torch.float64)
         elif kind == "uniform":
-            omega = torch.rand(half, generator=generator, dtype=torch.float64) * 2 - 1
+            omega = torch.rand(rotary_pairs, generator=generator, dtype=torch.float64) * 2 - 1
         elif kind == "laplace":
             # Inverse-CDF sampling of Laplace(0, 1) from a uniform draw in (-1/2, 1/2).
-            centred = torch.rand(half, generator=generator, dtype=torch.float64).clamp(1e-12, 1 - 1e-12) - 0.5
+            centred = torch.rand(rotary_pairs, generator=generator, dtype=torch.float64).clamp(1e-12, 1 - 1e-12) - 0.5
             omega = -torch.sign(centred) * torch.log1p(-2 * centred.abs())
         else:
             raise ValueError(f"unknown temperature_type {kind!r}")
@@ -83,15 +85,15 @@ class PhaseProjection(nn.Module):
     (``scale · w / ||w||`` per output row); ``scalar``: one value per head, shared by every frequency.
     """
 
-    def __init__(self, kind: str, num_key_heads: int, chunk_dim: int, half: int, rank: int):
+    def __init__(self, kind: str, num_key_heads: int, chunk_dim: int, rotary_pairs: int, rank: int):
         super().__init__()
-        self.kind, self.half = kind, half
+        self.kind, self.rotary_pairs = kind, rotary_pairs
         if kind == "low_rank":
             self.down = nn.Parameter(torch.empty(num_key_heads, rank, chunk_dim))
-            self.up = nn.Parameter(torch.empty(num_key_heads, half, rank))
+            self.up = nn.Parameter(torch.empty(num_key_heads, rotary_pairs, rank))
         elif kind == "full_rank":
-            self.weight = nn.Parameter(torch.empty(num_key_heads, half, chunk_dim))
-            self.scale = nn.Parameter(torch.empty(num_key_heads, half))
+            self.weight = nn.Parameter(torch.empty(num_key_heads, rotary_pairs, chunk_dim))
+            self.scale = nn.Parameter(torch.empty(num_key_heads, rotary_pairs))
         elif kind == "scalar":
             self.weight = nn.Parameter(torch.empty(num_key_heads, 1, chunk_dim))
         else:
@@ -125,7 +127,7 @@ class PhaseProjection(nn.Module):
             a = torch.bmm(rows, weight.transpose(1, 2))  # (Hk, B*T, R)
         else:
             a = torch.bmm(rows, self.weight.to(u.dtype).transpose(1, 2))  # (Hk, B*T, 1)
-            a = a.expand(heads, batch * seq_len, self.half)
+            a = a.expand(heads, batch * seq_len, self.rotary_pairs)
         return a.view(heads, batch, seq_len, -1).permute(1, 2, 0, 3)  # (B, T, Hk, R)
 
 
@@ -142,11 +144,11 @@ class DenseLowRankPhaseProjection(nn.Module):
 
     kind = "dense_low_rank"
 
-    def __init__(self, num_key_heads: int, chunk_dim: int, half: int, rank: int):
+    def __init__(self, num_key_heads: int, chunk_dim: int, rotary_pairs: int, rank: int):
         super().__init__()
-        self.num_key_heads, self.half = num_key_heads, half
+        self.num_key_heads, self.rotary_pairs = num_key_heads, rotary_pairs
         self.down = nn.Parameter(torch.empty(rank, num_key_heads * chunk_dim))
-        self.up = nn.Parameter(torch.empty(num_key_heads * half, rank))
+        self.up = nn.Parameter(torch.empty(num_key_heads * rotary_pairs, rank))
         self.init_custom_parameters()
 
     @torch.no_grad()
@@ -159,10 +161,10 @@ class DenseLowRankPhaseProjection(nn.Module):
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         """``u``: ``(B, T, Hk, Dc)`` -> ``(B, T, Hk, R)``, computed in ``u``'s dtype (float64 on the phase path)."""
         low = F.linear(u.flatten(2), self.down.to(u.dtype))  # (B, T, rank)
-        return F.linear(low, self.up.to(u.dtype)).unflatten(-1, (self.num_key_heads, self.half))
+        return F.linear(low, self.up.to(u.dtype)).unflatten(-1, (self.num_key_heads, self.rotary_pairs))
 
     def extra_repr(self) -> str:
-        return f"num_key_heads={self.num_key_heads}, half={self.half}, rank={self.down.shape[0]}"
+        return f"num_key_heads={self.num_key_heads}, rotary_pairs={self.rotary_pairs}, rank={self.down.shape[0]}"
 
 
 class PhaseLinear(nn.Linear):
@@ -240,8 +242,8 @@ class SelectiveRotaryEmbedding(nn.Module):
 
     ``forward(x, q, k, state=None, lengths=None, cu_seqlens=None) -> (q, k, state)`` where ``x`` is the mixer input
     ``(B, T, D)``, ``q`` is ``(B, T, Hq, Dh)``, ``k`` is ``(B, T, Hk, Dh)`` and ``state`` is a dict with the cached
-    ``phase`` ``(B, Hk, R)`` and ``phase_conv`` history ``(B, K-1, Hk*R)`` (``K = 2`` for the difference), both
-    float64 (``rotary_torch.phase_dtype``).
+    ``phase`` ``(B, Hk, R)`` (``R = rotary_pairs``) and ``phase_conv`` history ``(B, K-1, Hk*R)`` (``K = 2`` for the
+    difference), both float64 (``rotary_torch.phase_dtype``).
 
     Its parameters stay float32 when the model is cast to a lower precision (``model.to(torch.bfloat16)``,
     ``.half()``): see ``_apply``.
@@ -252,31 +254,31 @@ class SelectiveRotaryEmbedding(nn.Module):
         if num_query_heads % num_key_heads:
             raise ValueError(f"num_query_heads ({num_query_heads}) must be a multiple of "
                              f"num_key_heads ({num_key_heads})")
-        self.mode = config.position_embedding
+        self.position_embedding = config.position_embedding  # "selective_rope", "rope" or "nope"
         self.backend = config.backend  # resolved per call (SELECTIVE_ROPE_BACKEND may override)
         self.num_key_heads = num_key_heads
         self.rotary_dim = int(head_dim * config.partial_rotary_factor)
-        self.half = self.rotary_dim // 2
+        self.rotary_pairs = self.rotary_dim // 2
         self.temperature_config = (config.temperature_type, config.temperature_theta, config.temperature_max,
                                    config.temperature_seed)
-        if self.mode == "nope":
+        if self.position_embedding == "nope":
             return
         # A parameter (not a buffer) so it is saved, loaded and kept in float32 by `_keep_in_fp32_modules_strict`;
         # the converter writes a source model's own inverse frequencies into it.
         self.temperature = nn.Parameter(self.initial_temperature(), requires_grad=config.temperature_trainable)
-        if self.mode == "rope":
+        if self.position_embedding == "rope":
             return
 
         hidden_size = config.hidden_size
         self.chunk_dim = hidden_size // num_key_heads
         if config.phase_proj == "dense_low_rank":
-            self.phase_proj = DenseLowRankPhaseProjection(num_key_heads, self.chunk_dim, self.half,
+            self.phase_proj = DenseLowRankPhaseProjection(num_key_heads, self.chunk_dim, self.rotary_pairs,
                                                           config.phase_proj_rank)
         else:
-            self.phase_proj = PhaseProjection(config.phase_proj, num_key_heads, self.chunk_dim, self.half,
+            self.phase_proj = PhaseProjection(config.phase_proj, num_key_heads, self.chunk_dim, self.rotary_pairs,
                                               config.phase_proj_rank)
-        self.phase_conv = self._build_conv(config, num_key_heads * self.half)
-        self.phase_bias = nn.Parameter(torch.zeros(num_key_heads, self.half)) if config.phase_bias else None
+        self.phase_conv = self._build_conv(config, num_key_heads * self.rotary_pairs)
+        self.phase_bias = nn.Parameter(torch.zeros(num_key_heads, self.rotary_pairs)) if config.phase_bias else None
         self.phase_gate_proj = self._build_gate(config, hidden_size) if config.phase_gate else None
 
     def _apply(self, fn, recurse: bool = True):
@@ -310,7 +312,7 @@ class SelectiveRotaryEmbedding(nn.Module):
     def _build_gate(self, config: SelectiveRopeConfigBase, hidden_size: int) -> nn.Module:
         if config.phase_gate_type == "head":
             return PhaseLinear(hidden_size, self.num_key_heads, bias=True)
-        width = self.num_key_heads * (self.half if config.phase_gate_type == "channel" else 1)
+        width = self.num_key_heads * (self.rotary_pairs if config.phase_gate_type == "channel" else 1)
         return nn.Sequential(PhaseLinear(hidden_size, config.phase_gate_rank, bias=False),
                              PhaseLinear(config.phase_gate_rank, width, bias=True))
 
@@ -326,7 +328,7 @@ class SelectiveRotaryEmbedding(nn.Module):
 
         Computed in float64 and rounded to float32 once, at the end (see the module docstring)."""
         batch, seq_len, _ = x.shape
-        if self.mode == "rope":
+        if self.position_embedding == "rope":
             ones = x.new_ones(batch, seq_len, 1, 1, dtype=torch.float32)
             return (ones if valid is None else ones * valid[..., None, None]), None
 
@@ -338,7 +340,7 @@ class SelectiveRotaryEmbedding(nn.Module):
         if self.phase_conv is not None:
             flat, new_conv_state = self.phase_conv(a.reshape(batch, seq_len, -1), conv_state, lengths, dtype=u.dtype,
                                                    cu_seqlens=cu_seqlens)
-            a = flat.view(batch, seq_len, self.num_key_heads, self.half)
+            a = flat.view(batch, seq_len, self.num_key_heads, self.rotary_pairs)
         if self.phase_bias is not None:
             a = a + self.phase_bias.to(u.dtype).exp()
         if self.phase_gate_proj is not None:
@@ -370,17 +372,21 @@ class SelectiveRotaryEmbedding(nn.Module):
         state: dict[str, torch.Tensor] | None = None,
         lengths: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
+        backend: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        if self.mode == "nope":
+        """``backend``: ``"torch"`` or ``"triton"`` as the model resolved it for this call; ``None``: resolved here
+        from the config's ``backend`` (and ``SELECTIVE_ROPE_BACKEND``)."""
+        if self.position_embedding == "nope":
             return q, k, {}
-        backend = resolve_backend(self.backend, q.device)
+        if backend is None:
+            backend = resolve_backend(self.backend, q.device)
         if cu_seqlens is not None and backend != "triton":  # the torch op takes one dense row per sequence
-            return self._forward_packed(x, q, k, state, cu_seqlens)
+            return self._forward_packed(x, q, k, state, cu_seqlens, backend)
         state = state or {}
         seq_len = x.shape[1]
-        if seq_len == 1 and cu_seqlens is None and self.mode == "selective_rope" and not torch.is_grad_enabled():
+        if self.position_embedding == "selective_rope" and single_token_step_applies(seq_len, cu_seqlens):
             if backend == "triton":
-                return self._decode_step(x, q, k, state, lengths)
+                return self._decode_step(x, q, k, state, lengths)  # the fused Triton step
             return self._decode_step_torch(x, q, k, state, lengths)
         valid = None if lengths is None else valid_mask(lengths, seq_len)  # (B, T)
         with no_autocast(x):
@@ -462,10 +468,10 @@ class SelectiveRotaryEmbedding(nn.Module):
     def _state(phase: torch.Tensor, conv_state: torch.Tensor | None) -> dict[str, torch.Tensor]:
         return {"phase": phase} if conv_state is None else {"phase": phase, "phase_conv": conv_state}
 
-    def _forward_packed(self, x, q, k, state, cu_seqlens):
+    def _forward_packed(self, x, q, k, state, cu_seqlens, backend):
         """Packed sequences ``(1, total, ...)`` on the torch path, through one dense row per sequence (the Triton
         kernel takes them as they are): each sequence restarts phase and convolution; state is per sequence."""
         layout = SequenceLayout.from_cu_seqlens(cu_seqlens, total=x.shape[1])
         q_rows, k_rows, new_state = self.forward(layout.to_rows(x), layout.to_rows(q), layout.to_rows(k),
-                                                 state=state, lengths=layout.lengths)
+                                                 state=state, lengths=layout.lengths, backend=backend)
         return layout.from_rows(q_rows), layout.from_rows(k_rows), new_state

@@ -17,6 +17,9 @@ class Family:
     lm_class: type
     # A tiny model exercising the family's options (GQA, short convolutions, ...).
     tiny: dict = field(default_factory=dict)
+    # The family's other option sets the model-level suite (test_models.py) also runs: the settings `tiny` does not
+    # reach (fla's defaults among them), so every option of the family is exercised there.
+    variants: dict = field(default_factory=dict)
 
     def with_options(self, name: str, options: dict) -> Family:
         """The same family with more config fields, named ``family-name``."""
@@ -38,11 +41,19 @@ TINY = {
                 use_output_gate=True, use_output_norm=True, use_k_shift=True, use_v_shift=True,
                 initializer_range=0.2),
 }
+# Each family's other option sets the model-level suite also runs (Family.variants): the settings TINY does not reach.
+VARIANTS = {
+    # fla's default (no short convolutions) without the output gate; a clamp that binds (gk is about -0.04 here).
+    "gla": {"plain": dict(use_short_conv=False, use_output_gate=False), "clamped": dict(clamp_min=-0.04)},
+    "gated_deltanet": {"plain": dict(use_short_conv=False, use_gate=False),
+                       "sigmoid_gate": dict(output_gate_activation="sigmoid")},
+}
 missing = sorted(set(REGISTRY) - set(TINY))
 assert not missing, f"families without a tiny test config in tests/families.py: {missing}"
 
 FAMILIES = {
-    name: Family(name, spec.config_class, spec.model_class, spec.lm_class, tiny=TINY[name])
+    name: Family(name, spec.config_class, spec.model_class, spec.lm_class, tiny=TINY[name],
+                 variants=VARIANTS.get(name, {}))
     for name, spec in REGISTRY.items()
 }
 

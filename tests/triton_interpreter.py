@@ -78,8 +78,9 @@ def fla_kernels_on_cpu():
         patch.setattr(interpreter.FunctionRewriter, "ast_transformer", _TensorLoopVariables())
         # Kernels are rewritten once and cached: start from an empty cache, and drop the patched rewrites on exit.
         patch.setattr(interpreter.InterpretedFunction, "rewritten_fn", {})
-        # The production rule (fla_ops) with "and the tensors are on CUDA" left out.
-        patch.setattr(dispatch, "fla_ops", lambda backend, device: ops if backend == "triton" else None)
+        # The production rule (fla_ops) with CPU tensors let through, and the counting kernels in place of fla's.
+        patch.setattr(dispatch, "FLA_DEVICES", ("cuda", "cpu"))
+        patch.setitem(dispatch._imported, "fla", ops)
         patch.setattr(rotary, "selective_rotary_triton",
                       counting(SimpleNamespace(selective_rotary_triton=rotary.selective_rotary_triton),
                                calls).selective_rotary_triton)

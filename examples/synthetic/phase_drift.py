@@ -49,7 +49,7 @@ def angles_per_bit(model) -> list[dict]:
     rows = []
     for index, layer in enumerate(model.model.layers):
         rotary = layer.attn.rotary
-        if rotary.mode != "selective_rope":
+        if rotary.position_embedding != "selective_rope":
             continue
         x = layer.attn_norm(hidden_states[index])
         increment, _ = rotary.phase_increment(x, None, None, None)  # (1, T, Hk, R)
@@ -91,11 +91,12 @@ def phase_zeroed(model, head: int, frequency: int | None = None):
     """Within the block, key head ``head`` of every Selective RoPE layer adds no phase at ``frequency`` (or at any
     frequency when None), so a fresh forward leaves that head's q and k unrotated there. Patches
     ``phase_increment``, which full-sequence forwards call (not the fused Triton decode step)."""
-    rotaries = [layer.attn.rotary for layer in model.model.layers if layer.attn.rotary.mode == "selective_rope"]
+    rotaries = [layer.attn.rotary for layer in model.model.layers
+                if layer.attn.rotary.position_embedding == "selective_rope"]
     for rotary in rotaries:
-        if not 0 <= head < rotary.num_key_heads or not (frequency is None or 0 <= frequency < rotary.half):
+        if not 0 <= head < rotary.num_key_heads or not (frequency is None or 0 <= frequency < rotary.rotary_pairs):
             raise ValueError(f"no key head {head} / frequency {frequency} (the model has {rotary.num_key_heads} "
-                             f"key heads of {rotary.half} frequencies)")
+                             f"key heads of {rotary.rotary_pairs} frequencies)")
 
     def without(original):
         def phase_increment(*args, **kwargs):

@@ -155,3 +155,23 @@ def test_each_copy_of_the_travelling_code_runs_its_own_attention_op(tmp_path):
         expected = model(ids).logits
     assert torch.equal(logits["plain"], expected)
     assert not torch.allclose(logits["altered"], expected)  # the alteration is real, and stays in its own copy
+
+
+def test_a_saved_model_carries_only_its_own_familys_code(tmp_path):
+    """Each family's bundle holds its own mixer, kernels and card template, none of another family's, and not the
+    bundler (a flat copy is saved again by transformers' custom_object_save)."""
+    own = {"gla": ("modeling_gla.py", "kernels_gla.py", "kernels_gla_torch.py"),
+           "gated_deltanet": ("modeling_gated_deltanet.py", "kernels_gated_delta.py", "kernels_gated_delta_torch.py"),
+           "fox": ("modeling_fox.py", "kernels_forgetting_attention.py", "kernels_forgetting_attention_torch.py")}
+    for name, family in FAMILIES.items():
+        directory = tmp_path / name
+        family.lm_class(family.config_class(**family.tiny)).save_pretrained(directory)
+        files = {path.name for path in directory.glob("*.py")}
+        assert set(own[name]) <= files, name
+        for other, other_files in own.items():
+            if other != name:
+                assert not set(other_files) & files, (name, other)
+        assert "modeling_remote_code.py" not in files
+        card_module = (directory / "modeling_model_card.py").read_text()
+        assert f"'{family.config_class.model_type}':" in card_module
+        assert not any(f"'selective_rope_{other}':" in card_module for other in own if other != name)

@@ -29,6 +29,8 @@ pytest.importorskip("triton", reason="the Triton path needs triton")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from selective_rope.kernels import dispatch  # noqa: E402
+from selective_rope.kernels.forgetting_attention import forgetting_attention  # noqa: E402
+from selective_rope.kernels.rotary import selective_rotary_decode  # noqa: E402
 from selective_rope.kernels.rotary_torch import selective_rotary  # noqa: E402
 
 from families import OPTION_VARIANTS  # noqa: E402
@@ -383,7 +385,7 @@ def test_fox_outputs_at_pads_are_zero_on_both_paths(fla_calls):
     q, k, v = torch.randn(2, 9, 4, 8), torch.randn(2, 9, 2, 8), torch.randn(2, 9, 2, 8)
     log_fgate = torch.nn.functional.logsigmoid(torch.randn(2, 9, 4) + 2)
     valid = torch.arange(9) < torch.tensor([[6], [9]])
-    outputs = {b: dispatch.forgetting_attention(q, k, v, log_fgate, key_valid=valid, backend=b)
+    outputs = {b: forgetting_attention(q, k, v, log_fgate, key_valid=valid, backend=b)
                for b in ("torch", "triton")}
     assert fla_calls["parallel_forgetting_attn"] == 1
     assert (outputs["torch"][0, 6:] == 0).all() and (outputs["triton"][0, 6:] == 0).all()
@@ -465,7 +467,7 @@ def test_rotary_decode_matches_torch(dtype, monkeypatch):
     gate = torch.randn(batch, hk, 1, device=DEVICE)
     valid = torch.rand(batch, device=DEVICE) > 0.3
     temperature = 500000.0 ** (-torch.arange(half, device=DEVICE) / half)
-    actual = dispatch.selective_rotary_decode(q, k, projection, temperature, phase, history, weight, "silu", bias,
+    actual = selective_rotary_decode(q, k, projection, temperature, phase, history, weight, "silu", bias,
                                               gate, valid)
     keep = valid.double()[:, None, None]  # the module's torch path: float64, the increment rounded to float32
     conv, new_history = causal_conv1d((projection.double() * keep).reshape(batch, 1, -1), weight, history.double(),

@@ -16,6 +16,10 @@ import pytest
 import torch
 
 from selective_rope.kernels import dispatch
+from selective_rope.kernels.forgetting_attention import forgetting_attention
+from selective_rope.kernels.gated_delta import gated_delta_rule
+from selective_rope.kernels.gla import gated_linear_attention
+from selective_rope.kernels.rotary import selective_rotary
 
 from families import FAMILIES
 from isolation import import_blocker
@@ -97,16 +101,16 @@ def test_mixers_never_reach_fla_on_cpu(monkeypatch):
     monkeypatch.setattr(dispatch, "_import_fla", refuse)
     q, k, v = torch.randn(1, 5, 2, 4), torch.randn(1, 5, 2, 4), torch.randn(1, 5, 2, 6)
     g = torch.nn.functional.logsigmoid(torch.randn(1, 5, 2, 4))
-    dispatch.gated_linear_attention(q, k, v, g, backend="triton")
-    dispatch.gated_delta_rule(q, k, v, g[..., 0], torch.rand(1, 5, 2), backend="triton")
-    dispatch.forgetting_attention(q, k, v, g[..., 0], backend="triton")
+    gated_linear_attention(q, k, v, g, backend="triton")
+    gated_delta_rule(q, k, v, g[..., 0], torch.rand(1, 5, 2), backend="triton")
+    forgetting_attention(q, k, v, g[..., 0], backend="triton")
     # so packed sequences reach the torch mixers as dense rows; the torch ops refuse cu_seqlens
     assert not dispatch.keeps_packed("triton", "cpu")
     offsets = torch.tensor([0, 2, 5])
-    for call in (lambda: dispatch.gated_linear_attention(q, k, v, g, cu_seqlens=offsets, backend="triton"),
-                 lambda: dispatch.gated_delta_rule(q, k, v, g[..., 0], torch.rand(1, 5, 2), cu_seqlens=offsets),
-                 lambda: dispatch.forgetting_attention(q, k, v, g[..., 0], cu_seqlens=offsets, backend="triton"),
-                 lambda: dispatch.selective_rotary(q, k, g, torch.ones(4), cu_seqlens=offsets)):
+    for call in (lambda: gated_linear_attention(q, k, v, g, cu_seqlens=offsets, backend="triton"),
+                 lambda: gated_delta_rule(q, k, v, g[..., 0], torch.rand(1, 5, 2), cu_seqlens=offsets),
+                 lambda: forgetting_attention(q, k, v, g[..., 0], cu_seqlens=offsets, backend="triton"),
+                 lambda: selective_rotary(q, k, g, torch.ones(4), cu_seqlens=offsets)):
         with pytest.raises(ValueError, match="cu_seqlens"):
             call()
 
@@ -117,7 +121,7 @@ def test_gated_delta_rule_groups_value_heads_for_the_torch_op():
 
     q, k = (torch.nn.functional.normalize(torch.randn(2, 7, 2, 4), dim=-1) for _ in range(2))
     v, g, beta = torch.randn(2, 7, 6, 3), -torch.rand(2, 7, 6), torch.rand(2, 7, 6)
-    o, state = dispatch.gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+    o, state = gated_delta_rule(q, k, v, g, beta, output_final_state=True)
     o_ref, state_ref = chunk_gated_delta_rule(q.repeat_interleave(3, 2), k.repeat_interleave(3, 2), v, g, beta,
                                               output_final_state=True)
     torch.testing.assert_close(o, o_ref)
@@ -128,7 +132,8 @@ def test_shipped_modules_do_not_require_triton_or_fla():
     """transformers' remote-code loader requires what a shipped file imports outside try/except: never triton/fla."""
     from transformers.dynamic_module_utils import get_imports
 
-    for name in ("kernels/dispatch.py", "kernels/rotary_triton.py", "modeling/rotary.py", "modeling/gla.py",
+    for name in ("kernels/dispatch.py", "kernels/rotary.py", "kernels/rotary_triton.py", "kernels/gla.py",
+                 "kernels/gated_delta.py", "kernels/forgetting_attention.py", "modeling/rotary.py", "modeling/gla.py",
                  "modeling/gated_deltanet.py", "modeling/fox.py"):
         assert not {"triton", "fla"} & set(get_imports(REPO / name)), name
 

@@ -473,7 +473,7 @@ def test_module_prefill_then_decode(options, monkeypatch):
             for name in results["torch"][2]:
                 assert_close(results["triton"][2][name], results["torch"][2][name], name, rtol=1e-5, atol=1e-5)
             states = {b: r[2] for b, r in results.items()}
-    assert len(decode_calls) == (3 if module.mode == "selective_rope" else 0)
+    assert len(decode_calls) == (3 if module.position_embedding == "selective_rope" else 0)
 
 
 @pytest.mark.parametrize("options", PACKED_OPTIONS, ids=option_id)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from selective_rope import SelectiveRopeCache, SelectiveRopeFoXConfig, SelectiveRopeFoXForCausalLM
-from selective_rope.modeling.cache import SelectiveRopeCacheLayer
+from selective_rope.modeling.cache import SelectiveRopeCacheLayer, append_tokens
+from selective_rope.modeling.mixer import LayerState
 
 from families import FAMILIES
 
@@ -18,15 +19,15 @@ def filled_layer(token_states=("keys",)) -> tuple[SelectiveRopeCacheLayer, dict[
     """A layer after a 5-token call: a per-token history ``keys`` (B, T, H, D) and a running ``recurrent`` state."""
     states = {"keys": torch.randn(3, 5, 2, 4), "recurrent": torch.randn(3, 2, 4, 4)}
     layer = SelectiveRopeCacheLayer()
-    layer.set(dict(states), num_new_tokens=5, token_states=token_states)
+    layer.commit(dict(states), num_new_tokens=5, token_states=token_states)
     return layer, states
 
 
-def test_set_counts_tokens_and_reports_transformers_sizes():
+def test_commit_counts_tokens_and_reports_transformers_sizes():
     layer, states = filled_layer()
     assert layer.is_initialized and layer.get_seq_length() == 5
     assert layer.get_mask_sizes(query_length=2) == (7, 0)  # (key length, offset) for the next 2-token call
-    layer.set({"recurrent": torch.zeros(3, 2, 4, 4)}, num_new_tokens=1, token_states=("keys",))
+    layer.commit({"recurrent": torch.zeros(3, 2, 4, 4)}, num_new_tokens=1, token_states=("keys",))
     assert layer.get_seq_length() == 6 and torch.equal(layer.states["keys"], states["keys"])  # others kept
     layer.reset()
     assert not layer.states and layer.get_seq_length() == 0 and not layer.is_initialized
@@ -113,3 +114,46 @@ def test_crop_refuses_states_it_cannot_roll_back(family_name, overrides):
         cache.crop(2)
 
 
+# -- token-history appends and the per-layer state the mixers fill ----------------------------------------------------
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_append_tokens_grows_a_buffer_in_place_and_equals_cat(mode):
+    first, steps = torch.randn(2, 5, 3, 4), [torch.randn(2, 1, 3, 4) for _ in range(4)]
+    with mode():
+        timeline = append_tokens(first, steps[0])  # copied once into a buffer with spare room
+        address = timeline.data_ptr()
+        for step in steps[1:]:
+            timeline = append_tokens(timeline, step)
+            assert timeline.data_ptr() == address  # written in place, no copy of the timeline
+        assert torch.equal(timeline, torch.cat([first, *steps], dim=1))
+        cropped = append_tokens(timeline[:, :6], steps[3])  # after crop(-3): the freed slots are reused
+        assert cropped.data_ptr() == address and torch.equal(cropped, torch.cat([first, steps[0], steps[3]], 1))
+        reordered = timeline.index_select(0, torch.tensor([1, 0]))  # beam search: a fresh tensor, a new buffer
+        regrown = append_tokens(reordered, steps[0])
+        assert regrown.data_ptr() != address and torch.equal(regrown, torch.cat([reordered, steps[0]], 1))
+        assert torch.equal(cropped, torch.cat([first, steps[0], steps[3]], 1))  # the old buffer is untouched
+    leaf = torch.randn(2, 5, 3, 4, requires_grad=True)
+    grown = append_tokens(leaf[:, :4], steps[0])  # with autograd: a plain cat, nothing written in place
+    assert torch.equal(grown, torch.cat([leaf[:, :4], steps[0]], dim=1)) and torch.equal(leaf[:, 4], leaf[:, 4])
+
+
+def test_layer_state_scopes_write_prefixed_names_and_read_their_own():
+    state = LayerState({"recurrent": torch.zeros(2, 1), "rotary.phase": torch.ones(2, 3)}, keep=True)
+    rotary = state.scope("rotary")
+    assert "phase" in rotary and "recurrent" not in rotary and "recurrent" in state
+    assert rotary.previous().keys() == {"phase"} and torch.equal(rotary.get("phase"), torch.ones(2, 3))
+    rotary.set("phase", torch.full((2, 3), 2.0))
+    state.set("recurrent", torch.ones(2, 1))
+    assert state.new.keys() == {"recurrent", "rotary.phase"} and not state.token_histories
+    assert torch.equal(state.get("recurrent"), torch.zeros(2, 1))  # reads stay the cached values of before the call
+
+
+def test_extend_appends_to_the_cached_history_and_marks_it_croppable():
+    first, step = torch.randn(2, 5, 3), torch.randn(2, 1, 3)
+    state = LayerState({"key": first}, keep=True)
+    with torch.no_grad():
+        history = state.extend("key", step)
+    assert torch.equal(history, torch.cat([first, step], dim=1)) and state.new["key"] is history
+    assert state.token_histories == {"key"}
+    fresh = LayerState(keep=False)  # a sequence start: the history is the new tokens
+    assert fresh.extend("value", step) is step

@@ -96,26 +96,3 @@ def test_prefill_never_materialises_all_scores(use_forget_gate, length):
     with torch.no_grad(), probe:
         model(torch.randint(3, 61, (1, length)), use_cache=False)
     assert probe.numel <= length * length * heads // 4, probe.numel
-
-
-@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
-def test_append_tokens_grows_a_buffer_in_place_and_equals_cat(mode):
-    from selective_rope.modeling.fox import append_tokens
-
-    first, steps = torch.randn(2, 5, 3, 4), [torch.randn(2, 1, 3, 4) for _ in range(4)]
-    with mode():
-        timeline = append_tokens(first, steps[0])  # copied once into a buffer with spare room
-        address = timeline.data_ptr()
-        for step in steps[1:]:
-            timeline = append_tokens(timeline, step)
-            assert timeline.data_ptr() == address  # written in place, no copy of the timeline
-        assert torch.equal(timeline, torch.cat([first, *steps], dim=1))
-        cropped = append_tokens(timeline[:, :6], steps[3])  # after crop(-3): the freed slots are reused
-        assert cropped.data_ptr() == address and torch.equal(cropped, torch.cat([first, steps[0], steps[3]], 1))
-        reordered = timeline.index_select(0, torch.tensor([1, 0]))  # beam search: a fresh tensor, a new buffer
-        regrown = append_tokens(reordered, steps[0])
-        assert regrown.data_ptr() != address and torch.equal(regrown, torch.cat([reordered, steps[0]], 1))
-        assert torch.equal(cropped, torch.cat([first, steps[0], steps[3]], 1))  # the old buffer is untouched
-    leaf = torch.randn(2, 5, 3, 4, requires_grad=True)
-    grown = append_tokens(leaf[:, :4], steps[0])  # with autograd: a plain cat, nothing written in place
-    assert torch.equal(grown, torch.cat([leaf[:, :4], steps[0]], dim=1)) and torch.equal(leaf[:, 4], leaf[:, 4])

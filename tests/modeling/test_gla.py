@@ -8,6 +8,8 @@ import copy
 import torch
 import torch.nn.functional as F
 
+from selective_rope.modeling.mixer import LayerState
+
 from families import FAMILIES
 
 GLA = FAMILIES["gla"]
@@ -50,7 +52,7 @@ def test_mixer_is_gated_linear_attention_on_its_own_weights():
                 param.add_(0.2 * torch.randn_like(param))
         x = torch.randn(2, 9, config.hidden_size)
         expected = gla_reference(copy.deepcopy(attn), x)  # (the reference casts its copy to float64)
-        out = attn(x)[0]  # (B, T, D)
+        out = attn(x, LayerState())  # (B, T, D); a fresh state: a sequence start
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-4)
 
 

@@ -227,6 +227,7 @@ def test_malformed_inputs_are_refused_naming_the_argument(family):
     model = build(family)
     ids = tokens(1, 6)
     hidden = family.tiny["hidden_size"]
+    one_layer = family.config_class(**{**family.tiny, "num_hidden_layers": 1})
     cases = [
         (dict(input_ids=ids[:, :0]), "input_ids", "at least one token"),
         (dict(input_ids=ids[:0]), "input_ids", "batch of at least 1"),
@@ -245,7 +246,7 @@ def test_malformed_inputs_are_refused_naming_the_argument(family):
         (dict(input_ids=ids, attention_mask=torch.ones(1, 1, 6, 6)), "attention_mask", "2-D padding mask"),
         (dict(input_ids=ids, position_ids=torch.arange(6.0)[None]), "position_ids", "integer tensor"),
         (dict(input_ids=ids, seq_idx=torch.tensor([[0, 0, 2, 2, 2, 2]])), "seq_idx", "0, 1, 2"),
-        (dict(input_ids=ids, past_key_values=SelectiveRopeCache(num_layers=1)), "past_key_values", "1 layers"),
+        (dict(input_ids=ids, past_key_values=SelectiveRopeCache(one_layer)), "past_key_values", "1 layers"),
     ]
     for kwargs, name, words in cases:
         with pytest.raises(ValueError) as error:

@@ -13,12 +13,17 @@ from families import FAMILIES, OPTION_VARIANTS
 TOL = dict(atol=1e-4, rtol=1e-4)  # SPEC §6: fp32 max abs difference <= 1e-4
 
 
-@pytest.fixture(params=[(name, variant) for name in sorted(FAMILIES) for variant in (None, *OPTION_VARIANTS)],
+@pytest.fixture(params=[(name, variant) for name in sorted(FAMILIES)
+                        for variant in (None, *OPTION_VARIANTS, *FAMILIES[name].variants)],
                 ids=lambda p: p[0] if p[1] is None else f"{p[0]}-{p[1]}")
 def family(request):
-    """Every family, with its tiny config and with each of ``OPTION_VARIANTS`` (this module's suite runs on both)."""
+    """Every family, with its tiny config, with each of ``OPTION_VARIANTS`` and with each of its own ``variants``
+    (this module's suite runs on all of them)."""
     name, variant = request.param
-    return FAMILIES[name] if variant is None else FAMILIES[name].with_options(variant, OPTION_VARIANTS[variant])
+    if variant is None:
+        return FAMILIES[name]
+    options = OPTION_VARIANTS[variant] if variant in OPTION_VARIANTS else FAMILIES[name].variants[variant]
+    return FAMILIES[name].with_options(variant, options)
 
 
 def build(family, **overrides):

@@ -28,14 +28,14 @@ def make_rotary(num_query_heads=4, num_key_heads=2, head_dim=8, **options) -> Se
 def reference(module, x, q, k, phase0=None, history0=None):
     """Token by token, head by head, pair by pair, in float64, straight from SPEC §3."""
     batch, seq_len, hidden = x.shape
-    hk, half, hq = module.num_key_heads, module.half, q.shape[2]
+    hk, half, hq = module.num_key_heads, module.rotary_pairs, q.shape[2]
     chunk = hidden // hk
     tau = module.temperature.detach().double()
     q_out, k_out = q.clone(), k.clone()
     phases = torch.zeros(batch, hk, half, dtype=torch.float64)
     for b in range(batch):
         phase = torch.zeros(hk, half, dtype=torch.float64) if phase0 is None else phase0[b].clone()
-        conv = module.phase_conv if module.mode == "selective_rope" else None
+        conv = module.phase_conv if module.position_embedding == "selective_rope" else None
         if isinstance(conv, PhaseDifference):  # the fixed first difference a_t - a_{t-1}
             ksize, taps = 2, torch.tensor([-1.0, 1.0], dtype=torch.float64).repeat(hk, half, 1)
         elif conv is not None:
@@ -45,7 +45,7 @@ def reference(module, x, q, k, phase0=None, history0=None):
         history = [] if history0 is None else [history0[b, j].view(hk, half) for j in range(ksize - 1)]
         history = [torch.zeros(hk, half, dtype=torch.float64)] * (ksize - 1 - len(history)) + history
         for t in range(seq_len):
-            if module.mode == "rope":
+            if module.position_embedding == "rope":
                 c = torch.ones(hk, half, dtype=torch.float64)
             else:
                 u = [x[b, t, h * chunk:(h + 1) * chunk] / x[b, t, h * chunk:(h + 1) * chunk].norm() for h in range(hk)]
@@ -153,9 +153,9 @@ def test_state_continues_across_calls(options):
     torch.testing.assert_close(torch.cat([k1, k2, k3], 1), k_full, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(state["phase"], state_full["phase"])
 
-    phase0 = torch.randn(2, 2, module.half, dtype=torch.float32) * 10
+    phase0 = torch.randn(2, 2, module.rotary_pairs, dtype=torch.float32) * 10
     history = 1 if options.get("phase_conv_type") == "difference" else max(options.get("phase_conv_size", 4) - 1, 0)
-    history0 = torch.randn(2, history, 2 * module.half)
+    history0 = torch.randn(2, history, 2 * module.rotary_pairs)
     state0 = {"phase": phase0, "phase_conv": history0}
     q_off, k_off, _ = module(x, q, k, state=state0)
     q_ref, k_ref, _ = reference(module, x, q, k, phase0.double(), history0.double())
