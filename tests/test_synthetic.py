@@ -198,6 +198,62 @@ def test_learning_rate_schedule_warms_up_and_decays_to_the_floor():
         assert schedule[-1] == pytest.approx(floor * lr, abs=lr * 1e-3)
 
 
+def test_onecycle_schedule_is_torchs_onecycle():
+    steps, lr = 120, 3e-3
+    optimizer = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=lr)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps)
+    for step in range(steps):
+        assert train.onecycle_lr_at(step, steps, lr) == pytest.approx(optimizer.param_groups[0]["lr"], rel=1e-9)
+        optimizer.step()
+        scheduler.step()
+
+
+def test_paper_variants_change_one_field_each_and_keep_their_convolution():
+    """``paper`` is the ``state_tracking`` preset; each ablation differs from it in exactly one field; the parity
+    task's ``phase_conv_size=0`` default applies to the other variants only."""
+    from selective_rope import SelectiveRopeGLAConfig
+
+    paper = train.VARIANTS["paper"]
+    assert paper == {**paper, "temperature_theta": 1.0, "phase_gate": False, "phase_bias": True, "phase_conv_size": 4}
+    changed = {name: {k for k in paper if train.VARIANTS[name][k] != paper[k]}
+               for name in ("paper_theta500k", "paper_gate", "paper_nobias", "paper_noconv")}
+    assert changed == {"paper_theta500k": {"temperature_theta"}, "paper_gate": {"phase_gate"},
+                       "paper_nobias": {"phase_bias"}, "paper_noconv": {"phase_conv_size"}}
+    preset = SelectiveRopeGLAConfig.from_preset("state_tracking", hidden_size=16, num_heads=2)
+    assert all(getattr(preset, key) == value for key, value in paper.items())
+    for variant, conv in (("paper", 4), ("selective", 0)):
+        result = train.run("parity", variant, seed=0, quiet=True, train_length=6, eval_lengths=[6], **TINY)
+        assert result["model_config"].get("phase_conv_size", 4) == conv
+
+
+def test_training_lengths_are_drawn_per_batch_within_the_range(monkeypatch):
+    lengths = []
+    original = train.sample
+
+    def recording(task, settings, batch, length, generator, is_train):
+        lengths.append(length)
+        return original(task, settings, batch, length, generator, is_train)
+
+    monkeypatch.setattr(train, "sample", recording)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(train.build_config(Parity(), "gla", "nope", 1, 16, 2, {}))
+    settings = train.task_settings("parity", steps=40, batch=2, train_length=9, min_train_length=4)
+    train.train(model, Parity(), settings, seed=0, quiet=True)
+    assert len(lengths) == 40 and set(lengths) <= set(range(4, 10)) and len(set(lengths)) >= 4
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--min-train-length", "0"], "must be in"),
+    (["--min-train-length", "50"], "must be in"),
+    (["--min-train-length", "4", "--curriculum-steps", "10"], "give one"),
+])
+def test_min_train_length_is_checked(arguments, message, capsys):
+    with pytest.raises(SystemExit):
+        train.main(["--task", "parity", "--variant", "nope", "--train-length", "32", *arguments])
+    assert message in capsys.readouterr().err
+
+
 def test_optimizer_settings_reach_the_results_json(tmp_path):
     output = tmp_path / "parity.json"
     assert train.main(["--task", "parity", "--variant", "selective", "--hidden", "16", "--steps", "2", "--batch", "2",

@@ -43,6 +43,8 @@ if str(HERE) not in sys.path:
 
 from tasks import IGNORE, MQAR, TASKS, Copy, Parity  # noqa: E402
 
+from selective_rope.configuration import PRESETS  # noqa: E402
+
 REPO = HERE.parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "synthetic"
 
@@ -55,8 +57,7 @@ VARIANTS = {
     "selective_gate_bias": dict(position_embedding="selective_rope", phase_gate=True, phase_bias=True),
 }
 # The paper's state-tracking Selective RoPE, and its one-change ablations (docs/synthetic.md, "The paper's setup").
-PAPER_STATE_TRACKING = dict(position_embedding="selective_rope", temperature_type="rope", temperature_theta=1.0,
-                            phase_gate=False, phase_bias=True, phase_conv_size=4)
+PAPER_STATE_TRACKING = dict(PRESETS["state_tracking"])
 VARIANTS.update({
     "paper": PAPER_STATE_TRACKING,
     "paper_theta500k": dict(PAPER_STATE_TRACKING, temperature_theta=500000.0),
