@@ -8,8 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-python}
 LM="$PYTHON $PWD/examples/lm/train_lm.py"
-# The budget every model gets: 250 steps x 8 windows x 128 tokens (256k tokens); evaluation on 16k held-out tokens.
-BUDGET="--hidden 64 --layers 2 --heads 2 --length 128 --batch 8 --steps 250 --lr 3e-3 --eval-windows 32"
+# The budget every model gets: 300 steps x 8 windows x 128 tokens (307k tokens); evaluation on 16k held-out tokens.
+BUDGET="--hidden 64 --layers 2 --heads 2 --length 128 --batch 8 --steps 300 --lr 3e-3 --eval-windows 32"
 sections=("$@")
 [ ${#sections[@]} -eq 0 ] && sections=(prepare train summary)
 
