@@ -17,14 +17,16 @@ for section in "${sections[@]}"; do
   case "$section" in
     prepare)
       [ -e examples/lm/.cache/tokens.pt ] || $LM prepare ;;
-    train)  # seed-major, so an interrupted sweep still holds every model at the first seeds
-      for seed in 0 1 2; do
-        for family in gla gated_deltanet fox; do
-          for variant in nope rope selective selective_gate_bias; do
-            out="benchmarks/results/lm/$family/${variant}_seed$seed.json"
-            [ -e "$out" ] && continue
-            # shellcheck disable=SC2086  # BUDGET is a list of flags
-            $LM train --family "$family" --variant "$variant" --seed "$seed" $BUDGET --output "$out"
+    train)  # NoPE / RoPE / Selective RoPE first, then the gate + bias variant; seed-major within each pass
+      for variants in "nope rope selective" "selective_gate_bias"; do
+        for seed in 0 1 2; do
+          for family in gla gated_deltanet fox; do
+            for variant in $variants; do
+              out="benchmarks/results/lm/$family/${variant}_seed$seed.json"
+              [ -e "$out" ] && continue
+              # shellcheck disable=SC2086  # BUDGET is a list of flags
+              $LM train --family "$family" --variant "$variant" --seed "$seed" $BUDGET --output "$out"
+            done
           done
         done
       done ;;
