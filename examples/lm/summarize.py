@@ -1,6 +1,9 @@
 """Tables and the plot behind docs/lm.md, from the JSONs under benchmarks/results/lm/<family>/<variant>_seed<k>.json.
 
-    python examples/lm/summarize.py            # prints the markdown tables, writes summary.json and docs/lm.png
+    python examples/lm/summarize.py            # prints the markdown table, writes summary.json and docs/lm.png
+
+The table is also written into docs/lm.md between the ``<!-- results:lm:start -->`` / ``<!-- results:lm:end -->``
+markers.
 
 Every number is the mean over seeds with the sample standard deviation; the seeds of each group are listed in
 summary.json. Matplotlib is imported only to draw the plot.
@@ -19,6 +22,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "lm"
 PLOT = REPO / "docs" / "lm.png"
+DOC = REPO / "docs" / "lm.md"
+MARKERS = ("<!-- results:lm:start -->", "<!-- results:lm:end -->")
 
 FAMILY_NAMES = {"gla": "GLA", "gated_deltanet": "Gated DeltaNet", "fox": "FoX"}
 VARIANT_NAMES = {"nope": "NoPE", "rope": "RoPE", "selective": "Selective RoPE (gate)",
@@ -78,6 +83,17 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def write_into(doc: Path, text: str) -> bool:
+    """Replace what is between the markers of ``doc`` with ``text``; False when the markers are not there."""
+    content = doc.read_text() if doc.exists() else ""
+    start, end = MARKERS
+    if start not in content or end not in content:
+        return False
+    head, rest = content.split(start, 1)
+    doc.write_text(f"{head}{start}\n{text}\n{end}{rest.split(end, 1)[1]}")
+    return True
+
+
 def plot(rows: list[dict], path: Path = PLOT) -> None:
     import matplotlib
 
@@ -110,12 +126,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--plot", type=Path, default=PLOT)
+    parser.add_argument("--doc", type=Path, default=DOC, help="page whose results markers receive the table")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
     rows = summarize(load(args.results))
     if not rows:
         raise SystemExit(f"no results under {args.results}")
-    print(table(rows))
+    text = table(rows)
+    print(text)
+    if write_into(args.doc, text):
+        print(f"wrote the table into {args.doc}")
     (args.results / "summary.json").write_text(json.dumps(rows, indent=1) + "\n")
     if not args.no_plot:
         plot(rows, args.plot)
