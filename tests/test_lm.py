@@ -141,6 +141,9 @@ def test_tiny_run_end_to_end_and_its_summary(tmp_path):
     assert [(row["variant"], row["seeds"]) for row in rows] == [("nope", [0, 1]), ("selective", [0, 1])]
     ppl = [run["eval"][2]["perplexity"] for run in lm_summarize.load(results)["gla"]["selective"]]
     assert rows[1]["perplexity"][32][0] == pytest.approx(sum(ppl) / 2)
+    nope = [run["eval"][0]["perplexity"] for run in lm_summarize.load(results)["gla"]["nope"]]
+    selective = [run["eval"][0]["perplexity"] for run in lm_summarize.load(results)["gla"]["selective"]]
+    assert rows[1]["paired_vs_nope"][8][0] == pytest.approx((selective[0] - nope[0] + selective[1] - nope[1]) / 2)
     assert "Selective RoPE" in lm_summarize.table(rows)
     doc = tmp_path / "lm.md"
     doc.write_text("intro\n<!-- results:lm:start -->\nold\n<!-- results:lm:end -->\nafter\n")

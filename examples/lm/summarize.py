@@ -61,24 +61,41 @@ def summarize(groups: dict) -> list[dict]:
                 if "beyond_train_length" in evaluation:
                     row["beyond_train_length"][length] = mean_std(
                         [r["eval"][index]["beyond_train_length"]["perplexity"] for r in runs])
+            row["paired_vs_nope"] = paired_difference(runs, groups[family].get("nope", []))
             rows.append(row)
     return rows
 
 
-def fmt(pair: tuple[float, float]) -> str:
+def paired_difference(runs: list[dict], baseline: list[dict]) -> dict:
+    """{length: (mean, std)} of the perplexity minus NoPE's on the same seed (the same training windows and the same
+    held-out tokens), over the seeds both have; empty when they share none."""
+    by_seed = {run["seed"]: run for run in baseline}
+    shared = [run for run in runs if run["seed"] in by_seed]
+    if not shared:
+        return {}
+    return {evaluation["length"]: mean_std([run["eval"][index]["perplexity"]
+                                            - by_seed[run["seed"]]["eval"][index]["perplexity"] for run in shared])
+            for index, evaluation in enumerate(shared[0]["eval"])}
+
+
+def fmt(pair: tuple[float, float], signed: bool = False) -> str:
     mean, std = pair
-    return f"{mean:.1f}" if math.isnan(std) else f"{mean:.1f} ± {std:.1f}"
+    text = f"{mean:+.1f}" if signed else f"{mean:.1f}"
+    return text if math.isnan(std) else f"{text} ± {std:.1f}"
 
 
 def table(rows: list[dict]) -> str:
     lengths = sorted({length for row in rows for length in row["perplexity"]})
     beyond = sorted({length for row in rows for length in row["beyond_train_length"]})
     header = (["model", "position", "seeds"] + [f"ppl @ {n}" for n in lengths]
-              + [f"ppl of positions ≥ {rows[0]['train_length']} @ {n}" for n in beyond])
+              + [f"ppl of positions ≥ {rows[0]['train_length']} @ {n}" for n in beyond]
+              + [f"paired Δ vs NoPE @ {n}" for n in (lengths[0], lengths[-1])])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         cells = [FAMILY_NAMES[row["family"]], VARIANT_NAMES[row["variant"]], str(len(row["seeds"]))]
         cells += [fmt(row["perplexity"][n]) for n in lengths] + [fmt(row["beyond_train_length"][n]) for n in beyond]
+        cells += [("—" if row["variant"] == "nope" or n not in row["paired_vs_nope"]
+                   else fmt(row["paired_vs_nope"][n], signed=True)) for n in (lengths[0], lengths[-1])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
