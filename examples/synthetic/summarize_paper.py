@@ -3,6 +3,9 @@ benchmarks/results/synthetic/parity/paper/<scale>/<variant>_seed<k>.json (``run_
 
     python examples/synthetic/summarize_paper.py [--no-plot]     # prints the tables, writes docs/synthetic_paper.png
 
+The tables are also written into docs/synthetic.md between ``<!-- results:paper:start -->`` and
+``<!-- results:paper:end -->``.
+
 Per group: final-token accuracy (%) at every test length (mean over seeds, min-max in brackets), and how many seeds
 reach >= 95 % at 2x and 4x the longest training length.
 """
@@ -18,6 +21,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "synthetic" / "parity" / "paper"
 PLOT = REPO / "docs" / "synthetic_paper.png"
+DOC = REPO / "docs" / "synthetic.md"
+MARKERS = ("<!-- results:paper:start -->", "<!-- results:paper:end -->")
 
 SCALES = {"small": "hidden 64, 4 heads, 1500 steps", "wide": "the paper's width: hidden 384, 12 heads, 500 steps"}
 LABELS = {"nope": "NoPE", "rope": "RoPE", "paper": "Selective RoPE, paper (θ=1, no gate, bias, conv)",
@@ -62,6 +67,17 @@ def table(scale: str, variants: dict) -> str:
     return "\n".join(lines)
 
 
+def write_into(doc: Path, text: str) -> bool:
+    """Replace what is between the markers of ``doc`` with ``text``; False when the markers are not there."""
+    content = doc.read_text() if doc.exists() else ""
+    start, end = MARKERS
+    if start not in content or end not in content:
+        return False
+    head, rest = content.split(start, 1)
+    doc.write_text(f"{head}{start}\n{text}\n{end}{rest.split(end, 1)[1]}")
+    return True
+
+
 def plot(groups: dict, path: Path = PLOT) -> None:
     import matplotlib
 
@@ -96,13 +112,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--plot", type=Path, default=PLOT)
+    parser.add_argument("--doc", type=Path, default=DOC, help="page whose results markers receive the tables")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
     groups = load(args.results)
     if not groups:
         raise SystemExit(f"no results under {args.results}")
-    for scale in [s for s in SCALES if s in groups] + [s for s in groups if s not in SCALES]:
-        print(table(scale, groups[scale]) + "\n")
+    scales = [s for s in SCALES if s in groups] + [s for s in groups if s not in SCALES]
+    text = "\n\n".join(table(scale, groups[scale]) for scale in scales)
+    print(text)
+    if write_into(args.doc, text):
+        print(f"wrote the tables into {args.doc}")
     if not args.no_plot:
         plot(groups, args.plot)
         print(f"wrote {args.plot}")
