@@ -15,7 +15,7 @@ import torch
 LM = Path(__file__).resolve().parent.parent / "examples" / "lm"
 sys.path.insert(0, str(LM))
 
-import summarize as lm_summarize  # noqa: E402
+import summarize_lm as lm_summarize  # noqa: E402
 import train_lm  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

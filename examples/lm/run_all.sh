@@ -30,7 +30,7 @@ for section in "${sections[@]}"; do
         done
       done ;;
     summary)
-      $PYTHON examples/lm/summarize.py ;;
+      $PYTHON examples/lm/summarize_lm.py ;;
     *) echo "unknown section $section" >&2; exit 2 ;;
   esac
 done

@@ -1,6 +1,6 @@
 """Tables and the plot behind docs/lm.md, from the JSONs under benchmarks/results/lm/<family>/<variant>_seed<k>.json.
 
-    python examples/lm/summarize.py            # prints the markdown table, writes summary.json and docs/lm.png
+    python examples/lm/summarize_lm.py            # prints the markdown table, writes summary.json and docs/lm.png
 
 The table is also written into docs/lm.md between the ``<!-- results:lm:start -->`` / ``<!-- results:lm:end -->``
 markers.
