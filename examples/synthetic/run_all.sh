@@ -101,7 +101,7 @@ for section in "${sections[@]}"; do
             once small "$variant" "$seed"
           done
         done
-        for seed in 3 4; do for variant in nope rope paper; do once small "$variant" "$seed"; done; done
+        for variant in paper nope rope; do for seed in 3 4; do once small "$variant" "$seed"; done; done
         for seed in 3 4; do
           for variant in paper_theta500k paper_gate paper_nobias paper_noconv; do once small "$variant" "$seed"; done
         done
