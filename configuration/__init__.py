@@ -1,9 +1,10 @@
 from .fox import SelectiveRopeFoXConfig
 from .gated_deltanet import SelectiveRopeGatedDeltaNetConfig
 from .gla import SelectiveRopeGLAConfig
-from .position_embedding import SelectiveRopeConfigBase
+from .position_embedding import PRESETS, SelectiveRopeConfigBase
 
 __all__ = [
+    "PRESETS",
     "SelectiveRopeConfigBase",
     "SelectiveRopeFoXConfig",
     "SelectiveRopeGLAConfig",

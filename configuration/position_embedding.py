@@ -42,6 +42,15 @@ PhaseConvolutionType = Literal["learned", "difference"]
 TemperatureType = Literal["rope", "rfa", "gaussian", "laplace", "uniform"]
 Backend = Literal[BACKENDS]  # the same as Literal["auto", "torch", "triton"]
 
+# Named sets of position-embedding fields, for :meth:`SelectiveRopeConfigBase.from_preset`.
+PRESETS = {
+    # The Selective RoPE of the paper's state-tracking runs (the official repository's configs/state_tracking): every
+    # frequency's temperature is 1 (RoPE schedule with base 1), no phase gate, the phase bias, the phase convolution.
+    # With it a 1-layer GLA extrapolates running parity (docs/synthetic.md, "The paper's setup").
+    "state_tracking": dict(position_embedding="selective_rope", temperature_type="rope", temperature_theta=1.0,
+                           phase_gate=False, phase_bias=True, phase_conv_size=4),
+}
+
 PHASE_GATE_TYPES = get_args(PhaseGateType)  # the converter's command-line choices
 PHASE_PROJECTIONS = get_args(PhaseProjection)
 PHASE_CONV_TYPES = get_args(PhaseConvolutionType)
@@ -214,6 +223,15 @@ class SelectiveRopeConfigBase(PreTrainedConfig):
 
     # Kernels: who runs every op of the model (kernels/dispatch.py), not only the rotation.
     backend: Backend = "auto"
+
+    @classmethod
+    def from_preset(cls, preset: str, **kwargs):
+        """A config with the position-embedding fields of a named preset (``PRESETS``), e.g.
+        ``SelectiveRopeGLAConfig.from_preset("state_tracking", hidden_size=384, num_heads=12)``. ``kwargs`` are the
+        other fields and win over the preset's; the config is built and validated as any other."""
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
+        return cls(**{**PRESETS[preset], **kwargs})
 
     # -- what the shared model reads (each family defines them from its own fields) --------------------------------
     @property

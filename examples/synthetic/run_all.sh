@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Every full run behind docs/synthetic.md, one process at a time, one thread each (about 60-75 minutes on a
 # 2-core CPU shared with other work).
-# Usage: bash examples/synthetic/run_all.sh [parity|mqar|copy|fox|gdn|sweep|summary]...
+# Usage: bash examples/synthetic/run_all.sh [parity|mqar|copy|fox|gdn|paper_small|paper_wide|sweep|summary]...
 # `sweep` (the parity recipe sweep, 172 runs, about 3 hours one at a time) is not in the default list.
+# `paper_small` (the paper's state-tracking Selective RoPE at hidden 64 with its ablations, 35 runs) and `paper_wide`
+# (at the paper's width, 9 runs) are not in the default list either (about 1.5 and 1 hours on a busy 2-core CPU).
 # Each run writes benchmarks/results/synthetic/<task>/<variant><tag>_seed<k>.json; `summary` rebuilds the
 # tables and plots (needs matplotlib).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-TRAIN="python examples/synthetic/train.py --threads 1"
+PYTHON=${PYTHON:-python}  # e.g. PYTHON=.venv/bin/python
+TRAIN="$PYTHON $PWD/examples/synthetic/train.py --threads 1"
 SEEDS="0 1 2"
 sections=("$@")
 [ ${#sections[@]} -eq 0 ] && sections=(parity mqar copy fox gdn summary)
@@ -78,6 +81,34 @@ for section in "${sections[@]}"; do
           $TRAIN --task parity --family gated_deltanet --variant "$variant" --seed "$seed" --tag _gdn
         done
       done ;;
+    paper_small|paper_wide)  # the paper's state-tracking config (docs/synthetic.md, "The paper's setup")
+      # Training lengths 4-32 (every batch its own length), OneCycle; a run whose JSON exists is skipped (delete it to
+      # run it again), so an interrupted section resumes where it stopped.
+      PAPER=benchmarks/results/synthetic/parity/paper
+      SMALL="--heads 4 --train-length 32 --min-train-length 4 --steps 1500 --schedule onecycle --lr 3e-3"
+      WIDE="--hidden 384 --heads 12 --train-length 32 --min-train-length 4 --steps 500 --schedule onecycle --lr 5e-4"
+      EVAL="--eval-lengths 16 32 64 128"
+      once() {  # scale variant seed
+        local out="$PAPER/$1/${2}_seed$3.json" options
+        [ -e "$out" ] && return 0
+        if [ "$1" = small ]; then options=$SMALL; else options=$WIDE; fi
+        # shellcheck disable=SC2086
+        $TRAIN --task parity --variant "$2" --seed "$3" $options $EVAL --output "$out"
+      }
+      if [ "$section" = paper_small ]; then  # hidden 64, 4 heads: the paper's variant, its ablations, NoPE, RoPE
+        for seed in 0 1 2; do
+          for variant in nope rope paper paper_theta500k paper_gate paper_nobias paper_noconv; do
+            once small "$variant" "$seed"
+          done
+        done
+        for variant in paper nope rope; do for seed in 3 4; do once small "$variant" "$seed"; done; done
+        for seed in 3 4; do
+          for variant in paper_theta500k paper_gate paper_nobias paper_noconv; do once small "$variant" "$seed"; done
+        done
+      else  # the paper's width (hidden 384, 12 heads), a third of the small budget in steps
+        once wide paper 0; once wide nope 0; once wide rope 0; once wide paper 1; once wide paper 2
+        once wide nope 1; once wide rope 1; once wide paper 3; once wide paper 4
+      fi ;;
     sweep)  # parity recipe sweep (docs/synthetic.md): one group per recipe, JSONs under parity/sweep/
       SWEEP=benchmarks/results/synthetic/parity/sweep
       F0="--lr-floor 0"; LS="--label-smoothing 0.1"; PI="--set temperature_max=3.141592653589793"
@@ -126,7 +157,7 @@ for section in "${sections[@]}"; do
         done
       done ;;
     summary)
-      python examples/synthetic/summarize.py ;;
+      $PYTHON examples/synthetic/summarize.py ;;
     *) echo "unknown section $section" >&2; exit 2 ;;
   esac
 done

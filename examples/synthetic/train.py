@@ -10,6 +10,13 @@ Variants (the position embedding of every mixer; everything else is identical):
     selective_plain      Selective RoPE without phase gate and without bias  (the paper's Table 2 rows)
     selective_bias       bias, no gate
     selective_gate_bias  gate and bias
+    paper                the paper's state-tracking Selective RoPE (official ``configs/state_tracking``): every
+                         temperature 1 (``temperature_type="rope"``, ``temperature_theta=1``), no phase gate, phase
+                         bias, phase convolution of size 4; the task's ``phase_conv_size=0`` default does not apply
+    paper_theta500k      ``paper`` with the library's default temperature (RoPE schedule, base 500000)
+    paper_gate           ``paper`` with the phase gate on
+    paper_nobias         ``paper`` without the phase bias
+    paper_noconv         ``paper`` without the phase convolution
 
 The model is built through the library's public API (``AutoModelForCausalLM.from_config`` on a family config) and
 trained with its own loss (``model(input_ids, attention_mask=..., labels=...).loss``). The budget is a fixed number
@@ -36,6 +43,8 @@ if str(HERE) not in sys.path:
 
 from tasks import IGNORE, MQAR, TASKS, Copy, Parity  # noqa: E402
 
+from selective_rope.configuration import PRESETS  # noqa: E402
+
 REPO = HERE.parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "synthetic"
 
@@ -47,9 +56,19 @@ VARIANTS = {
     "selective_bias": dict(position_embedding="selective_rope", phase_gate=False, phase_bias=True),
     "selective_gate_bias": dict(position_embedding="selective_rope", phase_gate=True, phase_bias=True),
 }
+# The paper's state-tracking Selective RoPE, and its one-change ablations (docs/synthetic.md, "The paper's setup").
+PAPER_STATE_TRACKING = dict(PRESETS["state_tracking"])
+VARIANTS.update({
+    "paper": PAPER_STATE_TRACKING,
+    "paper_theta500k": dict(PAPER_STATE_TRACKING, temperature_theta=500000.0),
+    "paper_gate": dict(PAPER_STATE_TRACKING, phase_gate=True),
+    "paper_nobias": dict(PAPER_STATE_TRACKING, phase_bias=False),
+    "paper_noconv": dict(PAPER_STATE_TRACKING, phase_conv_size=0),
+})
 
 # Optimizer defaults shared by every task (AdamW; cosine decay from lr to lr_floor * lr).
-OPTIMIZER_DEFAULTS = dict(weight_decay=0.01, lr_floor=0.1, label_smoothing=0.0, curriculum_steps=0)
+OPTIMIZER_DEFAULTS = dict(weight_decay=0.01, lr_floor=0.1, label_smoothing=0.0, curriculum_steps=0,
+                          schedule="cosine", min_train_length=None)
 
 # Per-task defaults: model size, data, budget and evaluation lengths. Every entry can be overridden on the command line.
 TASK_DEFAULTS = {
@@ -144,6 +163,20 @@ def lr_at(step: int, steps: int, lr: float, warmup: float = 0.05, floor: float =
     return lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def onecycle_lr_at(step: int, steps: int, lr: float) -> float:
+    """``torch.optim.lr_scheduler.OneCycleLR`` with its defaults (30 % cosine warm-up from lr / 25, then cosine
+    annealing to lr / 25 / 1e4), as the paper's state-tracking runs use; computed in closed form."""
+    warm = 0.3 * steps - 1
+    start, end = lr / 25, lr / 25 / 1e4
+
+    def cos_anneal(a: float, b: float, fraction: float) -> float:
+        return b + (a - b) / 2 * (1 + math.cos(math.pi * fraction))
+
+    if step <= warm:
+        return cos_anneal(start, lr, step / warm)
+    return cos_anneal(lr, end, (step - warm) / (steps - 1 - warm))
+
+
 def length_at(step: int, train_length: int, curriculum_steps: int, start: int = 8) -> int:
     """Training length at ``step``: ramps linearly from ``start`` to ``train_length`` over ``curriculum_steps``
     (0: always ``train_length``). Short sequences first give parity a cleaner signal before the long ones."""
@@ -179,8 +212,12 @@ def train(model, task, settings: dict, seed: int, log_every: int = 25, max_secon
     step = 0
     for step in range(steps):
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, steps, settings["lr"], floor=settings["lr_floor"])
+            group["lr"] = (onecycle_lr_at(step, steps, settings["lr"]) if settings["schedule"] == "onecycle"
+                           else lr_at(step, steps, settings["lr"], floor=settings["lr_floor"]))
         length = length_at(step, settings["train_length"], settings["curriculum_steps"])
+        if settings["min_train_length"] is not None:  # every batch its own length in [min, train_length]
+            length = int(torch.randint(settings["min_train_length"], settings["train_length"] + 1, (1,),
+                                       generator=generator))
         data = fixed_batch or sample(task, settings, settings["batch"], length, generator, True)
         loss = training_loss(model, data, settings["label_smoothing"])
         optimizer.zero_grad(set_to_none=True)
@@ -243,7 +280,8 @@ def run(task_name: str, variant: str, seed: int, output: Path | None = None, ove
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; expected one of {list(VARIANTS)}")
     settings = task_settings(task_name, **settings_overrides)
-    overrides = {**settings.pop("config", {}), **(overrides or {})}
+    task_config = {k: v for k, v in settings.pop("config", {}).items() if k not in VARIANTS[variant]}
+    overrides = {**task_config, **(overrides or {})}
     task = make_task(task_name, settings)
 
     torch.manual_seed(seed)
@@ -276,11 +314,15 @@ def run(task_name: str, variant: str, seed: int, output: Path | None = None, ove
         "parameters": parameters,
         "budget": {
             "steps": settings["steps"], "steps_done": training["steps_done"], "batch": settings["batch"],
-            "lr": settings["lr"], "schedule": f"AdamW, 5% linear warm-up, cosine to {settings['lr_floor']:g} x lr, "
-                        f"weight decay {settings['weight_decay']:g}, clip 1.0",
+            "lr": settings["lr"],
+            "schedule": (f"AdamW, OneCycle (30% warm-up from lr/25, cosine to lr/25e4), weight decay "
+                         f"{settings['weight_decay']:g}, clip 1.0" if settings["schedule"] == "onecycle" else
+                         f"AdamW, 5% linear warm-up, cosine to {settings['lr_floor']:g} x lr, "
+                         f"weight decay {settings['weight_decay']:g}, clip 1.0"),
             "loss": (f"shifted cross-entropy, label smoothing {settings['label_smoothing']:g}"
                      if settings["label_smoothing"] else "the model's own loss (labels=...)"),
-            "train_length": settings["train_length"], "stopped_by_time_cap": training["stopped_by_time_cap"],
+            "train_length": settings["train_length"], "min_train_length": settings["min_train_length"],
+            "stopped_by_time_cap": training["stopped_by_time_cap"],
         },
         "task_settings": settings,
         "length_unit": LENGTH_UNIT[task_name],
@@ -341,6 +383,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--curriculum-steps", type=int,
                         help="ramp the training length up from 8 over this many steps (default 0: no ramp)")
     parser.add_argument("--train-length", type=int, help="parity: bits; mqar: pairs; copy: max string length")
+    parser.add_argument("--min-train-length", type=int,
+                        help="parity: draw every training batch's length uniformly from [this, --train-length]")
+    parser.add_argument("--schedule", choices=["cosine", "onecycle"],
+                        help="learning-rate schedule (default cosine: 5%% warm-up, cosine to --lr-floor)")
     parser.add_argument("--bit-density", choices=Parity.DENSITIES,
                         help="parity training strings: fair bits (half, the default), a per-string density of 1s "
                              "drawn from U(0, 1) (uniform), or every other string fair (mixed); evaluation always "
@@ -357,6 +403,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.bit_density is not None and args.task != "parity":
         parser.error("--bit-density only applies to --task parity")
+    if args.min_train_length is not None:
+        if args.task != "parity":
+            parser.error("--min-train-length only applies to --task parity")
+        if args.curriculum_steps:
+            parser.error("--min-train-length and --curriculum-steps both set the training length; give one")
+        train_length = args.train_length or TASK_DEFAULTS["parity"]["train_length"]
+        if not 1 <= args.min_train_length <= train_length:
+            parser.error(f"--min-train-length must be in [1, --train-length={train_length}], "
+                         f"got {args.min_train_length}")
 
     torch.set_num_threads(args.threads)
     output = args.output or RESULTS / args.task / f"{args.variant}{args.tag}_seed{args.seed}.json"
@@ -365,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
         family=args.family, layers=args.layers, hidden=args.hidden, heads=args.heads,
         steps=args.steps, batch=args.batch, lr=args.lr, weight_decay=args.weight_decay, lr_floor=args.lr_floor,
         label_smoothing=args.label_smoothing, curriculum_steps=args.curriculum_steps,
-        train_length=args.train_length, bit_density=args.bit_density,
+        train_length=args.train_length, bit_density=args.bit_density, min_train_length=args.min_train_length,
+        schedule=args.schedule,
         eval_lengths=args.eval_lengths)
     return 0
 

@@ -302,3 +302,25 @@ def test_configs_saved_by_earlier_versions_still_load(name, tmp_path):
         if field in {f.name for f in own_fields(type(config))}:
             assert getattr(config, field) == value, field
     FAMILIES[name].lm_class(config)  # and builds
+
+
+def test_state_tracking_preset_sets_the_papers_fields_and_keeps_validation(family, tmp_path):
+    """``from_preset("state_tracking")``: the paper's state-tracking Selective RoPE (theta 1, no gate, bias, conv 4);
+    other kwargs win over the preset; wrong types and values are still refused by the strict config; it saves and
+    loads like any config."""
+    from selective_rope.configuration import PRESETS
+
+    config = family.config_class.from_preset("state_tracking", **family.tiny)
+    assert (config.position_embedding, config.temperature_type, config.temperature_theta) == ("selective_rope",
+                                                                                              "rope", 1.0)
+    assert (config.phase_gate, config.phase_bias, config.phase_conv_size) == (False, True, 4)
+    assert {key: getattr(config, key) for key in PRESETS["state_tracking"]} == PRESETS["state_tracking"]
+    assert family.config_class.from_preset("state_tracking", **family.tiny, phase_conv_size=0).phase_conv_size == 0
+    with pytest.raises(InvalidConfigError, match="phase_gate"):
+        family.config_class.from_preset("state_tracking", **family.tiny, phase_gate="false")
+    with pytest.raises(InvalidConfigError, match="RoPE base"):
+        family.config_class.from_preset("state_tracking", **family.tiny, temperature_theta=0.5)
+    with pytest.raises(ValueError, match="unknown preset 'parity'.*state_tracking"):
+        family.config_class.from_preset("parity", **family.tiny)
+    config.save_pretrained(tmp_path)
+    assert family.config_class.from_pretrained(tmp_path).to_dict() == config.to_dict()
