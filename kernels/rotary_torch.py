@@ -42,10 +42,14 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     Computed in float32, returned in x's dtype.
     """
     r = cos.shape[-1]  # rotary_pairs
-    x_float = x.float()
-    x1, x2, rest = x_float[..., :r], x_float[..., r : 2 * r], x_float[..., 2 * r :]  # GPT-NeoX halves, then the rest
-    rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest], dim=-1)
-    return rotated.to(x.dtype)
+    # Python-side dtype checks: a no-op `.float()` / `.to()` still costs a dispatch (~1 us) per call when decoding.
+    x_float = x if x.dtype == torch.float32 else x.float()
+    x1, x2 = x_float[..., :r], x_float[..., r : 2 * r]  # the GPT-NeoX halves
+    parts = [x1 * cos - x2 * sin, x1 * sin + x2 * cos]
+    if 2 * r < x.shape[-1]:
+        parts.append(x_float[..., 2 * r :])  # partial rotary: the rest passes through
+    rotated = torch.cat(parts, dim=-1)
+    return rotated if x.dtype == torch.float32 else rotated.to(x.dtype)
 
 
 def rotate_query_and_key(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,

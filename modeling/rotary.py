@@ -427,13 +427,15 @@ class SelectiveRotaryEmbedding(nn.Module):
         valid = None if lengths is None else (lengths > 0).view(batch, 1, 1)  # (B, 1, 1): False for a pad token
         conv_state = None
         if self.position_embedding == "rope":  # c_t = 1 for a real token, 0 for a pad
-            increment = x.new_ones(batch, 1, 1, dtype=dtype) if valid is None else valid.to(dtype)
+            increment = x.new_ones((), dtype=dtype) if valid is None else valid.to(dtype)
         else:
             with no_autocast(x):
                 increment, conv_state = self._single_token_increment(x, state.get("phase_conv"), valid)
             increment = increment.float().to(dtype)  # rounded to float32 once, as a prefill rounds it
         previous = state.get("phase")
-        phase = increment if previous is None else increment + previous.to(dtype)
+        if previous is not None and previous.dtype != dtype:
+            previous = previous.to(dtype)
+        phase = increment if previous is None else increment + previous
         phase = phase.expand(batch, self.num_key_heads, self.rotary_pairs).contiguous()  # (B, Hk, R)
         angle = rotary_angles(phase, self.temperature)[:, None]  # (B, 1, Hk, R)
         q_out, k_out = rotate_query_and_key(q, k, angle.cos(), angle.sin())
