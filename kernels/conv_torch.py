@@ -47,7 +47,7 @@ def causal_conv1d(
     history = torch.cat([initial_state.to(x.dtype), x], dim=1)  # (B, K-1+T, C)
     weight = weight.to(x.dtype)
     # K is tiny (2-4): a sum of K shifted products is as fast as conv1d on CPU and keeps the layout (B, T, C).
-    y = sum(history[:, j : j + seq_len] * weight[:, j] for j in range(kernel_size))
+    y = _sum_of_taps(history[:, j : j + seq_len] * weight[:, j] for j in range(kernel_size))
     y = F.silu(y) if activation == "silu" else y
 
     if lengths is None:
@@ -83,7 +83,18 @@ def _packed_causal_conv1d(x, weight, initial_state, activation, cu_seqlens):
     offsets = torch.arange(1 - kernel_size, 1, device=x.device)  # tap j reads x_{t-K+1+j}
     taps = rows(seq[:, None], pos[:, None] + offsets)  # (total, K)
     weight = weight.to(x.dtype)
-    y = sum(source[taps[:, j]] * weight[:, j] for j in range(kernel_size)).unsqueeze(0)  # (1, total, C)
+    y = _sum_of_taps(source[taps[:, j]] * weight[:, j] for j in range(kernel_size)).unsqueeze(0)  # (1, total, C)
     y = F.silu(y) if activation == "silu" else y
     last = rows(torch.arange(num_seqs, device=x.device)[:, None], lengths[:, None] + offsets[:-1])  # (N, K-1)
     return y, source[last]
+
+
+def _sum_of_taps(products) -> torch.Tensor:
+    """The taps' products summed oldest first. Not ``sum(...)``, which starts from the integer 0: adding it to the
+    first product is one more pass over the whole (B, T, C) output."""
+    products = iter(products)
+    total = next(products)
+    for product in products:
+        total = total + product
+    return total
+

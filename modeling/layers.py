@@ -20,9 +20,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_float = x.float()
+        # dtype checked in Python: a no-op cast still costs a dispatch, twice per norm and token when decoding
+        x_float = x if x.dtype == torch.float32 else x.float()
         x_float = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x_float.to(x.dtype)
+        return self.weight * (x_float if x.dtype == torch.float32 else x_float.to(x.dtype))
 
 
 # The configs' `hidden_act` values: "swish" (flash-linear-attention's name) and "silu" (Llama's) are one function.

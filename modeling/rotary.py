@@ -40,7 +40,7 @@ from ..configuration.position_embedding import SelectiveRopeConfigBase
 from ..kernels.conv_torch import causal_conv1d
 from ..kernels.dispatch import resolve_backend
 from ..kernels.rotary import selective_rotary, selective_rotary_decode, single_token_step_applies
-from ..kernels.rotary_torch import phase_dtype, rotary_angles, rotate
+from ..kernels.rotary_torch import phase_dtype, rotary_angles, rotate_query_and_key
 from .layers import ShortConvolution
 from .layout import SequenceLayout, valid_mask
 
@@ -384,10 +384,11 @@ class SelectiveRotaryEmbedding(nn.Module):
             return self._forward_packed(x, q, k, state, cu_seqlens, backend)
         state = state or {}
         seq_len = x.shape[1]
-        if self.position_embedding == "selective_rope" and single_token_step_applies(seq_len, cu_seqlens):
-            if backend == "triton":
+        if single_token_step_applies(seq_len, cu_seqlens):
+            if backend == "torch":
+                return self._decode_step_torch(x, q, k, state, lengths)
+            if self.position_embedding == "selective_rope":
                 return self._decode_step(x, q, k, state, lengths)  # the fused Triton step
-            return self._decode_step_torch(x, q, k, state, lengths)
         valid = None if lengths is None else valid_mask(lengths, seq_len)  # (B, T)
         with no_autocast(x):
             increment, conv_state = self.phase_increment(x, valid, state.get("phase_conv"), lengths, cu_seqlens)
@@ -418,38 +419,50 @@ class SelectiveRotaryEmbedding(nn.Module):
         return q_out.unsqueeze(1), k_out.unsqueeze(1), self._state(phase, conv_state)
 
     def _decode_step_torch(self, x, q, k, state, lengths):
-        """One token per row (decoding) on the torch path: what ``phase_increment`` followed by
-        ``selective_rotary`` compute, op for op in the same precision, written for a single token (no time axis, no
-        cumulative sum, the convolution as one window). A decoding step's cost here is the number of tiny ops (each a
-        few microseconds, whatever its size), not their arithmetic."""
-        batch, num_key_heads = x.shape[0], self.num_key_heads
+        """One token per row (decoding) on the torch path, Selective RoPE or RoPE: what ``phase_increment`` followed
+        by ``selective_rotary`` compute, in the same precision, written for a single token (no time axis, no
+        cumulative sum, the convolution as one window, q and k rotated together). A decoding step's cost here is the
+        number of tiny ops (each a few microseconds, whatever its size), not their arithmetic."""
+        batch, dtype = x.shape[0], phase_dtype(x.device)
         valid = None if lengths is None else (lengths > 0).view(batch, 1, 1)  # (B, 1, 1): False for a pad token
-        with no_autocast(x):
-            u = self._normalized_chunks(x)  # (B, 1, Hk, Dc) float64
-            a = self.phase_proj(u)[:, 0]  # (B, Hk, R)
-            if valid is not None:
-                a = a * valid  # pads never enter the convolution history
-            conv_state = None
-            if self.phase_conv is not None:
-                a, conv_state = self._conv_step(a, state.get("phase_conv"), valid)
-            if self.phase_bias is not None:
-                a = a + self.phase_bias.to(u.dtype).exp()
-            if self.phase_gate_proj is not None:
-                a = a * torch.sigmoid(self._gate(u)[:, 0])
-            if valid is not None:
-                a = a * valid  # pads never advance the phase
-        phase = a.float().to(phase_dtype(x.device))  # the increment, rounded to float32 once as in a prefill
-        if state.get("phase") is not None:
-            phase = phase + state["phase"].to(phase.dtype)  # (B, Hk, R)
-        angle = rotary_angles(phase, self.temperature)
-        cos, sin = angle.cos()[:, None], angle.sin()[:, None]  # (B, 1, Hk, R)
-        grouped_q = q.reshape(batch, 1, num_key_heads, -1, q.shape[-1])  # (B, 1, Hk, G, D)
-        q_out = rotate(grouped_q, cos.unsqueeze(3), sin.unsqueeze(3)).flatten(2, 3)
-        return q_out, rotate(k, cos, sin), self._state(phase.contiguous(), conv_state)
+        conv_state = None
+        if self.position_embedding == "rope":  # c_t = 1 for a real token, 0 for a pad
+            increment = x.new_ones((), dtype=dtype) if valid is None else valid.to(dtype)
+        else:
+            with no_autocast(x):
+                increment, conv_state = self._single_token_increment(x, state.get("phase_conv"), valid)
+            increment = increment.float().to(dtype)  # rounded to float32 once, as a prefill rounds it
+        previous = state.get("phase")
+        if previous is not None and previous.dtype != dtype:
+            previous = previous.to(dtype)
+        phase = increment if previous is None else increment + previous
+        phase = phase.expand(batch, self.num_key_heads, self.rotary_pairs).contiguous()  # (B, Hk, R)
+        angle = rotary_angles(phase, self.temperature)[:, None]  # (B, 1, Hk, R)
+        q_out, k_out = rotate_query_and_key(q, k, angle.cos(), angle.sin())
+        return q_out, k_out, self._state(phase, conv_state)
+
+    def _single_token_increment(self, x, history, valid):
+        """``c_t`` for one token per row, float64 ``(B, Hk, R)`` (not yet rounded), and the new convolution history;
+        ``valid`` ``(B, 1, 1)`` or None."""
+        u = self._normalized_chunks(x)  # (B, 1, Hk, Dc) float64
+        a = self.phase_proj(u)[:, 0]  # (B, Hk, R)
+        if valid is not None:
+            a = a * valid  # pads never enter the convolution history
+        conv_state = None
+        if self.phase_conv is not None:
+            a, conv_state = self._conv_step(a, history, valid)
+        if self.phase_bias is not None:
+            a = a + self.phase_bias.to(u.dtype).exp()
+        if self.phase_gate_proj is not None:
+            a = a * torch.sigmoid(self._gate(u)[:, 0])
+        if valid is not None:
+            a = a * valid  # pads never advance the phase
+        return a, conv_state
 
     def _conv_step(self, a: torch.Tensor, history: torch.Tensor | None, valid: torch.Tensor | None):
         """The phase convolution for one token: ``a`` ``(B, Hk, R)`` -> its output and the new history
-        ``(B, K-1, C)``, summed tap by tap in the order ``causal_conv1d`` sums them."""
+        ``(B, K-1, C)``. The taps are summed oldest first, as ``causal_conv1d`` sums them (one reduction over the
+        window rather than K products and K-1 additions: fewer ops)."""
         batch = a.shape[0]
         taps = self.phase_conv.taps(a.device).to(a.dtype)  # (C, K), the last tap on the current token
         current = a.reshape(batch, 1, -1)  # (B, 1, C)
@@ -457,7 +470,7 @@ class SelectiveRotaryEmbedding(nn.Module):
             history = current.new_zeros(batch, taps.shape[1] - 1, current.shape[-1])
         history = history.to(a.dtype)
         window = torch.cat([history, current], dim=1)  # (B, K, C), oldest first
-        y = sum(window[:, j] * taps[:, j] for j in range(taps.shape[1]))
+        y = (window * taps.t()).sum(1)  # (B, C)
         y = F.silu(y) if self.phase_conv.activation == "silu" else y
         new_history = window[:, 1:].clone()  # not a view: the cache must not keep the window alive
         if valid is not None:  # a pad keeps the history it had

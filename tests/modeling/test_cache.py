@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -135,6 +137,24 @@ def test_append_tokens_grows_a_buffer_in_place_and_equals_cat(mode):
     leaf = torch.randn(2, 5, 3, 4, requires_grad=True)
     grown = append_tokens(leaf[:, :4], steps[0])  # with autograd: a plain cat, nothing written in place
     assert torch.equal(grown, torch.cat([leaf[:, :4], steps[0]], dim=1)) and torch.equal(leaf[:, 4], leaf[:, 4])
+
+
+@pytest.mark.parametrize("inner", [(), (3,), (3, 4)], ids=["valid (B, T)", "gates (B, T, H)", "keys (B, T, H, D)"])
+def test_append_tokens_buffers_keep_each_heads_rows_together_in_time(inner):
+    """Every history shape grows in place and equals the concatenation; keys and values ``(B, T, H, D)`` sit head by
+    head in memory, so each head's ``(T, D)`` keys are one dense matrix for attention's matrix products."""
+    first, steps = torch.randn(2, 5, *inner), [torch.randn(2, 1, *inner) for _ in range(3)]
+    with torch.inference_mode():
+        timeline = append_tokens(append_tokens(first, steps[0]), steps[1])
+        address = timeline.data_ptr()
+        timeline = append_tokens(timeline, steps[2])
+        assert timeline.data_ptr() == address
+        assert torch.equal(timeline, torch.cat([first, *steps], dim=1))
+        if len(inner) == 2:
+            heads_first = timeline.transpose(1, 2)  # (B, H, T, D)
+            assert all(heads_first[b, h].is_contiguous() for b in range(2) for h in range(inner[0]))
+        else:  # time-major, as before
+            assert timeline.stride(1) == math.prod(inner) and timeline[0].is_contiguous()
 
 
 def test_layer_state_scopes_write_prefixed_names_and_read_their_own():

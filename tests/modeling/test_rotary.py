@@ -365,16 +365,16 @@ def test_long_decoding_matches_prefill_and_exact_angles():
     torch.testing.assert_close(q_full.double(), rotate_exactly(q, query_phase, module.temperature), rtol=0, atol=1e-5)
 
 
-SELECTIVE_GRID = [o for o in OPTION_GRID if o.get("position_embedding", "selective_rope") == "selective_rope"]
+ROTATING_GRID = [o for o in OPTION_GRID if o.get("position_embedding", "selective_rope") != "nope"]
 
 
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"hq{h[0]}-hk{h[1]}")
-@pytest.mark.parametrize("options", SELECTIVE_GRID,
+@pytest.mark.parametrize("options", ROTATING_GRID,
                          ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
 def test_torch_decode_step_equals_the_general_path(options, heads):
-    """Without autograd a single token takes the torch decoding step; with autograd on, the general path
-    (``phase_increment`` + ``selective_rotary``). From the same cached state, both give the same q, k and state, for a
-    real token and for a pad (``lengths`` 0), and for a first token without any state."""
+    """Without autograd a single token takes the torch decoding step (Selective RoPE and RoPE); with autograd on, the
+    general path (``phase_increment`` + ``selective_rotary``). From the same cached state, both give the same q, k
+    and state, for a real token and for a pad (``lengths`` 0), and for a first token without any state."""
     module = make_rotary(*heads, **options)
     x, q, k = torch.randn(2, 6, HIDDEN), torch.randn(2, 6, heads[0], 8), torch.randn(2, 6, heads[1], 8)
     with torch.no_grad():
