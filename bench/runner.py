@@ -154,6 +154,30 @@ class FamilyBenchmark:
         return self.model_config["vocab_size"]
 
 
+@dataclass(frozen=True)
+class ScriptPaths:
+    """Where a CPU benchmark script of the repository (``benchmarks/bench_<stem>_cpu.py``) writes.
+
+    Args:
+        root: the repository root (source files are hashed relative to it).
+        default_output: ``benchmarks/results/<stem>_cpu.json``, the whole run's JSON.
+        compare_output: ``benchmarks/results/<stem>_<comparison>_cpu.json``, the JSON of ``--compare-only``.
+    """
+
+    root: Path
+    default_output: Path
+    compare_output: Path
+
+
+def script_paths(script: str | Path, stem: str, comparison: str = "selective_vs_nope") -> ScriptPaths:
+    """The paths of the benchmark script at ``script`` (its ``__file__``), found from the script's own place in the
+    repository: the installed harness cannot know where the checkout is."""
+    root = Path(script).resolve().parents[1]
+    results = root / "benchmarks" / "results"
+    return ScriptPaths(root=root, default_output=results / f"{stem}_cpu.json",
+                       compare_output=results / f"{stem}_{comparison}_cpu.json")
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # the command line and a run's bookkeeping
 # --------------------------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from selective_rope.bench.runner import (
     prefill_section,
     print_prefill_section,
     run_benchmark,
+    script_paths,
     selective_vs_nope_comparison,
 )
 from selective_rope.bench.timing import paired_ratio, target, timed_rounds
@@ -82,6 +83,16 @@ def test_compare_only_runs_the_comparison_alone_into_its_own_file(tmp_path, caps
                                         "selective_rope / nope prefill at T=8", "selective_rope / nope prefill at T=16"]
     assert results["model_config"]["summary"].startswith("hidden 32, layers 1, heads 2")
     assert "bench_tiny: Selective RoPE vs NoPE" in capsys.readouterr().out
+
+
+def test_script_paths_are_found_from_the_scripts_place_in_the_repository(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path / "..")  # not the repository: the paths must not depend on the working directory
+    paths = script_paths(tmp_path / "benchmarks" / "bench_gla_cpu.py", "gla")
+    assert paths.root == tmp_path.resolve()
+    assert paths.default_output == tmp_path.resolve() / "benchmarks" / "results" / "gla_cpu.json"
+    assert paths.compare_output == tmp_path.resolve() / "benchmarks" / "results" / "gla_selective_vs_nope_cpu.json"
+    fox = script_paths(tmp_path / "benchmarks" / "bench_fox_cpu.py", "fox", comparison="vs_llama")
+    assert fox.compare_output.name == "fox_vs_llama_cpu.json"
 
 
 def test_timed_rounds_interleave_and_pair_the_calls():
