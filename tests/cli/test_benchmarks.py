@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from selective_rope.bench.machine import Quiet
@@ -83,6 +84,27 @@ def test_compare_only_runs_the_comparison_alone_into_its_own_file(tmp_path, caps
                                         "selective_rope / nope prefill at T=8", "selective_rope / nope prefill at T=16"]
     assert results["model_config"]["summary"].startswith("hidden 32, layers 1, heads 2")
     assert "bench_tiny: Selective RoPE vs NoPE" in capsys.readouterr().out
+
+
+def test_a_run_restores_the_callers_thread_count(tmp_path):
+    """``--threads`` holds for the run only, whether it returns or raises (the count is process-wide in torch)."""
+
+    def sections(run):
+        assert torch.get_num_threads() == 1  # the run's own count while it runs
+        if run.args.output.name == "fails.json":
+            raise RuntimeError("a section failed")
+        return []
+
+    spec = FamilyBenchmark(
+        name="bench_tiny", title="tiny", family="gla", model_config=TINY, seed=0, root=tmp_path, sources=[],
+        default_output=tmp_path / "out.json", plans={"quick": PLAN, "full": PLAN}, sections=sections,
+        print_sections=lambda results: None, targets=lambda results, plan: {}, rotary_inputs=rotary_inputs)
+    torch.set_num_threads(3)  # the caller's count, other than the run's (tests/conftest.py restores the original)
+    assert run_benchmark(spec, ["--quick", "--threads", "1", "--max-wait", "0"]) == 0
+    assert torch.get_num_threads() == 3
+    with pytest.raises(RuntimeError, match="a section failed"):
+        run_benchmark(spec, ["--quick", "--threads", "1", "--max-wait", "0", "--output", str(tmp_path / "fails.json")])
+    assert torch.get_num_threads() == 3
 
 
 def test_script_paths_are_found_from_the_scripts_place_in_the_repository(tmp_path, monkeypatch):
