@@ -154,6 +154,30 @@ class FamilyBenchmark:
         return self.model_config["vocab_size"]
 
 
+@dataclass(frozen=True)
+class ScriptPaths:
+    """Where a CPU benchmark script of the repository (``benchmarks/bench_<stem>_cpu.py``) writes.
+
+    Args:
+        root: the repository root (source files are hashed relative to it).
+        default_output: ``benchmarks/results/<stem>_cpu.json``, the whole run's JSON.
+        compare_output: ``benchmarks/results/<stem>_<comparison>_cpu.json``, the JSON of ``--compare-only``.
+    """
+
+    root: Path
+    default_output: Path
+    compare_output: Path
+
+
+def script_paths(script: str | Path, stem: str, comparison: str = "selective_vs_nope") -> ScriptPaths:
+    """The paths of the benchmark script at ``script`` (its ``__file__``), found from the script's own place in the
+    repository: the installed harness cannot know where the checkout is."""
+    root = Path(script).resolve().parents[1]
+    results = root / "benchmarks" / "results"
+    return ScriptPaths(root=root, default_output=results / f"{stem}_cpu.json",
+                       compare_output=results / f"{stem}_{comparison}_cpu.json")
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # the command line and a run's bookkeeping
 # --------------------------------------------------------------------------------------------------------------------
@@ -263,16 +287,30 @@ def with_compare_plans(plans: dict[str, dict]) -> dict[str, dict]:
 # a whole run
 # --------------------------------------------------------------------------------------------------------------------
 def run_benchmark(spec: FamilyBenchmark, argv: list[str] | None = None) -> int:
+    """Run ``spec``'s benchmark with the command line ``argv``; returns the exit status.
+
+    The run sets torch's intra-op thread count (``--threads``) for itself only: the caller's count is restored when
+    it returns or raises (a benchmark run in-process, as the tests do, must not change later timings).
+    """
     parser = argparse.ArgumentParser(description=spec.description, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(parser, spec.default_output)
     spec.add_arguments(parser)
     args = parser.parse_args(argv)
-    comparison = spec.comparison
     if args.compare_only:
-        if comparison is None:
+        if spec.comparison is None:
             parser.error(f"{spec.name} has no comparison section for --compare-only")
         if args.output == spec.default_output:
-            args.output = comparison.output
+            args.output = spec.comparison.output
+    threads_before = torch.get_num_threads()
+    try:
+        return _run(spec, args)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run(spec: FamilyBenchmark, args: argparse.Namespace) -> int:
+    """The run of :func:`run_benchmark` after its command line is read."""
+    comparison = spec.comparison
     threads, quiet = configure(args, spec.seed)
     status = spec.before_run(args, threads, quiet)
     if status is not None:

@@ -40,7 +40,6 @@ from __future__ import annotations
 import inspect
 import math
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +52,7 @@ from selective_rope.bench.runner import (
     prefill_section,
     print_prefill_section,
     run_benchmark,
+    script_paths,
     selective_vs_nope_comparison,
     with_compare_plans,
 )
@@ -60,10 +60,9 @@ from selective_rope.bench.timing import paired_ratio, target, timed_rounds
 from selective_rope.configuration import SelectiveRopeGatedDeltaNetConfig
 from selective_rope.kernels.gated_delta_torch import chunk_gated_delta_rule
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
-DEFAULT_OUTPUT = RESULTS_DIR / "gated_deltanet_cpu.json"
-COMPARE_OUTPUT = RESULTS_DIR / "gated_deltanet_selective_vs_nope_cpu.json"  # --compare-only
+# the repository root; benchmarks/results/gated_deltanet_cpu.json, and for --compare-only
+# gated_deltanet_selective_vs_nope_cpu.json
+PATHS = script_paths(__file__, "gated_deltanet")
 SOURCES = ["kernels/gated_delta_torch.py", "modeling/gated_deltanet.py", "configuration/gated_deltanet.py",
            "benchmarks/bench_gated_deltanet_cpu.py"]
 
@@ -228,8 +227,8 @@ def targets(results: dict, plan: dict) -> dict:
 
 SPEC = FamilyBenchmark(
     name="bench_gated_deltanet_cpu", title="Gated DeltaNet CPU benchmark", family="gated_deltanet",
-    description=__doc__.split("\n\n")[0], model_config=MODEL_CONFIG, seed=SEED, root=REPO_ROOT, sources=SOURCES,
-    default_output=DEFAULT_OUTPUT,
+    description=__doc__.split("\n\n")[0], model_config=MODEL_CONFIG, seed=SEED, root=PATHS.root, sources=SOURCES,
+    default_output=PATHS.default_output,
     plans=with_compare_plans({
         "quick": {"prefill_lengths": [256, 1024], "prefill_repeats": 3, "op_lengths": [512, 2048], "op_dims": [64],
                   "op_rounds": 3, "op_oracle_max_len": 512, "decode_contexts": [256, 4096], "decode_steps": 8,
@@ -248,7 +247,7 @@ SPEC = FamilyBenchmark(
         f"key/value head dims {cfg['head_dim']}/{cfg['head_v_dim']} (expand_v {cfg['expand_v']}), vocab "
         f"{cfg['vocab_size']}, short conv {cfg['use_short_conv']}, {cfg['num_parameters']:,} params, fp32, batch 1"),
     decode_goal=TARGET_DECODE_RATIO, overhead_goal=TARGET_ROPE_OVERHEAD,
-    comparison=selective_vs_nope_comparison(COMPARE_OUTPUT),
+    comparison=selective_vs_nope_comparison(PATHS.compare_output),
 )
 
 

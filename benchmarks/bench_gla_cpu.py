@@ -34,7 +34,6 @@ Usage::
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +46,7 @@ from selective_rope.bench.runner import (
     prefill_section,
     print_prefill_section,
     run_benchmark,
+    script_paths,
     selective_vs_nope_comparison,
     with_compare_plans,
 )
@@ -54,10 +54,8 @@ from selective_rope.bench.timing import target, timed_rounds
 from selective_rope.configuration import SelectiveRopeGLAConfig
 from selective_rope.kernels.gla_torch import chunk_gla
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
-DEFAULT_OUTPUT = RESULTS_DIR / "gla_cpu.json"
-COMPARE_OUTPUT = RESULTS_DIR / "gla_selective_vs_nope_cpu.json"  # --compare-only
+# the repository root; benchmarks/results/gla_cpu.json, and gla_selective_vs_nope_cpu.json for --compare-only
+PATHS = script_paths(__file__, "gla")
 SOURCES = ["kernels/gla_torch.py", "modeling/gla.py", "configuration/gla.py", "benchmarks/bench_gla_cpu.py"]
 
 SEED = 0
@@ -159,7 +157,7 @@ def sections(run: Run) -> list:
 
 SPEC = FamilyBenchmark(
     name="bench_gla_cpu", title="GLA CPU benchmark", family="gla", description=__doc__.split("\n\n")[0],
-    model_config=MODEL_CONFIG, seed=SEED, root=REPO_ROOT, sources=SOURCES, default_output=DEFAULT_OUTPUT,
+    model_config=MODEL_CONFIG, seed=SEED, root=PATHS.root, sources=SOURCES, default_output=PATHS.default_output,
     plans=with_compare_plans({
         "quick": {"prefill_lengths": [256, 1024], "prefill_repeats": 3, "op_lengths": [512, 2048], "op_target": 2048,
                   "op_rounds": 3, "decode_contexts": [256, 4096], "decode_steps": 8, "decode_steps_per_round": 4,
@@ -180,7 +178,7 @@ SPEC = FamilyBenchmark(
         f"vocab {cfg['vocab_size']}, short conv {cfg['use_short_conv']}, key/value head dims "
         f"{cfg['head_k_dim']}/{cfg['head_v_dim']}, {cfg['num_parameters']:,} params, fp32, batch 1"),
     decode_goal=TARGET_DECODE_RATIO, overhead_goal=TARGET_ROPE_OVERHEAD,
-    comparison=selective_vs_nope_comparison(COMPARE_OUTPUT),
+    comparison=selective_vs_nope_comparison(PATHS.compare_output),
 )
 
 

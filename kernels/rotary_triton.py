@@ -8,7 +8,9 @@ walks over time in tiles with a running carry of the phase, so the cumulative su
 
     θ_t = θ_0 + Σ_{s<=t} c_s,   angle_t = τ · θ_t,   (x_i, x_{i+R}) -> (x_i cos − x_{i+R} sin, x_i sin + x_{i+R} cos)
 
-for the key head and every query head of its group (GPT-NeoX halves; dims ``>= 2R`` pass through).
+for the key head and every query head of its group (GPT-NeoX halves; dims ``>= 2R`` pass through). ``R`` is the
+number of frequency pairs, ``rotary_dim // 2``: ``rotary_pairs`` in the Python code, as in the rest of the library,
+and ``R`` in the kernels' arguments, next to their other shape letters (``T``, ``Hk``, ``G``, ``D``).
 Backward, same grid: a forward walk recomputes the phase, writes ``dq``/``dk`` (the inverse rotation of the
 incoming gradients) and the per-position ``dθ_t = τ · Σ_heads (dy_2 · y_1 − dy_1 · y_2)`` (summed over the query
 heads of the group inside the program), then a reverse walk over the same tiles turns ``dθ`` into
@@ -415,24 +417,24 @@ def _rotary_forward(
     """``increment`` ``(B, T, Hk, R)`` float32 (may be an expanded view), ``temperature`` ``(R,)`` float32,
     ``initial_phase`` ``(N, Hk, R)`` float64 -> rotated q, k and the final phase ``(N, Hk, R)`` float64."""
     batch, seq_len, num_query_heads, head_dim = q.shape
-    num_key_heads, half = k.shape[2], temperature.shape[0]
+    num_key_heads, rotary_pairs = k.shape[2], temperature.shape[0]
     num_seqs = _num_seqs(q, cu_seqlens)
     init = None if initial_phase is None else initial_phase.contiguous()
     out_q, out_k = torch.empty_like(q), torch.empty_like(k)
-    final = torch.empty(num_seqs, num_key_heads, half, dtype=torch.float64, device=q.device)
-    if seq_len == 0 or num_seqs == 0 or half == 0:
+    final = torch.empty(num_seqs, num_key_heads, rotary_pairs, dtype=torch.float64, device=q.device)
+    if seq_len == 0 or num_seqs == 0 or rotary_pairs == 0:
         out_q.copy_(q)
         out_k.copy_(k)
         final.copy_(init if init is not None else torch.zeros_like(final))
         return out_q, out_k, final
-    cfg = _config(half, head_dim - 2 * half)
-    grid = (num_seqs * num_key_heads, triton.cdiv(half, cfg["BLOCK_R"]))
+    cfg = _config(rotary_pairs, head_dim - 2 * rotary_pairs)
+    grid = (num_seqs * num_key_heads, triton.cdiv(rotary_pairs, cfg["BLOCK_R"]))
     _selective_rotary_fwd_kernel[grid](
         q, k, increment, _turns_per_phase(temperature), init if init is not None else final, out_q, out_k, final,
         cu_seqlens if cu_seqlens is not None else final,
-        seq_len, num_key_heads, num_query_heads // num_key_heads, half, head_dim,
+        seq_len, num_key_heads, num_query_heads // num_key_heads, rotary_pairs, head_dim,
         *q.stride(), *k.stride(), *out_q.stride(), *out_k.stride(), *increment.stride(),
-        HAS_INIT=init is not None, IS_VARLEN=cu_seqlens is not None, HAS_PASS=head_dim > 2 * half,
+        HAS_INIT=init is not None, IS_VARLEN=cu_seqlens is not None, HAS_PASS=head_dim > 2 * rotary_pairs,
         BLOCK_T=cfg["BLOCK_T"], BLOCK_R=cfg["BLOCK_R"], BLOCK_P=cfg["BLOCK_P"], num_warps=cfg["num_warps"],
     )
     return out_q, out_k, final
@@ -460,32 +462,32 @@ def _rotary_backward(
     """Gradients of ``rotary_forward``: ``(dq, dk, d_increment (B, T, Hk, R), d_temperature (R,),
     d_initial_phase (N, Hk, R))``: dq/dk in q's and k's dtypes, d_initial_phase float64, the others float32."""
     batch, seq_len, num_query_heads, head_dim = q.shape
-    num_key_heads, half = k.shape[2], temperature.shape[0]
+    num_key_heads, rotary_pairs = k.shape[2], temperature.shape[0]
     num_seqs = _num_seqs(q, cu_seqlens)
     init = None if initial_phase is None else initial_phase.contiguous()
     dq, dk = torch.empty_like(q), torch.empty_like(k)
-    dinc = torch.zeros(batch, seq_len, num_key_heads, half, dtype=torch.float32, device=q.device)
-    dinit = torch.zeros(num_seqs, num_key_heads, half, dtype=torch.float64, device=q.device)
-    dtemp_partial = torch.zeros(num_seqs, num_key_heads, half, dtype=torch.float32, device=q.device)
+    dinc = torch.zeros(batch, seq_len, num_key_heads, rotary_pairs, dtype=torch.float32, device=q.device)
+    dinit = torch.zeros(num_seqs, num_key_heads, rotary_pairs, dtype=torch.float64, device=q.device)
+    dtemp_partial = torch.zeros(num_seqs, num_key_heads, rotary_pairs, dtype=torch.float32, device=q.device)
     dfinal = None if grad_final is None else grad_final.float().contiguous()
-    if seq_len == 0 or num_seqs == 0 or half == 0:
+    if seq_len == 0 or num_seqs == 0 or rotary_pairs == 0:
         dq.copy_(grad_q)
         dk.copy_(grad_k)
         if dfinal is not None:
             dinit += dfinal
         return dq, dk, dinc, dtemp_partial.sum(dim=(0, 1)), dinit
-    cfg = _config(half, head_dim - 2 * half)
-    grid = (num_seqs * num_key_heads, triton.cdiv(half, cfg["BLOCK_R"]))
+    cfg = _config(rotary_pairs, head_dim - 2 * rotary_pairs)
+    grid = (num_seqs * num_key_heads, triton.cdiv(rotary_pairs, cfg["BLOCK_R"]))
     _selective_rotary_bwd_kernel[grid](
         q, k, grad_q, grad_k, increment, temperature.contiguous(), _turns_per_phase(temperature),
         init if init is not None else dinit,
         dfinal if dfinal is not None else dinit, cu_seqlens if cu_seqlens is not None else dinit,
         dq, dk, dinc, dtemp_partial, dinit,
-        seq_len, num_key_heads, num_query_heads // num_key_heads, half, head_dim,
+        seq_len, num_key_heads, num_query_heads // num_key_heads, rotary_pairs, head_dim,
         *q.stride(), *k.stride(), *grad_q.stride(), *grad_k.stride(), *dq.stride(), *dk.stride(),
         *increment.stride(), *dinc.stride()[:3],
         HAS_INIT=init is not None, HAS_DFINAL=dfinal is not None, NEED_DTEMP=need_temperature_grad,
-        NEED_DINIT=True, IS_VARLEN=cu_seqlens is not None, HAS_PASS=head_dim > 2 * half,
+        NEED_DINIT=True, IS_VARLEN=cu_seqlens is not None, HAS_PASS=head_dim > 2 * rotary_pairs,
         BLOCK_T=cfg["BLOCK_T"], BLOCK_R=cfg["BLOCK_R"], BLOCK_P=cfg["BLOCK_P"], num_warps=cfg["num_warps"],
     )
     return dq, dk, dinc, dtemp_partial.sum(dim=(0, 1)), dinit
@@ -494,10 +496,10 @@ def _rotary_backward(
 @_rotary_backward.register_fake
 def _(q, k, grad_q, grad_k, grad_final, increment, temperature, initial_phase, cu_seqlens, need_temperature_grad):
     batch, seq_len, num_key_heads = k.shape[:3]
-    half = temperature.shape[0]
-    dinit = q.new_empty(_num_seqs(q, cu_seqlens), num_key_heads, half, dtype=torch.float64)
-    dinc = q.new_empty(batch, seq_len, num_key_heads, half, dtype=torch.float32)
-    return torch.empty_like(q), torch.empty_like(k), dinc, q.new_empty(half, dtype=torch.float32), dinit
+    rotary_pairs = temperature.shape[0]
+    dinit = q.new_empty(_num_seqs(q, cu_seqlens), num_key_heads, rotary_pairs, dtype=torch.float64)
+    dinc = q.new_empty(batch, seq_len, num_key_heads, rotary_pairs, dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), dinc, q.new_empty(rotary_pairs, dtype=torch.float32), dinit
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -520,11 +522,11 @@ _rotary_forward.register_autograd(_backward, setup_context=_setup_context)
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, temperature: torch.Tensor, cu_seqlens: torch.Tensor | None):
     num_query_heads, head_dim = q.shape[2:]
-    num_key_heads, half = k.shape[2], temperature.shape[-1]
+    num_key_heads, rotary_pairs = k.shape[2], temperature.shape[-1]
     if num_query_heads % num_key_heads:
         raise ValueError(f"Hq ({num_query_heads}) must be a multiple of Hk ({num_key_heads})")
-    if 2 * half > head_dim:
-        raise ValueError(f"2R ({2 * half}) exceeds the head size ({head_dim})")
+    if 2 * rotary_pairs > head_dim:
+        raise ValueError(f"2R ({2 * rotary_pairs}) exceeds the head size ({head_dim})")
     if k.shape[:2] != q.shape[:2] or k.shape[3] != head_dim:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree")
     if cu_seqlens is not None and q.shape[0] != 1:
@@ -555,14 +557,14 @@ def selective_rotary_triton(
     """
     _check_shapes(q, k, temperature, cu_seqlens)
     batch, seq_len, num_key_heads = k.shape[:3]
-    half = temperature.shape[-1]
+    rotary_pairs = temperature.shape[-1]
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
     # Broadcasts and casts happen here, outside the op, so that autograd reduces their gradients back to the shapes
     # and dtypes the caller passed (e.g. a (B, T, 1, 1) RoPE increment).
-    increment = increment.float().expand(batch, seq_len, num_key_heads, half)
+    increment = increment.float().expand(batch, seq_len, num_key_heads, rotary_pairs)
     if initial_phase is not None:
-        initial_phase = initial_phase.double().expand(_num_seqs(q, cu_seqlens), num_key_heads, half)
+        initial_phase = initial_phase.double().expand(_num_seqs(q, cu_seqlens), num_key_heads, rotary_pairs)
     return _rotary_forward(q, k, increment, temperature.float(), initial_phase, cu_seqlens)
 
 
@@ -587,21 +589,21 @@ def _rotary_decode(
     float64, ``temperature``, ``conv_weight`` and ``bias`` float32; ``phase`` and ``conv_state`` are given (zeros at a
     sequence start). Returns q, k, the new phase and the new history (``(B, 0, C)`` without conv), float64."""
     batch, num_query_heads, head_dim = q.shape
-    num_key_heads, half = k.shape[1], temperature.shape[0]
+    num_key_heads, rotary_pairs = k.shape[1], temperature.shape[0]
     out_q, out_k = torch.empty_like(q), torch.empty_like(k)
-    new_phase = torch.empty(batch, num_key_heads, half, dtype=torch.float64, device=q.device)
+    new_phase = torch.empty(batch, num_key_heads, rotary_pairs, dtype=torch.float64, device=q.device)
     conv_k = 0 if conv_weight is None else conv_weight.shape[-1]
-    new_conv = q.new_empty(batch, max(conv_k - 1, 0), num_key_heads * half, dtype=torch.float64)
-    if batch == 0 or half == 0:
+    new_conv = q.new_empty(batch, max(conv_k - 1, 0), num_key_heads * rotary_pairs, dtype=torch.float64)
+    if batch == 0 or rotary_pairs == 0:
         out_q.copy_(q)
         out_k.copy_(k)
         new_phase.copy_(phase)
         if conv_state is not None:
             new_conv.copy_(conv_state)
         return out_q, out_k, new_phase, new_conv
-    gate = projection if gate_logits is None else gate_logits.expand(batch, num_key_heads, half)
-    cfg = _config(half, head_dim - 2 * half)
-    block_r = triton.next_power_of_2(half)  # one program holds all R pairs of its head
+    gate = projection if gate_logits is None else gate_logits.expand(batch, num_key_heads, rotary_pairs)
+    cfg = _config(rotary_pairs, head_dim - 2 * rotary_pairs)
+    block_r = triton.next_power_of_2(rotary_pairs)  # one program holds all R pairs of its head
     placeholder = new_phase  # for pointers a disabled branch never reads
     _selective_rotary_decode_kernel[(batch * num_key_heads,)](
         q, k, projection, _turns_per_phase(temperature), phase.contiguous(),
@@ -610,10 +612,10 @@ def _rotary_decode(
         bias.contiguous() if bias is not None else placeholder, gate,
         valid if valid is not None else placeholder,
         out_q, out_k, new_phase, new_conv,
-        num_key_heads, num_query_heads // num_key_heads, half, head_dim,
+        num_key_heads, num_query_heads // num_key_heads, rotary_pairs, head_dim,
         *q.stride(), *k.stride(), *out_q.stride(), *out_k.stride(), *projection.stride(), *gate.stride(),
         CONV_K=conv_k, SILU=silu, HAS_BIAS=bias is not None, HAS_GATE=gate_logits is not None,
-        HAS_VALID=valid is not None, HAS_PASS=head_dim > 2 * half,
+        HAS_VALID=valid is not None, HAS_PASS=head_dim > 2 * rotary_pairs,
         BLOCK_R=block_r, BLOCK_P=cfg["BLOCK_P"], num_warps=cfg["num_warps"],
     )
     return out_q, out_k, new_phase, new_conv
@@ -621,10 +623,10 @@ def _rotary_decode(
 
 @_rotary_decode.register_fake
 def _(q, k, projection, temperature, phase, conv_state, conv_weight, bias, gate_logits, valid, silu):
-    batch, num_key_heads, half = k.shape[0], k.shape[1], temperature.shape[0]
+    batch, num_key_heads, rotary_pairs = k.shape[0], k.shape[1], temperature.shape[0]
     conv_k = 0 if conv_weight is None else conv_weight.shape[-1]
-    new_conv = q.new_empty(batch, max(conv_k - 1, 0), num_key_heads * half, dtype=torch.float64)
-    new_phase = q.new_empty(batch, num_key_heads, half, dtype=torch.float64)
+    new_conv = q.new_empty(batch, max(conv_k - 1, 0), num_key_heads * rotary_pairs, dtype=torch.float64)
+    new_phase = q.new_empty(batch, num_key_heads, rotary_pairs, dtype=torch.float64)
     return torch.empty_like(q), torch.empty_like(k), new_phase, new_conv
 
 
@@ -664,14 +666,14 @@ def selective_rotary_decode_triton(
     if conv_activation not in (None, "silu"):
         raise ValueError(f"unsupported activation {conv_activation!r}; expected None or 'silu'")
     batch, num_key_heads = k.shape[:2]
-    half = temperature.shape[-1]
-    if q.shape[1] % num_key_heads or 2 * half > q.shape[-1] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and R={half} disagree")
-    projection = projection.double().expand(batch, num_key_heads, half)
+    rotary_pairs = temperature.shape[-1]
+    if q.shape[1] % num_key_heads or 2 * rotary_pairs > q.shape[-1] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and R={rotary_pairs} disagree")
+    projection = projection.double().expand(batch, num_key_heads, rotary_pairs)
     if phase is None:
-        phase = projection.new_zeros(batch, num_key_heads, half)
+        phase = projection.new_zeros(batch, num_key_heads, rotary_pairs)
     if conv_weight is not None and conv_state is None:
-        conv_state = projection.new_zeros(batch, conv_weight.shape[-1] - 1, num_key_heads * half)
+        conv_state = projection.new_zeros(batch, conv_weight.shape[-1] - 1, num_key_heads * rotary_pairs)
     q_out, k_out, new_phase, new_conv = _rotary_decode(
         q, k, projection, temperature.float(), phase.double(),
         None if conv_weight is None else conv_state.double(),

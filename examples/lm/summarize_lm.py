@@ -15,10 +15,16 @@ import argparse
 import json
 import math
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+if str(HERE.parent) not in sys.path:  # examples/: example_utils.py, the helpers the example scripts share
+    sys.path.insert(0, str(HERE.parent))
+
+from example_utils import MarkersNotFound, write_between_markers  # noqa: E402
+
 REPO = HERE.parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "lm"
 PLOT = REPO / "docs" / "lm.png"
@@ -100,17 +106,6 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_into(doc: Path, text: str) -> bool:
-    """Replace what is between the markers of ``doc`` with ``text``; False when the markers are not there."""
-    content = doc.read_text() if doc.exists() else ""
-    start, end = MARKERS
-    if start not in content or end not in content:
-        return False
-    head, rest = content.split(start, 1)
-    doc.write_text(f"{head}{start}\n{text}\n{end}{rest.split(end, 1)[1]}")
-    return True
-
-
 def plot(rows: list[dict], path: Path = PLOT) -> None:
     import matplotlib
 
@@ -151,7 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"no results under {args.results}")
     text = table(rows)
     print(text)
-    if write_into(args.doc, text):
+    try:
+        write_between_markers(args.doc, *MARKERS, text)
+    except (FileNotFoundError, MarkersNotFound) as error:
+        print(f"table not written: {error}", file=sys.stderr)
+    else:
         print(f"wrote the table into {args.doc}")
     (args.results / "summary.json").write_text(json.dumps(rows, indent=1) + "\n")
     if not args.no_plot:

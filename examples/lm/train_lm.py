@@ -33,6 +33,11 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
+if str(HERE.parent) not in sys.path:  # examples/: example_utils.py, the helpers the example scripts share
+    sys.path.insert(0, str(HERE.parent))
+
+from example_utils import lr_at  # noqa: E402
+
 REPO = HERE.parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "lm"
 CACHE = HERE / ".cache"  # tokenizer and encoded corpus (ignored by git; `prepare` rebuilds them)
@@ -186,15 +191,6 @@ def perplexity(model, ids: torch.Tensor, length: int, count: int, train_length: 
 
 
 # -------------------------------------------------------------------------------------------------------- training
-
-def lr_at(step: int, steps: int, lr: float, warmup: float = 0.05, floor: float = 0.1) -> float:
-    """Linear warm-up over ``warmup`` of the steps, then cosine decay from ``lr`` to ``floor * lr``."""
-    warm = max(1, int(warmup * steps))
-    if step < warm:
-        return lr * (step + 1) / warm
-    progress = (step - warm) / max(1, steps - warm)
-    return lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
-
 
 def train(model, ids: torch.Tensor, settings: dict, seed: int, log_every: int = 50) -> dict:
     """AdamW on random windows of the training stream (the same windows for every model with the same seed)."""

@@ -13,10 +13,17 @@ import argparse
 import json
 import re
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent.parent
+HERE = Path(__file__).resolve().parent
+if str(HERE.parent) not in sys.path:  # examples/: example_utils.py, the helpers the example scripts share
+    sys.path.insert(0, str(HERE.parent))
+
+from example_utils import MarkersNotFound, write_between_markers  # noqa: E402
+
+REPO = HERE.parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "synthetic"
 DOCS = REPO / "docs"
 
@@ -278,16 +285,12 @@ def recipe_sweep(results: Path, main_groups: dict[str, list[dict]]) -> str | Non
 
 
 def write_into_doc(doc: Path, task: str, text: str) -> bool:
-    """Replace the text between this task's markers in ``doc``; False when the markers are not there."""
-    if not doc.exists():
+    """Replace the text between this task's markers in ``doc``; False when the page or the markers are not there
+    (not every setting has a table on the page)."""
+    try:
+        write_between_markers(doc, f"<!-- results:{task}:start -->", f"<!-- results:{task}:end -->", text)
+    except (FileNotFoundError, MarkersNotFound):
         return False
-    start, end = f"<!-- results:{task}:start -->", f"<!-- results:{task}:end -->"
-    content = doc.read_text()
-    if start not in content or end not in content:
-        return False
-    before, rest = content.split(start, 1)
-    _, after = rest.split(end, 1)
-    doc.write_text(f"{before}{start}\n{text}\n{end}{after}")
     return True
 
 

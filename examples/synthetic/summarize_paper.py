@@ -15,10 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent.parent
+HERE = Path(__file__).resolve().parent
+if str(HERE.parent) not in sys.path:  # examples/: example_utils.py, the helpers the example scripts share
+    sys.path.insert(0, str(HERE.parent))
+
+from example_utils import MarkersNotFound, write_between_markers  # noqa: E402
+
+REPO = HERE.parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "synthetic" / "parity" / "paper"
 PLOT = REPO / "docs" / "synthetic_paper.png"
 DOC = REPO / "docs" / "synthetic.md"
@@ -67,17 +74,6 @@ def table(scale: str, variants: dict) -> str:
     return "\n".join(lines)
 
 
-def write_into(doc: Path, text: str) -> bool:
-    """Replace what is between the markers of ``doc`` with ``text``; False when the markers are not there."""
-    content = doc.read_text() if doc.exists() else ""
-    start, end = MARKERS
-    if start not in content or end not in content:
-        return False
-    head, rest = content.split(start, 1)
-    doc.write_text(f"{head}{start}\n{text}\n{end}{rest.split(end, 1)[1]}")
-    return True
-
-
 def plot(groups: dict, path: Path = PLOT) -> None:
     import matplotlib
 
@@ -122,7 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     scales = [s for s in SCALES if s in groups] + [s for s in groups if s not in SCALES]
     text = "\n\n".join(table(scale, groups[scale]) for scale in scales)
     print(text)
-    if write_into(args.doc, text):
+    try:
+        write_between_markers(args.doc, *MARKERS, text)
+    except (FileNotFoundError, MarkersNotFound) as error:
+        print(f"tables not written: {error}", file=sys.stderr)
+    else:
         print(f"wrote the tables into {args.doc}")
     if not args.no_plot:
         plot(groups, args.plot)

@@ -38,9 +38,11 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+for folder in (HERE, HERE.parent):  # tasks.py here; examples/example_utils.py, the helpers the example scripts share
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
+from example_utils import lr_at  # noqa: E402
 from tasks import IGNORE, MQAR, TASKS, Copy, Parity  # noqa: E402
 
 from selective_rope.configuration import PRESETS  # noqa: E402
@@ -153,15 +155,6 @@ def evaluate(model, task, settings: dict, length: int, seed: int) -> dict:
 
 
 # -------------------------------------------------------------------------------------------------------- training
-
-def lr_at(step: int, steps: int, lr: float, warmup: float = 0.05, floor: float = 0.1) -> float:
-    """Linear warm-up over ``warmup`` of the steps, then cosine decay from ``lr`` to ``floor * lr``."""
-    warm = max(1, int(warmup * steps))
-    if step < warm:
-        return lr * (step + 1) / warm
-    progress = (step - warm) / max(1, steps - warm)
-    return lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
-
 
 def onecycle_lr_at(step: int, steps: int, lr: float) -> float:
     """``torch.optim.lr_scheduler.OneCycleLR`` with its defaults (30 % cosine warm-up from lr / 25, then cosine

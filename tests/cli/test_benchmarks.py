@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from selective_rope.bench.machine import Quiet
@@ -13,6 +14,7 @@ from selective_rope.bench.runner import (
     prefill_section,
     print_prefill_section,
     run_benchmark,
+    script_paths,
     selective_vs_nope_comparison,
 )
 from selective_rope.bench.timing import paired_ratio, target, timed_rounds
@@ -82,6 +84,37 @@ def test_compare_only_runs_the_comparison_alone_into_its_own_file(tmp_path, caps
                                         "selective_rope / nope prefill at T=8", "selective_rope / nope prefill at T=16"]
     assert results["model_config"]["summary"].startswith("hidden 32, layers 1, heads 2")
     assert "bench_tiny: Selective RoPE vs NoPE" in capsys.readouterr().out
+
+
+def test_a_run_restores_the_callers_thread_count(tmp_path):
+    """``--threads`` holds for the run only, whether it returns or raises (the count is process-wide in torch)."""
+
+    def sections(run):
+        assert torch.get_num_threads() == 1  # the run's own count while it runs
+        if run.args.output.name == "fails.json":
+            raise RuntimeError("a section failed")
+        return []
+
+    spec = FamilyBenchmark(
+        name="bench_tiny", title="tiny", family="gla", model_config=TINY, seed=0, root=tmp_path, sources=[],
+        default_output=tmp_path / "out.json", plans={"quick": PLAN, "full": PLAN}, sections=sections,
+        print_sections=lambda results: None, targets=lambda results, plan: {}, rotary_inputs=rotary_inputs)
+    torch.set_num_threads(3)  # the caller's count, other than the run's (tests/conftest.py restores the original)
+    assert run_benchmark(spec, ["--quick", "--threads", "1", "--max-wait", "0"]) == 0
+    assert torch.get_num_threads() == 3
+    with pytest.raises(RuntimeError, match="a section failed"):
+        run_benchmark(spec, ["--quick", "--threads", "1", "--max-wait", "0", "--output", str(tmp_path / "fails.json")])
+    assert torch.get_num_threads() == 3
+
+
+def test_script_paths_are_found_from_the_scripts_place_in_the_repository(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path / "..")  # not the repository: the paths must not depend on the working directory
+    paths = script_paths(tmp_path / "benchmarks" / "bench_gla_cpu.py", "gla")
+    assert paths.root == tmp_path.resolve()
+    assert paths.default_output == tmp_path.resolve() / "benchmarks" / "results" / "gla_cpu.json"
+    assert paths.compare_output == tmp_path.resolve() / "benchmarks" / "results" / "gla_selective_vs_nope_cpu.json"
+    fox = script_paths(tmp_path / "benchmarks" / "bench_fox_cpu.py", "fox", comparison="vs_llama")
+    assert fox.compare_output.name == "fox_vs_llama_cpu.json"
 
 
 def test_timed_rounds_interleave_and_pair_the_calls():

@@ -1,0 +1,43 @@
+"""Helpers shared by the example scripts under examples/ (not part of the library): the learning-rate schedule of
+the training scripts, and writing a table between two markers of a docs page for the summaries.
+
+Each script puts this folder on ``sys.path`` before importing from here, so it runs the same way whether started as
+``python examples/<area>/<script>.py`` from anywhere or imported by the tests in tests/cli/.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+
+def lr_at(step: int, steps: int, lr: float, warmup: float = 0.05, floor: float = 0.1) -> float:
+    """Linear warm-up over ``warmup`` of the steps, then cosine decay from ``lr`` to ``floor * lr``."""
+    warm = max(1, int(warmup * steps))
+    if step < warm:
+        return lr * (step + 1) / warm
+    progress = (step - warm) / max(1, steps - warm)
+    return lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class MarkersNotFound(ValueError):
+    """A page has no single region to write into: a marker is missing, appears twice, or the end precedes the start."""
+
+
+def write_between_markers(doc: Path, start: str, end: str, text: str) -> None:
+    """Replace what lies between the ``start`` and ``end`` marker strings of ``doc`` with ``text``, on lines of its
+    own; the markers and everything outside them stay as they are.
+
+    Raises ``FileNotFoundError`` when ``doc`` does not exist and ``MarkersNotFound`` when the markers do not delimit
+    exactly one region; ``doc`` is then left untouched (every check comes before the one write).
+    """
+    content = Path(doc).read_text(encoding="utf-8")
+    counts = {marker: content.count(marker) for marker in (start, end)}
+    if any(count != 1 for count in counts.values()):
+        found = ", ".join(f"{marker!r} {count} times" for marker, count in counts.items())
+        raise MarkersNotFound(f"{doc}: expected each marker exactly once, found {found}")
+    head, rest = content.split(start, 1)
+    if end not in rest:
+        raise MarkersNotFound(f"{doc}: the end marker {end!r} comes before the start marker {start!r}")
+    tail = rest.split(end, 1)[1]
+    Path(doc).write_text(f"{head}{start}\n{text}\n{end}{tail}", encoding="utf-8")

@@ -1,0 +1,50 @@
+"""The helpers the example scripts share (examples/example_utils.py): writing a table between a page's markers."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+from example_utils import MarkersNotFound, write_between_markers  # noqa: E402
+
+START, END = "<!-- results:x:start -->", "<!-- results:x:end -->"
+
+
+def test_replaces_only_the_text_between_the_markers(tmp_path):
+    doc = tmp_path / "page.md"
+    before, after = "# Title\nintro ± θ\n", "\nclosing text\n<!-- results:y:start -->\nother\n<!-- results:y:end -->\n"
+    doc.write_text(f"{before}{START}\nold\nrows\n{END}{after}", encoding="utf-8")
+    write_between_markers(doc, START, END, "| a | b |\n|---|---|")
+    assert doc.read_text(encoding="utf-8") == f"{before}{START}\n| a | b |\n|---|---|\n{END}{after}"
+    write_between_markers(doc, START, END, "new")  # writing again replaces the previous table, nothing else
+    assert doc.read_text(encoding="utf-8") == f"{before}{START}\nnew\n{END}{after}"
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (f"intro\n{START}\nold\n", "'<!-- results:x:end -->' 0 times"),
+        (f"intro\nold\n{END}\n", "'<!-- results:x:start -->' 0 times"),
+        ("no markers at all\n", "'<!-- results:x:start -->' 0 times, '<!-- results:x:end -->' 0 times"),
+        (f"{START}\na\n{END}\n{START}\nb\n{END}\n", "'<!-- results:x:start -->' 2 times"),
+        (f"{END}\nold\n{START}\n", "the end marker '<!-- results:x:end -->' comes before the start marker"),
+    ],
+)
+def test_refuses_a_page_without_one_marker_pair_and_leaves_it_unchanged(tmp_path, content, message):
+    doc = tmp_path / "page.md"
+    doc.write_text(content, encoding="utf-8")
+    with pytest.raises(MarkersNotFound, match="page.md: ") as raised:
+        write_between_markers(doc, START, END, "table")
+    assert message in str(raised.value)
+    assert isinstance(raised.value, ValueError)
+    assert doc.read_text(encoding="utf-8") == content
+
+
+def test_a_missing_page_is_not_created(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        write_between_markers(tmp_path / "missing.md", START, END, "table")
+    assert not (tmp_path / "missing.md").exists()
