@@ -8,6 +8,9 @@ Each script puts this folder on ``sys.path`` before importing from here, so it r
 from __future__ import annotations
 
 import math
+import os
+import stat
+import tempfile
 from pathlib import Path
 
 
@@ -29,7 +32,8 @@ def write_between_markers(doc: Path, start: str, end: str, text: str) -> None:
     own; the markers and everything outside them stay as they are.
 
     Raises ``FileNotFoundError`` when ``doc`` does not exist and ``MarkersNotFound`` when the markers do not delimit
-    exactly one region; ``doc`` is then left untouched (every check comes before the one write).
+    exactly one region; ``doc`` is then left untouched (every check comes before the one write). The write replaces
+    the file by a rename, so an interruption leaves the old page whole.
     """
     content = Path(doc).read_text(encoding="utf-8")
     counts = {marker: content.count(marker) for marker in (start, end)}
@@ -40,4 +44,18 @@ def write_between_markers(doc: Path, start: str, end: str, text: str) -> None:
     if end not in rest:
         raise MarkersNotFound(f"{doc}: the end marker {end!r} comes before the start marker {start!r}")
     tail = rest.split(end, 1)[1]
-    Path(doc).write_text(f"{head}{start}\n{text}\n{end}{tail}", encoding="utf-8")
+    _replace_atomically(Path(doc), f"{head}{start}\n{text}\n{end}{tail}")
+
+
+def _replace_atomically(path: Path, content: str) -> None:
+    """Write ``content`` to a new file beside ``path`` and rename it over ``path``: the page is the old one or the new
+    one whatever happens (an interrupted write leaves no half page), with the old page's permissions."""
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            file.write(content)
+        os.chmod(temporary, stat.S_IMODE(path.stat().st_mode))
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise

@@ -48,3 +48,22 @@ def test_a_missing_page_is_not_created(tmp_path):
     with pytest.raises(FileNotFoundError):
         write_between_markers(tmp_path / "missing.md", START, END, "table")
     assert not (tmp_path / "missing.md").exists()
+
+
+def test_an_interrupted_write_leaves_the_old_page_whole_and_no_temporary_file(tmp_path, monkeypatch):
+    doc = tmp_path / "page.md"
+    content = f"intro\n{START}\nold\n{END}\nend\n"
+    doc.write_text(content, encoding="utf-8")
+    doc.chmod(0o640)
+
+    def interrupted(source, destination):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("example_utils.os.replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_between_markers(doc, START, END, "new table")
+    assert doc.read_text(encoding="utf-8") == content
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["page.md"]
+    monkeypatch.undo()
+    write_between_markers(doc, START, END, "new table")
+    assert doc.stat().st_mode & 0o777 == 0o640 and "new table" in doc.read_text(encoding="utf-8")
