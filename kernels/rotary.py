@@ -21,9 +21,9 @@ def selective_rotary(q, k, increment, temperature, initial_phase=None, *, cu_seq
 
 
 def single_token_step_applies(seq_len: int, cu_seqlens: torch.Tensor | None) -> bool:
-    """Whether a Selective RoPE call takes the single-token step (decoding: one token per row, no packing, no
-    gradients; the steps have no backward): the fused ``selective_rotary_decode`` on the Triton backend, the
-    rotary module's own op-for-op torch step otherwise."""
+    """Whether a rotary call takes a single-token step (decoding: one token per row, no packing, no gradients; the
+    steps have no backward): on the torch backend the rotary module's own torch step (Selective RoPE and RoPE), on
+    the Triton backend the fused ``selective_rotary_decode`` (Selective RoPE; RoPE keeps the Triton prefill op)."""
     return seq_len == 1 and cu_seqlens is None and not torch.is_grad_enabled()
 
 
