@@ -102,8 +102,19 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
+    threads_before = torch.get_num_threads()  # --threads is for this run only: the caller's count comes back
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    try:
+        return _measure(families, args, device)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _measure(families: list[str], args: argparse.Namespace, device) -> int:
+    """The measuring part of :func:`run`: every family's row, printed, and the JSON if ``--output`` is given."""
+    import torch
+
     machine = {"device": str(device), "cpu": cpu_name(),
                "threads": torch.get_num_threads(), "torch": torch.__version__, "load_before": load_text()}
     if device.type == "cuda":

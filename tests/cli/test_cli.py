@@ -137,6 +137,15 @@ def test_bench_runs_and_writes_json(tmp_path, capsys):
     assert report["machine"]["threads"] == 1 and report["settings"]["seq_len"] == 8
 
 
+def test_bench_threads_apply_to_its_run_only(tmp_path):
+    """``--threads`` sets torch's thread count for the benchmark and gives the caller's back after it."""
+    torch.set_num_threads(2)  # the autouse fixture restores the session's count after this test
+    assert cli.main(["bench", *TINY_BENCH, "--family", "gla", "--threads", "1",
+                     "--output", str(tmp_path / "bench.json")]) == 0
+    assert json.loads((tmp_path / "bench.json").read_text())["machine"]["threads"] == 1
+    assert torch.get_num_threads() == 2
+
+
 def test_bench_full_runs_the_repository_scripts(tmp_path, monkeypatch, capfd):
     script = tmp_path / "bench_fox_cpu.py"
     script.write_text("import sys; print('fox script', sys.argv[1:])\n")
