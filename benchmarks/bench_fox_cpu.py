@@ -57,14 +57,12 @@ from selective_rope import SelectiveRopeFoXForCausalLM
 from selective_rope.bench.machine import Quiet, source_provenance
 from selective_rope.bench.measure import decode_comparison, num_parameters, prefill_comparison, random_ids
 from selective_rope.bench.report import log, print_comparison
-from selective_rope.bench.runner import Comparison, FamilyBenchmark, Run, run_benchmark
+from selective_rope.bench.runner import Comparison, FamilyBenchmark, Run, run_benchmark, script_paths
 from selective_rope.bench.timing import target, timed_rounds
 from selective_rope.configuration import SelectiveRopeFoXConfig
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
-DEFAULT_OUTPUT = RESULTS_DIR / "fox_cpu.json"
-COMPARE_OUTPUT = RESULTS_DIR / "fox_vs_llama_cpu.json"  # --compare-only
+# the repository root; benchmarks/results/fox_cpu.json, and fox_vs_llama_cpu.json for --compare-only
+PATHS = script_paths(__file__, "fox", comparison="vs_llama")
 SOURCES = ["kernels/forgetting_attention_torch.py", "modeling/fox.py", "configuration/fox.py",
            "benchmarks/bench_fox_cpu.py"]
 
@@ -182,7 +180,7 @@ def prefill_worker(spec: dict, quiet: Quiet) -> dict:
                                             rounds=spec["repeats"], quiet=quiet, warmup=0)["prefill"]
     result["ru_maxrss_mib"] = round(ru_maxrss_kib() / 1024, 1)
     result["quiet"] = quiet.summary()
-    result["files_sha256_12"] = source_provenance(REPO_ROOT, SOURCES)["files_sha256_12"]  # what this process imported
+    result["files_sha256_12"] = source_provenance(PATHS.root, SOURCES)["files_sha256_12"]  # what this process imported
     return result
 
 
@@ -349,7 +347,7 @@ def run_as_worker(args: argparse.Namespace, threads: int, quiet: Quiet) -> int |
 
 SPEC = FamilyBenchmark(
     name="bench_fox_cpu", title="FoX CPU benchmark", family="fox", description=__doc__.split("\n\n")[0],
-    model_config=MODEL_CONFIG, seed=SEED, root=REPO_ROOT, sources=SOURCES, default_output=DEFAULT_OUTPUT,
+    model_config=MODEL_CONFIG, seed=SEED, root=PATHS.root, sources=SOURCES, default_output=PATHS.default_output,
     plans={
         "quick": {"prefill_lengths": [512, 1024, 2048], "prefill_repeats": {512: 3, 1024: 3, 2048: 2},
                   "memory_calls": 1, "decode_contexts": [256, 4096], "decode_steps": 8, "decode_steps_per_round": 4,
@@ -376,7 +374,7 @@ SPEC = FamilyBenchmark(
     on_start=lambda results: SOURCE_HASHES_AT_START.update(results["source"]["files_sha256_12"]),
     comparison=Comparison(
         key="peer", title="against transformers' Llama (random, converted as a plain port and as FoX)",
-        run=lambda spec, run: bench_peer(run.plan, run.quiet), print_section=print_peer, output=COMPARE_OUTPUT,
+        run=lambda spec, run: bench_peer(run.plan, run.quiet), print_section=print_peer, output=PATHS.compare_output,
         header_title="FoX vs transformers' Llama, CPU",
         header_line=lambda cfg: (
             f"models: hidden {cfg['hidden_size']}, layers {cfg['num_hidden_layers']}, heads "

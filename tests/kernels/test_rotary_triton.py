@@ -11,6 +11,8 @@ import torch
 # Without a GPU, conftest.py has set TRITON_INTERPRET=1 (before triton was imported): the kernels run on CPU.
 pytest.importorskip("triton", reason="triton is not installed: the Triton rotary kernel cannot be tested")
 
+from rotary_reference import rotate_exactly  # noqa: E402
+
 from selective_rope import SelectiveRopeGLAConfig  # noqa: E402
 from selective_rope.kernels import rotary_triton  # noqa: E402
 from selective_rope.kernels.conv_torch import causal_conv1d  # noqa: E402
@@ -216,15 +218,6 @@ def test_long_sequence_keeps_the_phase_exact(seq_len, start, monkeypatch):
     torch.testing.assert_close(new_phase, final + increment_step.double(), rtol=0, atol=0)
     torch.testing.assert_close(k_step.double(), rotate_exactly(k[:, -1:], new_phase[:, None], tau)[:, 0], rtol=0,
                                atol=1e-5)
-
-
-def rotate_exactly(x: torch.Tensor, phase: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """``x`` ``(B, T, H, D)`` rotated by float64 angles ``phase · τ`` (``phase`` ``(B, T, H, R)`` float64)."""
-    angle = phase * temperature.double()
-    cos, sin = angle.cos(), angle.sin()
-    half = temperature.shape[0]
-    x1, x2 = x[..., :half].double(), x[..., half:2 * half].double()
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, x[..., 2 * half:].double()], -1)
 
 
 @pytest.mark.slow

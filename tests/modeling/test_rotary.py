@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from rotary_reference import rotate_exactly
 
 from selective_rope import SelectiveRopeGLAConfig
 from selective_rope.modeling.rotary import PhaseDifference, SelectiveRotaryEmbedding, rotary_temperature
@@ -327,15 +328,6 @@ def trained_looking_rotary(**options) -> SelectiveRotaryEmbedding:
         for name, param in module.phase_gate_proj.named_parameters():
             param.copy_(torch.full_like(param, 1.0) if name.endswith("bias") else 0.3 * torch.randn_like(param))
     return module
-
-
-def rotate_exactly(x: torch.Tensor, phase: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """``x`` ``(B, T, H, D)`` rotated by float64 angles ``phase · τ`` (``phase`` ``(B, T, H, R)`` float64)."""
-    angle = phase * temperature.double()
-    cos, sin = angle.cos(), angle.sin()
-    half = temperature.shape[0]
-    x1, x2 = x[..., :half].double(), x[..., half:2 * half].double()
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, x[..., 2 * half:].double()], -1)
 
 
 @torch.no_grad()
