@@ -44,7 +44,7 @@ def write_between_markers(doc: Path, start: str, end: str, text: str) -> None:
     if end not in rest:
         raise MarkersNotFound(f"{doc}: the end marker {end!r} comes before the start marker {start!r}")
     tail = rest.split(end, 1)[1]
-    _replace_atomically(Path(doc), f"{head}{start}\n{text}\n{end}{tail}")
+    _replace_atomically(Path(doc).resolve(), f"{head}{start}\n{text}\n{end}{tail}")  # through a link, as a write
 
 
 def _replace_atomically(path: Path, content: str) -> None:

@@ -67,3 +67,12 @@ def test_an_interrupted_write_leaves_the_old_page_whole_and_no_temporary_file(tm
     monkeypatch.undo()
     write_between_markers(doc, START, END, "new table")
     assert doc.stat().st_mode & 0o777 == 0o640 and "new table" in doc.read_text(encoding="utf-8")
+
+
+def test_a_linked_page_is_written_through_its_link(tmp_path):
+    target = tmp_path / "real.md"
+    target.write_text(f"{START}\nold\n{END}\n", encoding="utf-8")
+    link = tmp_path / "page.md"
+    link.symlink_to(target)
+    write_between_markers(link, START, END, "new")
+    assert link.is_symlink() and target.read_text(encoding="utf-8") == f"{START}\nnew\n{END}\n"
