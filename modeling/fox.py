@@ -140,7 +140,7 @@ class ForgettingAttention(nn.Module):
         from the key timeline rather than cached, so that cropping the cache keeps it exact."""
         rotary_state = state.scope("rotary")
         if self.rotary.position_embedding == "rope" and "valid" in state:
-            seen = state.get("valid").sum(dim=1).to(phase_dtype(x.device))  # (B,)
+            seen = state.get("valid").sum(dim=1, dtype=phase_dtype(x.device))  # (B,)
             previous = {"phase": seen[:, None, None].expand(-1, self.num_kv_heads, self.rotary.rotary_pairs)}
         else:
             previous = rotary_state.previous()

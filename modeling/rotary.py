@@ -40,6 +40,9 @@ from ..configuration.position_embedding import SelectiveRopeConfigBase
 from ..kernels.conv_torch import causal_conv1d
 from ..kernels.dispatch import resolve_backend
 from ..kernels.rotary import selective_rotary, selective_rotary_decode, single_token_step_applies
+from ..kernels.rotary_cpu import DecodeStepPlan
+from ..kernels.rotary_cpu import available as cpu_step_available
+from ..kernels.rotary_cpu import enabled as cpu_step_enabled
 from ..kernels.rotary_torch import phase_dtype, rotary_angles, rotate_query_and_key
 from .layers import ShortConvolution
 from .layout import SequenceLayout, valid_mask
@@ -290,6 +293,7 @@ class SelectiveRotaryEmbedding(nn.Module):
         angles by up to 59 rad at 32k tokens (README, "Numerical precision"). ``_apply`` is how ``nn.Module`` casts,
         so this covers every cast that goes through it (not, e.g., a framework's own low-precision parameter copies).
         """
+        self.__dict__.pop("_cpu_plan", None)  # the compiled step's plan points at the storages being replaced
         low_precision = (torch.bfloat16, torch.float16)
 
         def keep_precision(tensor: torch.Tensor) -> torch.Tensor:
@@ -386,7 +390,8 @@ class SelectiveRotaryEmbedding(nn.Module):
         seq_len = x.shape[1]
         if single_token_step_applies(seq_len, cu_seqlens):
             if backend == "torch":
-                return self._decode_step_torch(x, q, k, state, lengths)
+                step = self._decode_step_cpu(x, q, k, state, lengths) if x.is_cpu and cpu_step_enabled() else None
+                return step or self._decode_step_torch(x, q, k, state, lengths)
             if self.position_embedding == "selective_rope":
                 return self._decode_step(x, q, k, state, lengths)  # the fused Triton step
         valid = None if lengths is None else valid_mask(lengths, seq_len)  # (B, T)
@@ -417,6 +422,68 @@ class SelectiveRotaryEmbedding(nn.Module):
             valid=None if lengths is None else lengths > 0,
         )
         return q_out.unsqueeze(1), k_out.unsqueeze(1), self._state(phase, conv_state)
+
+    def _decode_step_cpu(self, x, q, k, state, lengths):
+        """``_decode_step_torch`` as one compiled call (``kernels/rotary_cpu.py``: the same math and precisions), or
+        ``None`` where the torch step must run instead (see ``_cpu_step_plan`` and ``DecodeStepPlan.try_step``)."""
+        if torch.compiler.is_compiling():  # a ctypes call would break the traced graph
+            return None
+        plan = self._cpu_step_plan((x.shape[-1], q.shape[2], q.shape[3]))
+        if plan is None:
+            return None
+        phase, history = state.get("phase"), state.get("phase_conv")
+        if phase is not None and phase.dtype != torch.float64:
+            phase = phase.to(torch.float64)
+        if history is not None and (history.dtype != torch.float64 or not history.is_contiguous()):
+            history = history.to(torch.float64).contiguous()
+        step = plan.try_step(x, q, k, phase, history, None if lengths is None else lengths > 0)
+        return None if step is None else (step[0], step[1], self._state(step[2], step[3]))
+
+    def _cpu_step_plan(self, sizes: tuple[int, int, int]) -> DecodeStepPlan | None:
+        """This module's compiled-step plan for ``sizes`` (hidden size, ``Hq``, ``D``), made on first use and again
+        whenever the phase path changed (``_CachedPlan``); ``None`` where the C step must not serve this module: it
+        cannot be built here, forward hooks on the phase modules or global ones (they must see their module run), a
+        phase module it does not know (e.g. one wrapped by a PEFT adapter), or parameters of mixed dtypes."""
+        if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+            return None
+        cached = self.__dict__.get("_cpu_plan")
+        if cached is None or not cached.valid(sizes):
+            cached = self._cpu_plan = self._make_cpu_plan(sizes)
+        return cached.plan_if_unhooked()
+
+    def _make_cpu_plan(self, sizes: tuple[int, int, int]) -> _CachedPlan:
+        modules = [self] if self.position_embedding == "rope" else [
+            self, *(m for m in (self.phase_proj, self.phase_conv, self.phase_gate_proj) if m is not None)]
+        if isinstance(modules[-1], nn.Sequential):
+            modules += list(modules[-1].children())
+        plan = None
+        if cpu_step_available() and all(type(m) in _CPU_STEP_MODULES for m in modules):
+            hidden_size, num_query_heads, head_dim = sizes
+            try:
+                plan = DecodeStepPlan(num_query_heads, self.num_key_heads, head_dim, hidden_size, self.temperature,
+                                      **self._cpu_step_parameters())
+            except ValueError:  # e.g. one module cast to another dtype: the torch step handles any mix
+                plan = None
+        return _CachedPlan(plan, modules, sizes)
+
+    def _cpu_step_parameters(self) -> dict:
+        """``DecodeStepPlan``'s keyword arguments from the phase modules (nothing for RoPE)."""
+        if self.position_embedding == "rope":
+            return {}
+        proj, conv, gate = self.phase_proj, self.phase_conv, self.phase_gate_proj
+        if proj.kind in ("low_rank", "dense_low_rank"):
+            projection = (proj.kind, proj.down, proj.up)
+        else:
+            projection = (proj.kind, proj.weight, proj.scale if proj.kind == "full_rank" else None)
+        if conv is None:
+            conv_spec = None
+        elif isinstance(conv, PhaseDifference):
+            conv_spec = ("difference", None, conv.activation)
+        else:
+            conv_spec = ("learned", conv.weight, conv.activation)
+        layers = [] if gate is None else [gate] if isinstance(gate, PhaseLinear) else list(gate)
+        return dict(projection=projection, conv=conv_spec, bias=self.phase_bias,
+                    gate=tuple((layer.weight, layer.bias) for layer in layers))
 
     def _decode_step_torch(self, x, q, k, state, lengths):
         """One token per row (decoding) on the torch path, Selective RoPE or RoPE: what ``phase_increment`` followed
@@ -488,3 +555,42 @@ class SelectiveRotaryEmbedding(nn.Module):
         q_rows, k_rows, new_state = self.forward(layout.to_rows(x), layout.to_rows(q), layout.to_rows(k),
                                                  state=state, lengths=layout.lengths, backend=backend)
         return layout.from_rows(q_rows), layout.from_rows(k_rows), new_state
+
+
+# The phase modules the compiled CPU step knows, exactly (a subclass or a wrapper may compute something else).
+_CPU_STEP_MODULES = (SelectiveRotaryEmbedding, PhaseProjection, DenseLowRankPhaseProjection, PhaseConvolution,
+                     PhaseDifference, PhaseLinear, nn.Sequential)
+
+
+class _CachedPlan:
+    """A rotary module's compiled-step plan (``None``: no C step for this structure) and what it was made from: the
+    phase modules, each one's parameters and children, and the call's sizes. Valid while all of them are the same
+    objects and the parameters keep their storage; hooks are looked at on every call (adding one assigns nothing).
+
+    It lives in the module's ``__dict__`` (read there, not through ``nn.Module.__getattr__``: a decoding step counts
+    microseconds) but is never copied: ``copy.deepcopy``, pickling and ``torch.save`` of the module leave ``None`` in
+    its place, and ``SelectiveRotaryEmbedding._apply`` drops it (a device move or cast replaces the storages)."""
+
+    def __init__(self, plan: DecodeStepPlan | None, modules: list[nn.Module], sizes: tuple):
+        self.plan, self.modules, self.sizes = plan, modules, sizes
+        containers = [c for module in modules for c in (module._parameters, module._modules)]
+        self.counts = [(container, len(container)) for container in containers]
+        self.bindings = [(container, key, item) for container in containers for key, item in container.items()]
+
+    def valid(self, sizes: tuple) -> bool:
+        # plain loops: any()/all() over generators cost more than the checks themselves here
+        if sizes != self.sizes:
+            return False
+        for container, count in self.counts:
+            if len(container) != count:
+                return False
+        for container, key, item in self.bindings:
+            if container.get(key) is not item:
+                return False
+        return self.plan is None or self.plan.current()
+
+    def plan_if_unhooked(self) -> DecodeStepPlan | None:
+        return None if any(m._forward_hooks or m._forward_pre_hooks for m in self.modules) else self.plan
+
+    def __reduce__(self):
+        return type(None), ()  # a copy or pickle of the module holds no plan

@@ -1,4 +1,7 @@
+import atexit
 import os
+import shutil
+import tempfile
 import warnings
 
 import torch
@@ -9,7 +12,15 @@ if not torch.cuda.is_available():
     # anything else is imported.
     os.environ["TRITON_INTERPRET"] = "1"
 
+# The compiled CPU decoding step (kernels/rotary_cpu.py) builds into this session's own cache, not the user's; only
+# the directory made here is removed at exit.
+_STEP_CACHE = tempfile.mkdtemp(prefix="selective-rope-test-cache-")
+os.environ.setdefault("SELECTIVE_ROPE_CACHE", _STEP_CACHE)
+atexit.register(shutil.rmtree, _STEP_CACHE, True)
+
 import pytest  # noqa: E402
+
+from selective_rope.kernels import rotary_cpu  # noqa: E402
 
 from families import FAMILIES  # noqa: E402
 
@@ -43,3 +54,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(params=["compiled", "torch"])
+def decode_step(request, monkeypatch):
+    """Decode with the compiled CPU step (``kernels/rotary_cpu.py``; skipped without a C compiler) or with it switched
+    off (the torch step)."""
+    if request.param == "compiled" and rotary_cpu.find_compiler() is None:
+        pytest.skip("no C compiler for the compiled CPU decoding step")
+    monkeypatch.setenv(rotary_cpu.ENV_SWITCH, "1" if request.param == "compiled" else "0")
+    return request.param

@@ -6,23 +6,10 @@ import math
 
 import pytest
 import torch
-from rotary_reference import rotate_exactly
+from rotary_reference import HEADS, HIDDEN, OPTION_GRID, ROTATING_GRID, make_rotary, rotate_exactly
 
 from selective_rope import SelectiveRopeGLAConfig
 from selective_rope.modeling.rotary import PhaseDifference, SelectiveRotaryEmbedding, rotary_temperature
-
-HIDDEN = 16
-
-
-def make_rotary(num_query_heads=4, num_key_heads=2, head_dim=8, **options) -> SelectiveRotaryEmbedding:
-    config = SelectiveRopeGLAConfig(hidden_size=HIDDEN, num_heads=num_query_heads, num_kv_heads=num_key_heads,
-                                    expand_k=num_query_heads * head_dim / HIDDEN, **options)
-    module = SelectiveRotaryEmbedding(config, num_query_heads, num_key_heads, head_dim).double()
-    with torch.no_grad():  # make every parameter matter (the default gate bias and phase bias are zero)
-        for name, param in module.named_parameters():
-            if name != "temperature":
-                param.add_(0.3 * torch.randn_like(param))
-    return module
 
 
 @torch.no_grad()
@@ -97,31 +84,6 @@ def reference(module, x, q, k, phase0=None, history0=None):
     return q_out, k_out, phases
 
 
-OPTION_GRID = [
-    dict(),
-    dict(phase_proj="full_rank"),
-    dict(phase_proj="scalar", phase_gate_type="low_rank"),
-    dict(phase_gate_type="channel", phase_bias=True),
-    dict(phase_gate=False, phase_bias=True, phase_conv_size=0),
-    dict(phase_conv_size=2, phase_conv_activation="silu", phase_proj="full_rank", phase_gate_type="channel"),
-    dict(phase_proj_rank=3, phase_conv_activation="silu"),
-    dict(temperature_type="rfa", temperature_theta=0.9),
-    dict(temperature_type="gaussian", temperature_theta=0.5, temperature_max=2.0, temperature_seed=3),
-    dict(temperature_type="laplace", temperature_theta=0.3, phase_proj="scalar"),
-    dict(temperature_type="uniform", temperature_theta=1.5, phase_bias=True),
-    dict(partial_rotary_factor=0.5),
-    dict(partial_rotary_factor=0.5, phase_proj="full_rank", phase_gate_type="low_rank", phase_bias=True),
-    dict(position_embedding="rope"),
-    dict(position_embedding="rope", partial_rotary_factor=0.5, temperature_theta=100.0),
-    # the official code's options (issue 24)
-    dict(phase_proj="dense_low_rank", phase_proj_rank=5),
-    dict(phase_proj="dense_low_rank", phase_conv_type="difference", phase_gate_type="low_rank", phase_gate_rank=3,
-         phase_bias=True),
-    dict(phase_conv_type="difference", phase_conv_activation="swish", phase_gate_type="channel", phase_gate_rank=7,
-         partial_rotary_factor=0.5),
-    dict(phase_conv_type="difference", phase_gate=False, phase_proj="full_rank"),
-]
-HEADS = [(4, 2), (2, 2), (4, 1)]
 
 
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"hq{h[0]}-hk{h[1]}")
@@ -331,7 +293,7 @@ def trained_looking_rotary(**options) -> SelectiveRotaryEmbedding:
 
 
 @torch.no_grad()
-def test_long_decoding_matches_prefill_and_exact_angles():
+def test_long_decoding_matches_prefill_and_exact_angles(decode_step):
     """8k decoding steps (θ grows past 4000): the cached phase equals the prefill's, q and k equal the prefill's,
     and both equal a rotation by exact float64 angles. With a float32 running phase the decoded angles drifted by
     ~1e-3 rad at 8k (and the prefill's by ~5e-4 from the exact ones)."""
@@ -357,16 +319,15 @@ def test_long_decoding_matches_prefill_and_exact_angles():
     torch.testing.assert_close(q_full.double(), rotate_exactly(q, query_phase, module.temperature), rtol=0, atol=1e-5)
 
 
-ROTATING_GRID = [o for o in OPTION_GRID if o.get("position_embedding", "selective_rope") != "nope"]
 
 
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"hq{h[0]}-hk{h[1]}")
 @pytest.mark.parametrize("options", ROTATING_GRID,
                          ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
-def test_torch_decode_step_equals_the_general_path(options, heads):
-    """Without autograd a single token takes the torch decoding step (Selective RoPE and RoPE); with autograd on, the
-    general path (``phase_increment`` + ``selective_rotary``). From the same cached state, both give the same q, k
-    and state, for a real token and for a pad (``lengths`` 0), and for a first token without any state."""
+def test_decode_step_equals_the_general_path(options, heads, decode_step):
+    """Without autograd a single token takes a decoding step (compiled or torch; Selective RoPE and RoPE); with
+    autograd on, the general path (``phase_increment`` + ``selective_rotary``). From the same cached state, both give
+    the same q, k and state, for a real token and for a pad (``lengths`` 0), and for a first token without state."""
     module = make_rotary(*heads, **options)
     x, q, k = torch.randn(2, 6, HIDDEN), torch.randn(2, 6, heads[0], 8), torch.randn(2, 6, heads[1], 8)
     with torch.no_grad():

@@ -1,0 +1,321 @@
+"""The compiled CPU decoding step (kernels/rotary_cpu.py): equal to the torch step it replaces, declined wherever
+the torch step must run (hooks, adapters, unusual tensors), and a build cache that never loses a file."""
+
+from __future__ import annotations
+
+import copy
+import io
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import pytest
+import torch
+from peft import LoraConfig, inject_adapter_in_model
+from rotary_reference import HEADS, HIDDEN, ROTATING_GRID, make_rotary, rotate_exactly
+
+from selective_rope.kernels import rotary_cpu
+
+pytestmark = pytest.mark.skipif(rotary_cpu.find_compiler() is None, reason="no C compiler")
+
+
+def step_inputs(module, heads=(4, 2), dtype=torch.float32, cached_tokens=5):
+    """A cached state from a prefill of ``cached_tokens`` and the next token's ``(x, q, k)`` in ``dtype``, 2 rows."""
+    x = torch.randn(2, cached_tokens + 1, HIDDEN)
+    q, k = torch.randn(2, cached_tokens + 1, heads[0], 8), torch.randn(2, cached_tokens + 1, heads[1], 8)
+    with torch.no_grad():
+        _, _, state = module(x[:, :cached_tokens], q[:, :cached_tokens], k[:, :cached_tokens])
+    return state, (x[:, cached_tokens:].to(dtype), q[:, cached_tokens:].to(dtype), k[:, cached_tokens:].to(dtype))
+
+
+class StepCounter:
+    """Counts the compiled steps that ran (``try_step`` returning a result)."""
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        original = rotary_cpu.DecodeStepPlan.try_step
+
+        def counted(plan, *args, **kwargs):
+            result = original(plan, *args, **kwargs)
+            self.count += result is not None
+            return result
+
+        monkeypatch.setattr(rotary_cpu.DecodeStepPlan, "try_step", counted)
+
+
+@pytest.fixture
+def compiled_steps(monkeypatch):
+    monkeypatch.setenv(rotary_cpu.ENV_SWITCH, "1")
+    return StepCounter(monkeypatch)
+
+
+def both_steps(module, step, state, lengths=None, monkeypatch=None):
+    """(compiled, torch) results of one decoding step from the same state."""
+    with torch.no_grad():
+        monkeypatch.setenv(rotary_cpu.ENV_SWITCH, "1")
+        compiled = module(*step, state=state, lengths=lengths, backend="torch")
+        monkeypatch.setenv(rotary_cpu.ENV_SWITCH, "0")
+        reference = module(*step, state=state, lengths=lengths, backend="torch")
+    monkeypatch.setenv(rotary_cpu.ENV_SWITCH, "1")
+    return compiled, reference
+
+
+def assert_same_step(compiled, reference, qk_tolerance=1e-6):
+    (q, k, state), (q_ref, k_ref, state_ref) = compiled, reference
+    assert q.dtype == q_ref.dtype and k.dtype == k_ref.dtype and q.shape == q_ref.shape and k.shape == k_ref.shape
+    torch.testing.assert_close(q.float(), q_ref.float(), rtol=qk_tolerance, atol=qk_tolerance)
+    torch.testing.assert_close(k.float(), k_ref.float(), rtol=qk_tolerance, atol=qk_tolerance)
+    assert state.keys() == state_ref.keys()
+    for name in state_ref:
+        assert state[name].dtype == state_ref[name].dtype == torch.float64 and state[name].is_contiguous(), name
+        torch.testing.assert_close(state[name], state_ref[name], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"hq{h[0]}-hk{h[1]}")
+@pytest.mark.parametrize("options", ROTATING_GRID,
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+def test_compiled_step_equals_torch_step(options, heads, param_dtype, monkeypatch, compiled_steps):
+    """Every option set (projections, convolutions, gates, bias, temperatures, partial rotary, RoPE), from a cached
+    state, for a pad token and from no state at all."""
+    module = make_rotary(*heads, dtype=param_dtype, **options)
+    state, step = step_inputs(module, heads)
+    for cached, lengths in [(state, None), (state, torch.tensor([1, 0])), (None, None)]:
+        compiled, reference = both_steps(module, step, cached, lengths, monkeypatch)
+        assert_same_step(compiled, reference)
+        if lengths is not None:  # the pad row keeps its phase and history
+            for name in cached:
+                torch.testing.assert_close(compiled[2][name][1], cached[name][1])
+    assert compiled_steps.count == 3
+
+
+@pytest.mark.parametrize("options", [dict(), dict(position_embedding="rope"),
+                                     dict(phase_conv_type="difference", phase_gate_type="channel")], ids=str)
+def test_bfloat16_steps(options, monkeypatch, compiled_steps):
+    """bf16 q, k and input (a bf16 model; the rotary parameters stay float32): the rotation is computed in float32
+    and rounded to bf16 once, as the torch step does, so the two agree to one bf16 rounding at most."""
+    module = make_rotary(4, 2, dtype=torch.float32, **options)
+    state, step = step_inputs(module, dtype=torch.bfloat16)
+    compiled, reference = both_steps(module, step, state, None, monkeypatch)
+    assert compiled[0].dtype == torch.bfloat16
+    assert_same_step(compiled, reference, qk_tolerance=2 ** -7)
+    assert compiled_steps.count == 1
+
+
+@torch.no_grad()
+def test_many_steps_equal_torch_steps(monkeypatch, compiled_steps):
+    """2048 steps each way from the same start, with a pad row: the phases never drift apart (both sum float64
+    phases from the same float32 increments) and every rotated q and k agrees."""
+    module = make_rotary(4, 2, dtype=torch.float32, phase_bias=True, phase_conv_activation="silu")
+    steps = 2048
+    x, q, k = torch.randn(2, steps, HIDDEN), torch.randn(2, steps, 4, 8), torch.randn(2, steps, 2, 8)
+    lengths = torch.tensor([1, 1])
+    results = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv(rotary_cpu.ENV_SWITCH, switch)
+        state, outputs = None, []
+        for t in range(steps):
+            lengths[1] = int(t % 7 != 3)  # the second row sees a pad token every 7 steps
+            q_t, k_t, state = module(x[:, t:t + 1], q[:, t:t + 1], k[:, t:t + 1], state=state, lengths=lengths)
+            outputs.append(torch.cat([q_t, k_t], dim=2))
+        results[switch] = torch.cat(outputs, 1), state
+    assert compiled_steps.count == steps
+    (compiled, state), (reference, state_ref) = results["1"], results["0"]
+    assert state["phase"].abs().max() > 100
+    torch.testing.assert_close(state["phase"], state_ref["phase"], rtol=0, atol=1e-9)
+    torch.testing.assert_close(compiled, reference, rtol=0, atol=1e-5)
+
+
+def test_hooks_adapters_and_unknown_tensors_take_the_torch_step(monkeypatch, compiled_steps):
+    """Whatever must see the phase modules run, does: a forward hook on one of them, a global forward hook, a PEFT
+    adapter on the phase gate. Tensors the C step does not read (fp16) go to the torch step too."""
+    module = make_rotary(4, 2, dtype=torch.float32)
+    state, step = step_inputs(module)
+    calls = []
+    handle = module.phase_proj.register_forward_hook(lambda *args: calls.append(1))
+    compiled, reference = both_steps(module, step, state, None, monkeypatch)
+    assert calls == [1, 1] and compiled_steps.count == 0
+    handle.remove()
+    both_steps(module, step, state, None, monkeypatch)
+    assert compiled_steps.count == 1  # the hook is gone: compiled again
+
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *args: calls.append(2))
+    try:
+        both_steps(module, step, state, None, monkeypatch)
+    finally:
+        handle.remove()
+    assert calls.count(2) > 0 and compiled_steps.count == 1
+
+    half = tuple(t.half() for t in step)
+    with torch.no_grad():
+        q, k, _ = module(*half, state=state, backend="torch")
+    assert q.dtype == torch.float16 and compiled_steps.count == 1
+
+    plain, _ = both_steps(module, step, state, None, monkeypatch)
+    wrapped = inject_adapter_in_model(LoraConfig(target_modules=["phase_gate_proj"], init_lora_weights=False),
+                                      module)
+    compiled, reference = both_steps(wrapped, step, state, None, monkeypatch)
+    assert compiled_steps.count == 2  # the step before the adapter was compiled, the one with it was not
+    assert_same_step(compiled, reference)
+    assert not torch.allclose(compiled[1], plain[1])  # the adapter changed the phase
+    with torch.enable_grad():  # the general path, which always calls the modules
+        general = wrapped(*step, state=state)
+    torch.testing.assert_close(compiled[1], general[1].detach(), rtol=0, atol=1e-6)
+
+
+def test_swapped_replaced_and_cast_parameters_are_seen(monkeypatch, compiled_steps):
+    """A plan reads parameters in place; a parameter swapped for another, a storage replaced (``.data =``), a module
+    replaced or the whole module cast: the next step uses what the module holds now."""
+    module = make_rotary(4, 2, dtype=torch.float32, phase_bias=True)
+    state, step = step_inputs(module)
+    both_steps(module, step, state, None, monkeypatch)
+    with torch.no_grad():
+        module.phase_proj.up.mul_(2.0)  # in place: the same storage
+    assert_same_step(*both_steps(module, step, state, None, monkeypatch))
+    module.phase_proj.down = torch.nn.Parameter(torch.randn_like(module.phase_proj.down))
+    assert_same_step(*both_steps(module, step, state, None, monkeypatch))
+    module.phase_bias.data = torch.randn_like(module.phase_bias)
+    assert_same_step(*both_steps(module, step, state, None, monkeypatch))
+    module.phase_gate_proj = copy.deepcopy(module.phase_gate_proj)
+    with torch.no_grad():
+        module.phase_gate_proj.bias.add_(1.0)
+    assert_same_step(*both_steps(module, step, state, None, monkeypatch))
+    module.double()
+    assert_same_step(*both_steps(module, step, state, None, monkeypatch))
+    assert compiled_steps.count == 6
+    module.phase_proj.down.data = module.phase_proj.down.data.float()  # mixed dtypes: the torch step
+    assert_same_step(*both_steps(module, step, state, None, monkeypatch))
+    assert compiled_steps.count == 6
+
+
+def test_copies_and_pickles_hold_no_plan(monkeypatch, compiled_steps):
+    module = make_rotary(4, 2, dtype=torch.float32)
+    state, step = step_inputs(module)
+    expected, _ = both_steps(module, step, state, None, monkeypatch)
+    assert module.__dict__["_cpu_plan"].plan is not None
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    for clone in (copy.deepcopy(module), torch.load(buffer, weights_only=False)):
+        assert clone.__dict__.get("_cpu_plan") is None
+        compiled, reference = both_steps(clone, step, state, None, monkeypatch)
+        assert_same_step(compiled, reference)
+        assert_same_step(compiled, expected)
+    assert compiled_steps.count == 3
+
+
+def test_plan_rejects_inputs_that_do_not_fit():
+    temperature = torch.rand(4)
+    with pytest.raises(ValueError, match="disagree"):
+        rotary_cpu.DecodeStepPlan(3, 2, 8, 16, temperature)  # Hq not a multiple of Hk
+    with pytest.raises(ValueError, match="projection a"):
+        rotary_cpu.DecodeStepPlan(4, 2, 8, 16, temperature, projection=("low_rank", torch.rand(2, 3, 7),
+                                                                        torch.rand(2, 4, 3)))
+    with pytest.raises(ValueError, match="float32 or float64"):
+        rotary_cpu.DecodeStepPlan(4, 2, 8, 16, temperature.half())
+    plan = rotary_cpu.DecodeStepPlan(4, 2, 8, 16, temperature)
+    x, q, k = torch.randn(1, 1, 16), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 2, 8)
+    with pytest.raises(ValueError, match="this plan takes"):
+        plan.try_step(x, torch.randn(1, 1, 2, 8), k)
+    with pytest.raises(ValueError, match="phase"):
+        plan.try_step(x, q, k, phase=torch.zeros(1, 2, 4))  # float32
+    assert plan.try_step(x, q.half(), k.half()) is None
+    assert plan.try_step(x, q.transpose(2, 3).contiguous().transpose(2, 3), k) is None  # strided last dim
+    q_out, k_out, phase, history = plan.try_step(x, q, k)  # RoPE from no state: rotated by τ · 1
+    assert history is None
+    torch.testing.assert_close(phase, torch.ones(1, 2, 4, dtype=torch.float64))
+    ones = torch.ones(1, 1, 4, 4, dtype=torch.float64)
+    torch.testing.assert_close(q_out.double(), rotate_exactly(q, ones, temperature), rtol=0, atol=1e-6)
+    torch.testing.assert_close(k_out.double(), rotate_exactly(k, ones[:, :, :2], temperature), rtol=0, atol=1e-6)
+
+
+# The build cache: nothing it did not create is ever removed, and no half-written library is ever loaded.
+
+def test_build_reuses_the_library_and_leaves_other_files_alone(tmp_path):
+    compiler = rotary_cpu.find_compiler()
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / ".rotary_decode_0000.so").write_text("also mine")  # looks like a partial build; is not ours
+    first = rotary_cpu.build(tmp_path, compiler)
+    made = first.stat().st_mtime_ns
+    assert rotary_cpu.build(tmp_path, compiler) == first and first.stat().st_mtime_ns == made
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, "notes.txt", ".rotary_decode_0000.so"])
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert (tmp_path / ".rotary_decode_0000.so").read_text() == "also mine"
+
+
+def test_failed_build_leaves_nothing_and_warns_once(tmp_path, monkeypatch):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(RuntimeError, match="exit code"):
+        rotary_cpu.build(tmp_path, "false")  # a "compiler" that fails
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+    with pytest.raises(OSError):
+        rotary_cpu.build(tmp_path / "notes.txt" / "cache", rotary_cpu.find_compiler())  # not a directory
+
+    # The loader: a failure is one warning, then the torch step serves (and gives the same results).
+    module = make_rotary(4, 2, dtype=torch.float32)
+    state, step = step_inputs(module)
+    with torch.no_grad():
+        monkeypatch.setenv(rotary_cpu.ENV_SWITCH, "0")
+        reference = module(*step, state=state)
+        monkeypatch.setenv(rotary_cpu.ENV_SWITCH, "1")
+        monkeypatch.setattr(rotary_cpu, "_step", None)  # as in a fresh process
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+        monkeypatch.setenv(rotary_cpu.CACHE_ENV, str(tmp_path / "fresh"))
+        with pytest.warns(RuntimeWarning, match="compiled CPU decoding step is unavailable") as first_warnings:
+            first = module(*step, state=state)
+        with warnings.catch_warnings(record=True) as later_warnings:
+            warnings.simplefilter("always")
+            second = module(*step, state=state)
+    assert len(first_warnings) == 1 and not later_warnings
+    assert_same_step(first, reference)
+    assert_same_step(second, reference)
+    assert rotary_cpu._step is False and not any((tmp_path / "fresh").iterdir())  # no file left behind
+
+
+def test_corrupt_library_is_not_loaded_nor_removed(tmp_path, monkeypatch):
+    compiler = rotary_cpu.find_compiler()
+    library = rotary_cpu.build(tmp_path, compiler)
+    library.write_bytes(b"not a library")
+    monkeypatch.setattr(rotary_cpu, "_step", None)
+    monkeypatch.setenv(rotary_cpu.CACHE_ENV, str(tmp_path))
+    with pytest.warns(RuntimeWarning, match="unavailable"):
+        assert rotary_cpu.load_step() is None
+    assert library.read_bytes() == b"not a library"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+def test_interrupted_build_publishes_no_partial_library(tmp_path, sig):
+    """A build killed while its compiler writes: no library under the final name (a later build makes a whole one);
+    an interrupt (SIGINT) also removes the build's own temporary files; other files stay."""
+    slow = tmp_path / "slow-cc"
+    started = tmp_path / "started"
+    real = rotary_cpu.find_compiler()
+    slow.write_text(f'#!/bin/sh\n"{real}" "$@" && touch "{started}" && sleep 30\n')
+    slow.chmod(0o755)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "notes.txt").write_text("mine")
+    script = textwrap.dedent(f"""
+        from pathlib import Path
+        from selective_rope.kernels import rotary_cpu
+        rotary_cpu.build(Path({str(cache)!r}), {str(slow)!r})
+    """)
+    process = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 60
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert started.exists(), "the compiler never ran"
+    process.send_signal(sig)
+    process.wait(timeout=60)
+    assert process.returncode != 0
+    names = sorted(p.name for p in cache.iterdir())
+    assert not any(name.startswith("rotary_decode_") for name in names)  # nothing under a final name
+    if sig == signal.SIGINT:
+        assert names == ["notes.txt"]
+    else:  # killed outright: its temporaries stay, hidden, under names no build reuses
+        assert "notes.txt" in names and all(name.startswith(".rotary_decode_") for name in names if name != "notes.txt")
+    library = rotary_cpu.build(cache, real)
+    assert library.exists() and (cache / "notes.txt").read_text() == "mine"
