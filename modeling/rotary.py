@@ -437,7 +437,12 @@ class SelectiveRotaryEmbedding(nn.Module):
         if history is not None and (history.dtype != torch.float64 or not history.is_contiguous()):
             history = history.to(torch.float64).contiguous()
         step = plan.try_step(x, q, k, phase, history, None if lengths is None else lengths > 0)
-        return None if step is None else (step[0], step[1], self._state(step[2], step[3]))
+        if step is None:
+            if plan.current():  # inputs the C step does not take
+                return None
+            del self.__dict__["_cpu_plan"]  # a parameter's storage was replaced: plan again
+            return self._decode_step_cpu(x, q, k, state, lengths)
+        return step[0], step[1], self._state(step[2], step[3])
 
     def _cpu_step_plan(self, sizes: tuple[int, int, int]) -> DecodeStepPlan | None:
         """This module's compiled-step plan for ``sizes`` (hidden size, ``Hq``, ``D``), made on first use and again
@@ -565,7 +570,8 @@ _CPU_STEP_MODULES = (SelectiveRotaryEmbedding, PhaseProjection, DenseLowRankPhas
 class _CachedPlan:
     """A rotary module's compiled-step plan (``None``: no C step for this structure) and what it was made from: the
     phase modules, each one's parameters and children, and the call's sizes. Valid while all of them are the same
-    objects and the parameters keep their storage; hooks are looked at on every call (adding one assigns nothing).
+    objects (a replaced storage is the plan's own check, ``DecodeStepPlan.current``); hooks are looked at on every
+    call (adding one assigns nothing).
 
     It lives in the module's ``__dict__`` (read there, not through ``nn.Module.__getattr__``: a decoding step counts
     microseconds) but is never copied: ``copy.deepcopy``, pickling and ``torch.save`` of the module leave ``None`` in
@@ -587,7 +593,7 @@ class _CachedPlan:
         for container, key, item in self.bindings:
             if container.get(key) is not item:
                 return False
-        return self.plan is None or self.plan.current()
+        return True
 
     def plan_if_unhooked(self) -> DecodeStepPlan | None:
         return None if any(m._forward_hooks or m._forward_pre_hooks for m in self.modules) else self.plan
