@@ -24,6 +24,7 @@ BUSY_THRESHOLD = 0.5  # cores kept busy by other processes above which a round c
 # Source files every family's numbers depend on (the benchmarks add their family's kernel / modeling files).
 SHARED_SOURCES = [
     "kernels/rotary_torch.py",
+    "kernels/rotary_cpu.py",
     "kernels/conv_torch.py",
     "modeling/rotary.py",
     "modeling/layers.py",

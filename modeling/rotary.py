@@ -457,12 +457,19 @@ class SelectiveRotaryEmbedding(nn.Module):
         return cached.plan_if_unhooked()
 
     def _make_cpu_plan(self, sizes: tuple[int, int, int]) -> _CachedPlan:
-        modules = [self] if self.position_embedding == "rope" else [
-            self, *(m for m in (self.phase_proj, self.phase_conv, self.phase_gate_proj) if m is not None)]
-        if isinstance(modules[-1], nn.Sequential):
-            modules += list(modules[-1].children())
+        """The plan for this module as it is now, with what it was made from (``None`` inside if the C step does not
+        know a phase module: exactly our classes, not subclasses or wrappers, which may compute something else)."""
+        modules, known = [self], True
+        if self.position_embedding == "selective_rope":
+            proj, conv, gate = self.phase_proj, self.phase_conv, self.phase_gate_proj
+            children = list(gate.children()) if type(gate) is nn.Sequential else []
+            gate_layers = children or ([] if gate is None else [gate])
+            modules += [m for m in (proj, conv, gate) if m is not None] + children
+            known = (type(proj) in (PhaseProjection, DenseLowRankPhaseProjection)
+                     and (conv is None or type(conv) in (PhaseConvolution, PhaseDifference))
+                     and all(type(layer) is PhaseLinear for layer in gate_layers))
         plan = None
-        if cpu_step_available() and all(type(m) in _CPU_STEP_MODULES for m in modules):
+        if known and cpu_step_available():
             hidden_size, num_query_heads, head_dim = sizes
             try:
                 plan = DecodeStepPlan(num_query_heads, self.num_key_heads, head_dim, hidden_size, self.temperature,
@@ -560,11 +567,6 @@ class SelectiveRotaryEmbedding(nn.Module):
         q_rows, k_rows, new_state = self.forward(layout.to_rows(x), layout.to_rows(q), layout.to_rows(k),
                                                  state=state, lengths=layout.lengths, backend=backend)
         return layout.from_rows(q_rows), layout.from_rows(k_rows), new_state
-
-
-# The phase modules the compiled CPU step knows, exactly (a subclass or a wrapper may compute something else).
-_CPU_STEP_MODULES = (SelectiveRotaryEmbedding, PhaseProjection, DenseLowRankPhaseProjection, PhaseConvolution,
-                     PhaseDifference, PhaseLinear, nn.Sequential)
 
 
 class _CachedPlan:
