@@ -10,7 +10,7 @@ NumPy and ``torch.compile`` (a 26 s compile per shape) did not close that gap; o
 
 How. The C source below (``C_SOURCE``, a string so that it travels with a saved model's remote code, which carries
 only ``.py`` files) is compiled on first use by the system's C compiler (``$CC``, else ``cc``, ``gcc`` or
-``clang``; ~0.1 s) into a shared library cached under ``$SELECTIVE_ROPE_CACHE`` (default
+``clang``; 0.2–0.4 s, once) into a shared library cached under ``$SELECTIVE_ROPE_CACHE`` (default
 ``~/.cache/selective_rope``), named by a hash of the source and the compiler, and called through ``ctypes``. No
 compiler, a failed build or an unwritable cache leave the PyTorch step in charge, with one warning
 (``SELECTIVE_ROPE_CPU_KERNEL=0`` turns the kernel off without one). Writing the cache never touches a file it did
