@@ -459,7 +459,7 @@ class SelectiveRotaryEmbedding(nn.Module):
     def _make_cpu_plan(self, sizes: tuple[int, int, int]) -> _CachedPlan:
         """The plan for this module as it is now, with what it was made from (``None`` inside if the C step does not
         know a phase module: exactly our classes, not subclasses or wrappers, which may compute something else)."""
-        modules, known = [self], True
+        modules, known = [], True  # the phase modules (not this one: its own hooks run whichever step serves)
         if self.position_embedding == "selective_rope":
             proj, conv, gate = self.phase_proj, self.phase_conv, self.phase_gate_proj
             children = list(gate.children()) if type(gate) is nn.Sequential else []
@@ -476,7 +476,7 @@ class SelectiveRotaryEmbedding(nn.Module):
                                       **self._cpu_step_parameters())
             except ValueError:  # e.g. one module cast to another dtype: the torch step handles any mix
                 plan = None
-        return _CachedPlan(plan, modules, sizes)
+        return _CachedPlan(plan, self, modules, sizes)
 
     def _cpu_step_parameters(self) -> dict:
         """``DecodeStepPlan``'s keyword arguments from the phase modules (nothing for RoPE)."""
@@ -571,17 +571,19 @@ class SelectiveRotaryEmbedding(nn.Module):
 
 class _CachedPlan:
     """A rotary module's compiled-step plan (``None``: no C step for this structure) and what it was made from: the
-    phase modules, each one's parameters and children, and the call's sizes. Valid while all of them are the same
-    objects (a replaced storage is the plan's own check, ``DecodeStepPlan.current``); hooks are looked at on every
-    call (adding one assigns nothing).
+    module's and its phase modules' parameters and children, and the call's sizes. Valid while all of them are the
+    same objects (a replaced storage is the plan's own check, ``DecodeStepPlan.current``); the phase modules' hooks
+    are looked at on every call (adding one assigns nothing). It refers to the rotary module's parameter and child
+    dicts but not to the module itself: no reference cycle keeps a deleted model's memory alive until the next
+    garbage collection.
 
     It lives in the module's ``__dict__`` (read there, not through ``nn.Module.__getattr__``: a decoding step counts
     microseconds) but is never copied: ``copy.deepcopy``, pickling and ``torch.save`` of the module leave ``None`` in
     its place, and ``SelectiveRotaryEmbedding._apply`` drops it (a device move or cast replaces the storages)."""
 
-    def __init__(self, plan: DecodeStepPlan | None, modules: list[nn.Module], sizes: tuple):
+    def __init__(self, plan: DecodeStepPlan | None, owner: nn.Module, modules: list[nn.Module], sizes: tuple):
         self.plan, self.modules, self.sizes = plan, modules, sizes
-        containers = [c for module in modules for c in (module._parameters, module._modules)]
+        containers = [c for module in (owner, *modules) for c in (module._parameters, module._modules)]
         self.counts = [(container, len(container)) for container in containers]
         self.bindings = [(container, key, item) for container in containers for key, item in container.items()]
 

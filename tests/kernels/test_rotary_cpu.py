@@ -4,6 +4,7 @@ the torch step must run (hooks, adapters, unusual tensors), and a build cache th
 from __future__ import annotations
 
 import copy
+import gc
 import io
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import sys
 import textwrap
 import time
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -205,6 +207,22 @@ def test_copies_and_pickles_hold_no_plan(monkeypatch, compiled_steps):
         assert_same_step(compiled, reference)
         assert_same_step(compiled, expected)
     assert compiled_steps.count == 3
+
+
+def test_a_planned_module_is_freed_without_the_garbage_collector(monkeypatch, compiled_steps):
+    """The cached plan refers to no module that refers back to it: deleting a model frees it at once (a reference
+    cycle would keep its memory until the next collection)."""
+    module = make_rotary(4, 2, dtype=torch.float32)
+    state, step = step_inputs(module)
+    both_steps(module, step, state, None, monkeypatch)
+    assert compiled_steps.count == 1
+    alive = weakref.ref(module)
+    gc.disable()
+    try:
+        del module
+        assert alive() is None
+    finally:
+        gc.enable()
 
 
 def test_plan_rejects_inputs_that_do_not_fit():
