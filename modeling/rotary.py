@@ -426,7 +426,7 @@ class SelectiveRotaryEmbedding(nn.Module):
     def _decode_step_cpu(self, x, q, k, state, lengths):
         """``_decode_step_torch`` as one compiled call (``kernels/rotary_cpu.py``: the same math and precisions), or
         ``None`` where the torch step must run instead (see ``_cpu_step_plan`` and ``DecodeStepPlan.try_step``)."""
-        if torch.compiler.is_compiling():  # a ctypes call would break the traced graph
+        if torch.compiler.is_compiling() or torch.jit.is_tracing():  # a tracer would not see the C call's writes
             return None
         plan = self._cpu_step_plan((x.shape[-1], q.shape[2], q.shape[3]))
         if plan is None:

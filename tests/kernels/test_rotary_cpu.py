@@ -168,6 +168,27 @@ def test_hooks_adapters_and_unknown_tensors_take_the_torch_step(monkeypatch, com
     torch.testing.assert_close(compiled[1], general[1].detach(), rtol=0, atol=1e-6)
 
 
+@torch.no_grad()
+def test_a_traced_step_is_the_torch_step(monkeypatch, compiled_steps):
+    """``torch.jit.trace`` records tensor ops; the C call's writes would be invisible to it (a traced graph returning
+    empty tensors), so tracing takes the torch step, and the traced function reproduces the module."""
+    module = make_rotary(4, 2, dtype=torch.float32).requires_grad_(False)  # the trace holds them as constants
+    state, step = step_inputs(module)
+    other = tuple(torch.randn_like(t) for t in step)
+
+    def rotate(x, q, k):
+        q_out, k_out, _ = module(x, q, k, state=state)
+        return q_out, k_out
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # jit.trace's deprecation and tracer warnings
+        traced = torch.jit.trace(rotate, step, check_trace=False)
+    assert compiled_steps.count == 0
+    for got, expected in zip(traced(*other), rotate(*other)):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    assert compiled_steps.count == 1  # the eager call
+
+
 def test_swapped_replaced_and_cast_parameters_are_seen(monkeypatch, compiled_steps):
     """A plan reads parameters in place; a parameter swapped for another, a storage replaced (``.data =``), a module
     replaced or the whole module cast: the next step uses what the module holds now."""
