@@ -403,19 +403,21 @@ class DecodeStepPlan:
                              f"R={rotary_pairs} disagree")
         kind, proj_a, proj_b = projection or (None, None, None)
         conv_kind, conv_weight, activation = conv or (None, None, None)
+        if kind not in PROJECTIONS or conv_kind not in CONVOLUTIONS:
+            raise ValueError(f"unknown projection {kind!r} or convolution {conv_kind!r}")
         if len(gate) > 2 or (len(gate) == 1 and gate[0][1] is None) or (len(gate) == 2 and gate[0][1] is not None):
             raise ValueError("gate: one linear layer with a bias, or two with a bias on the second only")
         if activation not in (None, "silu"):
             raise ValueError(f"unsupported activation {activation!r}; expected None or 'silu'")
-        rank = proj_a.shape[-2] if kind in ("low_rank", "dense_low_rank") else 0
-        conv_size = {None: 1, "difference": 2}.get(conv_kind) or conv_weight.shape[-1]
+        rank = proj_a.shape[-2] if kind in ("low_rank", "dense_low_rank") and proj_a is not None else 0
+        conv_size = 2 if conv_kind == "difference" else 1 if conv_weight is None else conv_weight.shape[-1]
         gate_width = gate[-1][0].shape[0] if gate else 0
         gate_rank = gate[0][0].shape[0] if len(gate) == 2 else 0
         expected = {  # every parameter's shape, checked once: the C code trusts them
             "temperature": (temperature, (rotary_pairs,)),
             "projection a": (proj_a, {"low_rank": (heads, rank, chunk_dim), "dense_low_rank": (rank, hidden_size),
-                                      "full_rank": (heads, rotary_pairs, chunk_dim), "scalar": (heads, 1, chunk_dim),
-                                      None: None}.get(kind, "unknown")),
+                                      "full_rank": (heads, rotary_pairs, chunk_dim),
+                                      "scalar": (heads, 1, chunk_dim)}.get(kind)),
             "projection b": (proj_b, {"low_rank": (heads, rotary_pairs, rank), "full_rank": (heads, rotary_pairs),
                                       "dense_low_rank": (channels, rank)}.get(kind)),
             "convolution": (conv_weight, (channels, 1, conv_size) if conv_kind == "learned" else None),
@@ -426,8 +428,6 @@ class DecodeStepPlan:
             "gate second": (gate[1][0] if len(gate) == 2 else None,
                             (gate_width, gate_rank) if len(gate) == 2 else None),
         }
-        if kind not in PROJECTIONS or conv_kind not in CONVOLUTIONS:
-            raise ValueError(f"unknown projection {kind!r} or convolution {conv_kind!r}")
         if gate and gate_width not in (heads, channels):
             raise ValueError(f"the gate's width must be Hk ({heads}) or Hk*R ({channels}), not {gate_width}")
         dtype = temperature.dtype

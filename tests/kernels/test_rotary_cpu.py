@@ -255,6 +255,12 @@ def test_plan_rejects_inputs_that_do_not_fit():
                                                                         torch.rand(2, 4, 3)))
     with pytest.raises(ValueError, match="float32 or float64"):
         rotary_cpu.DecodeStepPlan(4, 2, 8, 16, temperature.half())
+    with pytest.raises(ValueError, match="convolution: missing"):
+        rotary_cpu.DecodeStepPlan(4, 2, 8, 16, temperature, conv=("learned", None, None))
+    with pytest.raises(ValueError, match="unknown projection"):
+        rotary_cpu.DecodeStepPlan(4, 2, 8, 16, temperature, projection=("diagonal", None, None))
+    with pytest.raises(ValueError, match="projection a: missing"):
+        rotary_cpu.DecodeStepPlan(4, 2, 8, 16, temperature, projection=("low_rank", None, torch.rand(2, 4, 3)))
     plan = rotary_cpu.DecodeStepPlan(4, 2, 8, 16, temperature)
     x, q, k = torch.randn(1, 1, 16), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 2, 8)
     with pytest.raises(ValueError, match="this plan takes"):
