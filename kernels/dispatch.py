@@ -7,8 +7,9 @@ resolves the backend once per call (``resolve_backend``) and hands it to every o
 The request comes from the environment variable ``SELECTIVE_ROPE_BACKEND`` if it is set (so an operator can switch a
 deployed model without touching its config), else from the config's ``backend`` field:
 
-- ``"auto"`` (default): on CUDA, our Triton Selective RoPE kernels and fla's mixer kernels; elsewhere PyTorch.
-- ``"torch"``: PyTorch everywhere (the reference).
+- ``"auto"`` (default): on CUDA, our Triton Selective RoPE kernels and fla's mixer kernels; elsewhere PyTorch, with
+  the rotary module's decoding step compiled on the CPU (``rotary_cpu``).
+- ``"torch"``: PyTorch everywhere (the reference; the rotary module's decoding step too).
 - ``"triton"``: as ``auto`` on CUDA. On CPU, our Triton rotary kernels run only under ``TRITON_INTERPRET=1`` (how the
   tests compare the Triton path with the torch one on a machine without GPU); the mixers stay PyTorch: fla is only
   ever called for CUDA tensors (``fla_ops``; the tests replace it to run fla's kernels under the interpreter too).

@@ -13,7 +13,8 @@ only ``.py`` files) is compiled on first use by the system's C compiler (``$CC``
 ``clang``; 0.2–0.4 s, once) into a shared library cached under ``$SELECTIVE_ROPE_CACHE`` (default
 ``~/.cache/selective_rope``), named by a hash of the source and the compiler, and called through ``ctypes``. No
 compiler, a failed build or an unwritable cache leave the PyTorch step in charge, with one warning
-(``SELECTIVE_ROPE_CPU_KERNEL=0`` turns the kernel off without one). Writing the cache never touches a file it did
+(``SELECTIVE_ROPE_CPU_KERNEL=0`` turns the kernel off without one). It serves the ``"auto"`` backend (the default);
+``backend="torch"`` asked for by name stays pure PyTorch, the reference. Writing the cache never touches a file it did
 not create: the library is built under a fresh temporary name and renamed into place (atomic; two processes
 building at once each rename a complete file).
 

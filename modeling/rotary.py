@@ -38,7 +38,7 @@ from transformers import initialization as init
 
 from ..configuration.position_embedding import SelectiveRopeConfigBase
 from ..kernels.conv_torch import causal_conv1d
-from ..kernels.dispatch import resolve_backend
+from ..kernels.dispatch import requested_backend, resolve_backend
 from ..kernels.rotary import selective_rotary, selective_rotary_decode, single_token_step_applies
 from ..kernels.rotary_cpu import DecodeStepPlan
 from ..kernels.rotary_cpu import available as cpu_step_available
@@ -390,7 +390,7 @@ class SelectiveRotaryEmbedding(nn.Module):
         seq_len = x.shape[1]
         if single_token_step_applies(seq_len, cu_seqlens):
             if backend == "torch":
-                step = self._decode_step_cpu(x, q, k, state, lengths) if x.is_cpu and cpu_step_enabled() else None
+                step = self._decode_step_cpu(x, q, k, state, lengths) if self._cpu_step_allowed(x) else None
                 return step or self._decode_step_torch(x, q, k, state, lengths)
             if self.position_embedding == "selective_rope":
                 return self._decode_step(x, q, k, state, lengths)  # the fused Triton step
@@ -422,6 +422,12 @@ class SelectiveRotaryEmbedding(nn.Module):
             valid=None if lengths is None else lengths > 0,
         )
         return q_out.unsqueeze(1), k_out.unsqueeze(1), self._state(phase, conv_state)
+
+    def _cpu_step_allowed(self, x: torch.Tensor) -> bool:
+        """The compiled CPU step serves CPU tensors unless it is switched off (``SELECTIVE_ROPE_CPU_KERNEL=0``) or the
+        torch backend was asked for by name (config or ``SELECTIVE_ROPE_BACKEND``): that one stays pure PyTorch, the
+        reference (SPEC §5); ``"auto"`` (the default) gets the compiled step."""
+        return x.is_cpu and cpu_step_enabled() and requested_backend(self.backend) != "torch"
 
     def _decode_step_cpu(self, x, q, k, state, lengths):
         """``_decode_step_torch`` as one compiled call (``kernels/rotary_cpu.py``: the same math and precisions), or

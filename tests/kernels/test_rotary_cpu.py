@@ -131,6 +131,24 @@ def test_many_steps_equal_torch_steps(monkeypatch, compiled_steps):
     torch.testing.assert_close(compiled, reference, rtol=0, atol=1e-5)
 
 
+@torch.no_grad()
+def test_the_torch_backend_by_name_stays_pure_pytorch(monkeypatch, compiled_steps):
+    """``backend="torch"`` (config or ``SELECTIVE_ROPE_BACKEND``) is the pure-PyTorch reference; ``"auto"`` (the
+    default) and ``"triton"`` (which falls back to PyTorch on the CPU) get the compiled step."""
+    module = make_rotary(4, 2, dtype=torch.float32)
+    state, step = step_inputs(module)
+    monkeypatch.setenv("SELECTIVE_ROPE_BACKEND", "torch")
+    module(*step, state=state)
+    assert compiled_steps.count == 0
+    monkeypatch.delenv("SELECTIVE_ROPE_BACKEND")
+    module.backend = "torch"
+    module(*step, state=state)
+    assert compiled_steps.count == 0
+    module.backend = "auto"
+    module(*step, state=state)
+    assert compiled_steps.count == 1
+
+
 def test_hooks_adapters_and_unknown_tensors_take_the_torch_step(monkeypatch, compiled_steps):
     """Whatever must see the phase modules run, does: a forward hook on one of them, a global forward hook, a PEFT
     adapter on the phase gate. Tensors the C step does not read (fp16) go to the torch step too."""
