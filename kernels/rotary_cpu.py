@@ -33,6 +33,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -147,8 +148,8 @@ static void project(int kind, const void *pa, const void *pb, int wd, int64_t ra
     }
 }
 
-/* What a layer's step reads that does not change between steps: sizes, options and the parameters (``Plan`` in the
-   Python wrapper fills it once; field order and types must match ``_Parameters`` there). */
+/* What a layer's step reads that does not change between steps: sizes, options and the parameters (the Python
+   wrapper's DecodeStepPlan fills it once; field order and types must match its _Parameters). */
 typedef struct {
     int64_t num_query_heads, num_key_heads, head_dim, rotary_pairs, chunk_dim;
     int64_t param_dtype, projection, proj_rank, convolution, conv_size, conv_silu, gate_layers, gate_rank, gate_width;
@@ -302,18 +303,21 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "selective_rope"
 
 
-def find_compiler() -> str | None:
-    """``$CC`` if set, else the first of ``cc``, ``gcc``, ``clang`` on the ``PATH``."""
-    if os.environ.get("CC"):
-        return shutil.which(os.environ["CC"]) or os.environ["CC"]
-    return next((path for name in ("cc", "gcc", "clang") if (path := shutil.which(name))), None)
+def find_compiler() -> list[str] | None:
+    """The compiler command: ``$CC`` if set (split as a shell would, e.g. ``ccache gcc``), else the first of ``cc``,
+    ``gcc``, ``clang`` on the ``PATH``; ``None`` if there is none."""
+    if os.environ.get("CC", "").strip():
+        return shlex.split(os.environ["CC"])
+    return next(([path] for name in ("cc", "gcc", "clang") if (path := shutil.which(name))), None)
 
 
-def build(directory: Path, compiler: str) -> Path:
-    """Compile ``C_SOURCE`` into ``directory`` (created if missing) and return the library's path; a library built
-    before from the same source, compiler and flags is reused. Raises ``OSError`` (e.g. an unwritable directory) or
+def build(directory: Path, compiler: list[str] | str) -> Path:
+    """Compile ``C_SOURCE`` with ``compiler`` (a command, e.g. ``find_compiler()``, or one program) into
+    ``directory`` (created if missing) and return the library's path; a library built before from the same source,
+    compiler and flags is reused. Raises ``OSError`` (e.g. an unwritable directory, no such compiler) or
     ``RuntimeError`` (the compiler failed; its output is in the message)."""
-    key = hashlib.sha256("\0".join([C_SOURCE, compiler, *_FLAGS, platform.machine()]).encode()).hexdigest()[:16]
+    command = [compiler] if isinstance(compiler, str) else list(compiler)
+    key = hashlib.sha256("\0".join([C_SOURCE, *command, *_FLAGS, platform.machine()]).encode()).hexdigest()[:16]
     target = directory / f"rotary_decode_{key}.so"
     if target.exists():
         return target
@@ -326,10 +330,11 @@ def build(directory: Path, compiler: str) -> Path:
     try:
         with open(source, "x") as file:  # "x": never write over a file this build did not create
             file.write(C_SOURCE)
-        result = subprocess.run([compiler, *_FLAGS, "-o", partial, str(source), "-lm"], capture_output=True,
+        result = subprocess.run([*command, *_FLAGS, "-o", partial, str(source), "-lm"], capture_output=True,
                                 text=True, timeout=300)
         if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed with exit code {result.returncode}: {result.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{shlex.join(command)} failed with exit code {result.returncode}: "
+                               f"{result.stderr.strip()[-2000:]}")
         os.chmod(partial, 0o755)  # mkstemp made it 0600; a cache shared by several users must be readable
         os.replace(partial, target)
     finally:
@@ -353,7 +358,8 @@ def load_step():
                 function = ctypes.CDLL(str(build(cache_dir(), compiler))).selective_rope_decode_step
                 function.argtypes, function.restype = _ARGTYPES, ctypes.c_int
                 _step = function
-            except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+            # AttributeError: a library that loads but lacks our function
+            except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as error:
                 _step = False
                 warnings.warn(f"Selective RoPE's compiled CPU decoding step is unavailable, so decoding runs the "
                               f"slower PyTorch step ({error}). Set {ENV_SWITCH}=0 to silence this.", RuntimeWarning,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import gc
 import io
+import shlex
 import signal
 import subprocess
 import sys
@@ -317,6 +318,13 @@ def test_failed_build_leaves_nothing_and_warns_once(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         rotary_cpu.build(tmp_path / "notes.txt" / "cache", rotary_cpu.find_compiler())  # not a directory
 
+    # $CC is a command, split as a shell would ("ccache gcc"): here `env` runs the real compiler
+    monkeypatch.setenv("CC", "env " + shlex.join(rotary_cpu.find_compiler()))
+    assert rotary_cpu.find_compiler()[0] == "env"
+    library = rotary_cpu.build(tmp_path / "cc", rotary_cpu.find_compiler())
+    assert library.exists()
+    monkeypatch.delenv("CC")
+
     # The loader: a failure is one warning, then the torch step serves (and gives the same results).
     module = make_rotary(4, 2, dtype=torch.float32)
     state, step = step_inputs(module)
@@ -356,7 +364,7 @@ def test_interrupted_build_publishes_no_partial_library(tmp_path, sig):
     slow = tmp_path / "slow-cc"
     started = tmp_path / "started"
     real = rotary_cpu.find_compiler()
-    slow.write_text(f'#!/bin/sh\n"{real}" "$@" && touch "{started}" && sleep 30\n')
+    slow.write_text(f'#!/bin/sh\n{shlex.join(real)} "$@" && touch "{started}" && sleep 30\n')
     slow.chmod(0o755)
     cache = tmp_path / "cache"
     cache.mkdir()
