@@ -55,7 +55,7 @@ def compiled_steps(monkeypatch):
     return StepCounter(monkeypatch)
 
 
-def both_steps(module, step, state, lengths=None, monkeypatch=None):
+def both_steps(module, step, state, monkeypatch, lengths=None):
     """(compiled, torch) results of one decoding step from the same state."""
     with torch.no_grad():
         monkeypatch.setenv(rotary_cpu.ENV_SWITCH, "1")
@@ -87,7 +87,7 @@ def test_compiled_step_equals_torch_step(options, heads, param_dtype, monkeypatc
     module = make_rotary(*heads, dtype=param_dtype, **options)
     state, step = step_inputs(module, heads)
     for cached, lengths in [(state, None), (state, torch.tensor([1, 0])), (None, None)]:
-        compiled, reference = both_steps(module, step, cached, lengths, monkeypatch)
+        compiled, reference = both_steps(module, step, cached, monkeypatch, lengths)
         assert_same_step(compiled, reference)
         if lengths is not None:  # the pad row keeps its phase and history
             for name in cached:
@@ -102,7 +102,7 @@ def test_bfloat16_steps(options, monkeypatch, compiled_steps):
     and rounded to bf16 once, as the torch step does, so the two agree to one bf16 rounding at most."""
     module = make_rotary(4, 2, dtype=torch.float32, **options)
     state, step = step_inputs(module, dtype=torch.bfloat16)
-    compiled, reference = both_steps(module, step, state, None, monkeypatch)
+    compiled, reference = both_steps(module, step, state, monkeypatch)
     assert compiled[0].dtype == torch.bfloat16
     assert_same_step(compiled, reference, qk_tolerance=2 ** -7)
     assert compiled_steps.count == 1
@@ -157,15 +157,15 @@ def test_hooks_adapters_and_unknown_tensors_take_the_torch_step(monkeypatch, com
     state, step = step_inputs(module)
     calls = []
     handle = module.phase_proj.register_forward_hook(lambda *args: calls.append(1))
-    compiled, reference = both_steps(module, step, state, None, monkeypatch)
+    compiled, reference = both_steps(module, step, state, monkeypatch)
     assert calls == [1, 1] and compiled_steps.count == 0
     handle.remove()
-    both_steps(module, step, state, None, monkeypatch)
+    both_steps(module, step, state, monkeypatch)
     assert compiled_steps.count == 1  # the hook is gone: compiled again
 
     handle = torch.nn.modules.module.register_module_forward_hook(lambda *args: calls.append(2))
     try:
-        both_steps(module, step, state, None, monkeypatch)
+        both_steps(module, step, state, monkeypatch)
     finally:
         handle.remove()
     assert calls.count(2) > 0 and compiled_steps.count == 1
@@ -175,10 +175,10 @@ def test_hooks_adapters_and_unknown_tensors_take_the_torch_step(monkeypatch, com
         q, k, _ = module(*half, state=state, backend="torch")
     assert q.dtype == torch.float16 and compiled_steps.count == 1
 
-    plain, _ = both_steps(module, step, state, None, monkeypatch)
+    plain, _ = both_steps(module, step, state, monkeypatch)
     wrapped = inject_adapter_in_model(LoraConfig(target_modules=["phase_gate_proj"], init_lora_weights=False),
                                       module)
-    compiled, reference = both_steps(wrapped, step, state, None, monkeypatch)
+    compiled, reference = both_steps(wrapped, step, state, monkeypatch)
     assert compiled_steps.count == 2  # the step before the adapter was compiled, the one with it was not
     assert_same_step(compiled, reference)
     assert not torch.allclose(compiled[1], plain[1])  # the adapter changed the phase
@@ -213,37 +213,37 @@ def test_swapped_replaced_and_cast_parameters_are_seen(monkeypatch, compiled_ste
     replaced or the whole module cast: the next step uses what the module holds now."""
     module = make_rotary(4, 2, dtype=torch.float32, phase_bias=True)
     state, step = step_inputs(module)
-    both_steps(module, step, state, None, monkeypatch)
+    both_steps(module, step, state, monkeypatch)
     with torch.no_grad():
         module.phase_proj.up.mul_(2.0)  # in place: the same storage
-    assert_same_step(*both_steps(module, step, state, None, monkeypatch))
+    assert_same_step(*both_steps(module, step, state, monkeypatch))
     module.phase_proj.down = torch.nn.Parameter(torch.randn_like(module.phase_proj.down))
-    assert_same_step(*both_steps(module, step, state, None, monkeypatch))
+    assert_same_step(*both_steps(module, step, state, monkeypatch))
     module.phase_bias.data = torch.randn_like(module.phase_bias)
-    assert_same_step(*both_steps(module, step, state, None, monkeypatch))
+    assert_same_step(*both_steps(module, step, state, monkeypatch))
     module.phase_gate_proj = copy.deepcopy(module.phase_gate_proj)
     with torch.no_grad():
         module.phase_gate_proj.bias.add_(1.0)
-    assert_same_step(*both_steps(module, step, state, None, monkeypatch))
+    assert_same_step(*both_steps(module, step, state, monkeypatch))
     module.double()
-    assert_same_step(*both_steps(module, step, state, None, monkeypatch))
+    assert_same_step(*both_steps(module, step, state, monkeypatch))
     assert compiled_steps.count == 6
     module.phase_proj.down.data = module.phase_proj.down.data.float()  # mixed dtypes: the torch step
-    assert_same_step(*both_steps(module, step, state, None, monkeypatch))
+    assert_same_step(*both_steps(module, step, state, monkeypatch))
     assert compiled_steps.count == 6
 
 
 def test_copies_and_pickles_hold_no_plan(monkeypatch, compiled_steps):
     module = make_rotary(4, 2, dtype=torch.float32)
     state, step = step_inputs(module)
-    expected, _ = both_steps(module, step, state, None, monkeypatch)
+    expected, _ = both_steps(module, step, state, monkeypatch)
     assert module.__dict__["_cpu_plan"].plan is not None
     buffer = io.BytesIO()
     torch.save(module, buffer)
     buffer.seek(0)
     for clone in (copy.deepcopy(module), torch.load(buffer, weights_only=False)):
         assert clone.__dict__.get("_cpu_plan") is None
-        compiled, reference = both_steps(clone, step, state, None, monkeypatch)
+        compiled, reference = both_steps(clone, step, state, monkeypatch)
         assert_same_step(compiled, reference)
         assert_same_step(compiled, expected)
     assert compiled_steps.count == 3
@@ -254,7 +254,7 @@ def test_a_planned_module_is_freed_without_the_garbage_collector(monkeypatch, co
     cycle would keep its memory until the next collection)."""
     module = make_rotary(4, 2, dtype=torch.float32)
     state, step = step_inputs(module)
-    both_steps(module, step, state, None, monkeypatch)
+    both_steps(module, step, state, monkeypatch)
     assert compiled_steps.count == 1
     alive = weakref.ref(module)
     gc.disable()
