@@ -20,12 +20,12 @@ def rotate_exactly(x: torch.Tensor, phase: torch.Tensor, temperature: torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, x[..., 2 * half:].double()], -1)
 
 
-def make_rotary(num_query_heads=4, num_key_heads=2, head_dim=8, dtype=torch.float64,
+def make_rotary(num_query_heads=4, num_key_heads=2, head_dim=8, dtype=torch.float64, device="cpu",
                 **options) -> SelectiveRotaryEmbedding:
-    """A rotary module over ``HIDDEN`` inputs with random non-zero parameters, in ``dtype``."""
+    """A rotary module over ``HIDDEN`` inputs with random non-zero parameters, in ``dtype`` on ``device``."""
     config = SelectiveRopeGLAConfig(hidden_size=HIDDEN, num_heads=num_query_heads, num_kv_heads=num_key_heads,
                                     expand_k=num_query_heads * head_dim / HIDDEN, **options)
-    module = SelectiveRotaryEmbedding(config, num_query_heads, num_key_heads, head_dim).to(dtype)
+    module = SelectiveRotaryEmbedding(config, num_query_heads, num_key_heads, head_dim).to(device=device, dtype=dtype)
     with torch.no_grad():  # make every parameter matter (the default gate bias and phase bias are zero)
         for name, param in module.named_parameters():
             if name != "temperature":

@@ -11,13 +11,11 @@ import torch
 # Without a GPU, conftest.py has set TRITON_INTERPRET=1 (before triton was imported): the kernels run on CPU.
 pytest.importorskip("triton", reason="triton is not installed: the Triton rotary kernel cannot be tested")
 
-from rotary_reference import rotate_exactly  # noqa: E402
+from rotary_reference import HIDDEN, make_rotary, rotate_exactly  # noqa: E402
 
-from selective_rope import SelectiveRopeGLAConfig  # noqa: E402
 from selective_rope.kernels import rotary_triton  # noqa: E402
 from selective_rope.kernels.conv_torch import causal_conv1d  # noqa: E402
 from selective_rope.kernels.rotary_torch import selective_rotary  # noqa: E402
-from selective_rope.modeling.rotary import SelectiveRotaryEmbedding  # noqa: E402
 
 selective_rotary_triton = rotary_triton.selective_rotary_triton
 selective_rotary_decode_triton = rotary_triton.selective_rotary_decode_triton
@@ -392,7 +390,6 @@ def test_torch_compile_fullgraph():
 # --------------------------------------------------------------------------------------------------------------------
 # the rotary module: backend="triton" against backend="torch"
 # --------------------------------------------------------------------------------------------------------------------
-HIDDEN = 16
 MODULE_OPTIONS = [
     dict(),
     dict(phase_proj="full_rank", phase_gate_type="channel", phase_bias=True, phase_conv_activation="silu"),
@@ -404,17 +401,6 @@ MODULE_OPTIONS = [
          phase_gate_rank=3, phase_bias=True, phase_conv_activation="swish"),
 ]
 PACKED_OPTIONS = MODULE_OPTIONS[:3] + MODULE_OPTIONS[-1:]
-
-
-def make_rotary(num_query_heads=4, num_key_heads=2, head_dim=8, **options):
-    config = SelectiveRopeGLAConfig(hidden_size=HIDDEN, num_heads=num_query_heads, num_kv_heads=num_key_heads,
-                                    expand_k=num_query_heads * head_dim / HIDDEN, **options)
-    module = SelectiveRotaryEmbedding(config, num_query_heads, num_key_heads, head_dim).to(DEVICE)
-    with torch.no_grad():  # make every parameter matter (the default gate bias and phase bias are zero)
-        for name, param in module.named_parameters():
-            if name != "temperature":
-                param.add_(0.3 * torch.randn_like(param))
-    return module
 
 
 def run_module(module, backend, x, q, k, state=None, lengths=None, cu_seqlens=None):
@@ -437,7 +423,7 @@ def test_module_prefill_then_decode(options, monkeypatch):
     fused = rotary_triton.selective_rotary_decode_triton
     monkeypatch.setattr(rotary_triton, "selective_rotary_decode_triton",
                         lambda *a, **kw: decode_calls.append(1) or fused(*a, **kw))
-    module = make_rotary(**options)
+    module = make_rotary(dtype=torch.float32, device=DEVICE, **options)
     x = torch.randn(3, 6, HIDDEN)
     q, k = torch.randn(3, 6, 4, 8), torch.randn(3, 6, 2, 8)
     lengths = torch.tensor([6, 4, 0])
@@ -481,7 +467,7 @@ def test_module_packed_sequences_stay_packed(options, monkeypatch):
     prefill = rotary_triton.selective_rotary_triton
     monkeypatch.setattr(rotary_triton, "selective_rotary_triton",
                         lambda *a, **kw: packed_calls.append(kw.get("cu_seqlens") is not None) or prefill(*a, **kw))
-    module = make_rotary(**options)
+    module = make_rotary(dtype=torch.float32, device=DEVICE, **options)
     offsets = torch.tensor([0, 3, 3, 4, 9], dtype=torch.int32)  # an empty sequence, a one-token one
     x, q, k = torch.randn(1, 9, HIDDEN), torch.randn(1, 9, 4, 8), torch.randn(1, 9, 2, 8)
     params = [p for p in module.parameters() if p.requires_grad]
@@ -508,7 +494,7 @@ def test_module_packed_sequences_stay_packed(options, monkeypatch):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_phase_path_stays_float32_under_autocast(backend):
     """Under autocast (Trainer's bf16=True) the phase projections still run in float32: nothing changes."""
-    module = make_rotary(phase_gate_type="low_rank", phase_bias=True)
+    module = make_rotary(dtype=torch.float32, device=DEVICE, phase_gate_type="low_rank", phase_bias=True)
     x, q, k = torch.randn(2, 5, HIDDEN), torch.randn(2, 5, 4, 8), torch.randn(2, 5, 2, 8)
     expected = run_module(module, backend, x, q, k)
     with torch.autocast(device_type=DEVICE, dtype=torch.bfloat16):
@@ -521,7 +507,7 @@ def test_phase_path_stays_float32_under_autocast(backend):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_rotary_module_compiles_without_graph_break(backend):
     """Backend resolution and the custom ops trace under torch.compile(fullgraph=True)."""
-    module = make_rotary(phase_bias=True)
+    module = make_rotary(dtype=torch.float32, device=DEVICE, phase_bias=True)
     module.backend = backend
     x, q, k = torch.randn(2, 5, HIDDEN), torch.randn(2, 5, 4, 8), torch.randn(2, 5, 2, 8)
     expected = module(x, q, k)
