@@ -465,7 +465,7 @@ class SelectiveRotaryEmbedding(nn.Module):
     def _make_cpu_plan(self, sizes: tuple[int, int, int]) -> _CachedPlan:
         """The plan for this module as it is now, with what it was made from (``None`` inside if the C step does not
         know a phase module: exactly our classes, not subclasses or wrappers, which may compute something else)."""
-        modules, known = [], True  # the phase modules (not this one: its own hooks run whichever step serves)
+        modules, known, parameters = [], True, {}  # phase modules (not this one: its own hooks run whichever step does)
         if self.position_embedding == "selective_rope":
             proj, conv, gate = self.phase_proj, self.phase_conv, self.phase_gate_proj
             children = list(gate.children()) if type(gate) is nn.Sequential else []
@@ -474,34 +474,25 @@ class SelectiveRotaryEmbedding(nn.Module):
             known = (type(proj) in (PhaseProjection, DenseLowRankPhaseProjection)
                      and (conv is None or type(conv) in (PhaseConvolution, PhaseDifference))
                      and all(type(layer) is PhaseLinear for layer in gate_layers))
+            if known:  # DecodeStepPlan's keyword arguments
+                low_rank = proj.kind in ("low_rank", "dense_low_rank")
+                parameters["projection"] = ((proj.kind, proj.down, proj.up) if low_rank else
+                                            (proj.kind, proj.weight, proj.scale if proj.kind == "full_rank" else None))
+                if type(conv) is PhaseDifference:
+                    parameters["conv"] = ("difference", None, conv.activation)
+                elif conv is not None:
+                    parameters["conv"] = ("learned", conv.weight, conv.activation)
+                parameters["bias"] = self.phase_bias
+                parameters["gate"] = tuple((layer.weight, layer.bias) for layer in gate_layers)
         plan = None
         if known and cpu_step_available():
             hidden_size, num_query_heads, head_dim = sizes
             try:
                 plan = DecodeStepPlan(num_query_heads, self.num_key_heads, head_dim, hidden_size, self.temperature,
-                                      **self._cpu_step_parameters())
+                                      **parameters)
             except ValueError:  # e.g. one module cast to another dtype: the torch step handles any mix
                 plan = None
         return _CachedPlan(plan, self, modules, sizes)
-
-    def _cpu_step_parameters(self) -> dict:
-        """``DecodeStepPlan``'s keyword arguments from the phase modules (nothing for RoPE)."""
-        if self.position_embedding == "rope":
-            return {}
-        proj, conv, gate = self.phase_proj, self.phase_conv, self.phase_gate_proj
-        if proj.kind in ("low_rank", "dense_low_rank"):
-            projection = (proj.kind, proj.down, proj.up)
-        else:
-            projection = (proj.kind, proj.weight, proj.scale if proj.kind == "full_rank" else None)
-        if conv is None:
-            conv_spec = None
-        elif isinstance(conv, PhaseDifference):
-            conv_spec = ("difference", None, conv.activation)
-        else:
-            conv_spec = ("learned", conv.weight, conv.activation)
-        layers = [] if gate is None else [gate] if isinstance(gate, PhaseLinear) else list(gate)
-        return dict(projection=projection, conv=conv_spec, bias=self.phase_bias,
-                    gate=tuple((layer.weight, layer.bias) for layer in layers))
 
     def _decode_step_torch(self, x, q, k, state, lengths):
         """One token per row (decoding) on the torch path, Selective RoPE or RoPE: what ``phase_increment`` followed
