@@ -322,25 +322,28 @@ def build(directory: Path, compiler: list[str] | str) -> Path:
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
-    # Fresh names for this build, in the cache directory itself so that the final rename is atomic. Only these two
-    # files are ever removed, and only by the process that created them.
-    fd, partial = tempfile.mkstemp(prefix=f".{target.stem}.", suffix=".so", dir=directory)
-    os.close(fd)
-    source = Path(partial).with_suffix(".c")
+    # Fresh names for this build (mkstemp creates each file, so it is ours), in the cache directory itself so that the
+    # final rename is atomic. Only these two files are ever removed, by the process that created them, and the library
+    # only while it still has its temporary name.
+    fd, source = tempfile.mkstemp(prefix=f".{target.stem}.", suffix=".c", dir=directory)
+    partial, published = None, False
     try:
-        with open(source, "x") as file:  # "x": never write over a file this build did not create
+        with os.fdopen(fd, "w") as file:
             file.write(C_SOURCE)
-        result = subprocess.run([*command, *_FLAGS, "-o", partial, str(source), "-lm"], capture_output=True,
-                                text=True, timeout=300)
+        fd, partial = tempfile.mkstemp(prefix=f".{target.stem}.", suffix=".so", dir=directory)
+        os.close(fd)
+        result = subprocess.run([*command, *_FLAGS, "-o", partial, source, "-lm"], capture_output=True, text=True,
+                                timeout=300)
         if result.returncode != 0:
             raise RuntimeError(f"{shlex.join(command)} failed with exit code {result.returncode}: "
                                f"{result.stderr.strip()[-2000:]}")
         os.chmod(partial, 0o755)  # mkstemp made it 0600; a cache shared by several users must be readable
         os.replace(partial, target)
+        published = True
     finally:
-        Path(partial).unlink(missing_ok=True)
-        if source.exists():
-            source.unlink()
+        if partial is not None and not published:  # (a failing compiler may have removed it already)
+            Path(partial).unlink(missing_ok=True)
+        Path(source).unlink(missing_ok=True)
     return target
 
 
