@@ -1,30 +1,38 @@
-"""Selective RoPE's single-token decoding step as one small C function, for the CPU.
+"""Selective RoPE's rotary module for inference on the CPU (prefills and decoding steps) as one C function.
 
 Why C. A decoding step of Selective RoPE is ~60 PyTorch ops per layer and token on vectors of a few dozen numbers
 (normalise, two projections, convolution, bias, gate, angles, cos/sin, rotation), and RoPE's ~30. Each op costs its
 dispatch, not its arithmetic, and inside a model every layer streams its weights through the caches between two such
 steps, which makes each dispatch several times slower than in a loop (docs/cpu_performance.md). Measured on the
 issue-21 benchmark model (one thread, 256 cached tokens), these ops made Selective RoPE FoX decode at 1.39× Llama's
-time per token and the plain RoPE port at 1.13×; with the rotation removed, 1.05× and 0.99×. Fewer PyTorch ops,
-NumPy and ``torch.compile`` (a 26 s compile per shape) did not close that gap; one compiled call does.
+time per token and the plain RoPE port at 1.13×; with the rotation removed, 1.05× and 0.99×. A prefill of thousands
+of tokens is the other way round: ~15 float64 passes over ``(T, Hk, R)`` tensors and float64 ``bmm`` with small inner
+sizes (43–54 ms per layer at 8k tokens, GLA benchmark shape, one thread); one pass over the tokens, eight at a time
+in vector registers, takes ~14 ms. Fewer PyTorch ops, NumPy and ``torch.compile`` (a 26 s compile per shape) did not
+close these gaps.
 
 How. The C source below (``C_SOURCE``, a string so that it travels with a saved model's remote code, which carries
 only ``.py`` files) is compiled on first use by the system's C compiler (``$CC``, else ``cc``, ``gcc`` or
-``clang``; 0.2–0.4 s, once) into a shared library cached under ``$SELECTIVE_ROPE_CACHE`` (default
-``~/.cache/selective_rope``), named by a hash of the source and the compiler, and called through ``ctypes``. No
-compiler, a failed build or an unwritable cache leave the PyTorch step in charge, with one warning
-(``SELECTIVE_ROPE_CPU_KERNEL=0`` turns the kernel off without one). It serves the ``"auto"`` backend (the default);
-``backend="torch"`` asked for by name stays pure PyTorch, the reference. Writing the cache never touches a file it did
-not create: the library is built under a fresh temporary name and renamed into place (atomic; two processes
-building at once each rename a complete file).
+``clang``; ~0.5–1 s, once) into a shared library cached under ``$SELECTIVE_ROPE_CACHE`` (default
+``~/.cache/selective_rope``), named by a hash of the source and the compiler, and called through ``ctypes``. On
+x86-64 with glibc the hot functions are built for AVX-512, AVX2 and the baseline, chosen when the library loads. No
+compiler, a failed build or an unwritable cache leave the PyTorch path in charge, with one warning
+(``SELECTIVE_ROPE_CPU_KERNEL=0`` turns the kernel off without one). It serves the ``"auto"`` backend (the default)
+without autograd (``torch.no_grad``, ``torch.inference_mode``: generation, evaluation); training and
+``backend="torch"`` asked for by name run PyTorch, the reference. Writing the cache never touches a file it did not
+create: the library is built under a fresh temporary name and renamed into place (atomic; two processes building at
+once each rename a complete file).
 
-Math: exactly ``SelectiveRotaryEmbedding``'s single-token torch step (``modeling/rotary.py``), in the same
-precisions: the phase path in float64 from the parameters' values, the increment rounded once to float32, the phase
-summed in float64, each angle reduced modulo 2π in float64 (in turns, as ``rotary_torch.rotary_angles``), cos/sin
-and the rotation in float32 (compiled with ``-ffp-contract=off``: no fused multiply-adds, so the rotation rounds as
-PyTorch's does). q, k and the mixer input may be float32, float64 or bfloat16, the parameters float32 or float64.
-Float64 sums run in a different order than PyTorch's (``bmm``, ``norm``), so results agree to rounding, which the
-float32 increment absorbs almost always (tests: ``tests/kernels/test_rotary_cpu.py``).
+Math: exactly ``SelectiveRotaryEmbedding``'s (``modeling/rotary.py``), in the same precisions: the phase path in
+float64 from the parameters' values, the increment rounded once to float32, the phase summed in float64, each angle
+reduced modulo 2π in float64 (in turns, as ``rotary_torch.rotary_angles``), cos/sin and the rotation in float32
+(compiled with ``-ffp-contract=off``: no fused multiply-adds, so the rotation rounds as PyTorch's does). q, k and
+the mixer input may be float32, float64 or bfloat16, the parameters float32 or float64. Float64 sums run in another
+order than PyTorch's (``bmm``, ``norm``, ``cumsum``) and cos/sin are our own polynomials (the C library's would not
+vectorise), so results agree with the torch path to rounding (float32 q and k to ~1e-6; tests:
+``tests/kernels/test_rotary_cpu.py``). Among themselves the compiled calls agree exactly: a prefill is the decoding
+step's code run over the tokens in order, so a sequence split into any pieces, down to one token per call, gives
+bit-identical q, k and state.
 """
 
 from __future__ import annotations
@@ -61,6 +69,22 @@ enum { F32 = 0, F64 = 1, BF16 = 2 };
 enum { PROJ_ONE = 0, PROJ_LOW_RANK = 1, PROJ_FULL_RANK = 2, PROJ_SCALAR = 3, PROJ_DENSE_LOW_RANK = 4 };
 enum { CONV_NONE = 0, CONV_LEARNED = 1, CONV_DIFFERENCE = 2 };
 
+/* Tokens computed together (one row's consecutive tokens): one vector of float64 per value. */
+#define LANES 8
+typedef double lanes_t __attribute__((vector_size(LANES * sizeof(double))));
+typedef uint64_t bits_t __attribute__((vector_size(LANES * sizeof(uint64_t))));
+typedef float floats_t __attribute__((vector_size(LANES * sizeof(float))));
+
+/* The hot loops are compiled for AVX-512, AVX2 and the baseline, picked at load time by the CPU (x86-64 with glibc;
+   elsewhere the baseline only). Every version computes the same numbers: vector lanes round as scalars do, and
+   -ffp-contract=off rules out fused multiply-adds. */
+#if defined(__x86_64__) && defined(__GLIBC__) && \
+    ((defined(__clang__) && __clang_major__ >= 14) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 8))
+#define HOT __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define HOT
+#endif
+
 static const double TWO_PI = 6.283185307179586;
 
 static inline double load(const void *p, int dtype, int64_t i) {
@@ -82,195 +106,360 @@ static inline void store(void *p, int dtype, int64_t i, float v) {
     ((uint16_t *)p)[i] = (uint16_t)(bits >> 16);
 }
 
-/* sum_i w[i] * x[i] in float64 over weights of dtype wd, in four running sums: one sum would wait on each addition's
-   latency (4 cycles), and the order of a float64 sum is not PyTorch's anyway (its bmm blocks its own way). */
-static double dot(const void *w, int wd, const double *x, int64_t n) {
-    double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
-    int64_t i = 0;
-    if (wd == F32) {
-        const float *v = w;
-        for (; i + 4 <= n; i += 4) {
-            s0 += v[i] * x[i]; s1 += v[i + 1] * x[i + 1]; s2 += v[i + 2] * x[i + 2]; s3 += v[i + 3] * x[i + 3];
-        }
-    } else {
-        const double *v = w;
-        for (; i + 4 <= n; i += 4) {
-            s0 += v[i] * x[i]; s1 += v[i + 1] * x[i + 1]; s2 += v[i + 2] * x[i + 2]; s3 += v[i + 3] * x[i + 3];
-        }
-    }
-    for (; i < n; i++) s0 += load(w, wd, i) * x[i];
-    return (s0 + s1) + (s2 + s3);
-}
-
-/* y[o] = w[o] . x (+ b[o]) for the rows of w (out, in) starting at element `offset`. */
-static void matvec(const void *w, int wd, int64_t offset, const double *x, int64_t in, int64_t out,
-                   const void *b, double *y) {
-    const size_t element = wd == F32 ? sizeof(float) : sizeof(double);
-    for (int64_t o = 0; o < out; o++) {
-        const double acc = dot((const char *)w + (size_t)(offset + o * in) * element, wd, x, in);
-        y[o] = b ? acc + load(b, wd, o) : acc;
-    }
-}
-
 static inline double sigmoid(double z) { return 1.0 / (1.0 + exp(-z)); }
 static inline double silu(double z) { return z / (1.0 + exp(-z)); }
 
-/* P(u) for one row: c (Hk*R) from the normalised input u (Hk*Dc); scratch holds max(rank, 1) doubles. */
-static void project(int kind, const void *pa, const void *pb, int wd, int64_t rank, int64_t hk, int64_t dc,
-                    int64_t r, const double *u, double *scratch, double *c) {
-    if (kind == PROJ_LOW_RANK) {  /* per head: up_h (R, rank) @ down_h (rank, Dc) @ u_h */
-        for (int64_t h = 0; h < hk; h++) {
-            matvec(pa, wd, h * rank * dc, u + h * dc, dc, rank, NULL, scratch);
-            matvec(pb, wd, h * r * rank, scratch, rank, r, NULL, c + h * r);
+/* y[o] = w[o] . x (+ b[o]) for every lane: x (in, LANES), y (out, LANES), the rows of w (out, in) from element
+   `offset`. Each lane's sum runs over the inputs in order, so a token gets the same numbers whichever tokens share
+   its call (a decoding step and a prefill agree exactly). */
+HOT static void matvec(const void *w, int wd, int64_t offset, const lanes_t *x, int64_t in, int64_t out,
+                       const void *b, lanes_t *y) {
+    enum { ROWS = 8 };  /* rows at a time: each input vector is loaded once for ROWS independent sums */
+    int64_t o = 0;
+    for (; o + ROWS <= out; o += ROWS) {
+        lanes_t sum[ROWS] = {{0}};
+        if (wd == F32) {
+            const float *rows = (const float *)w + offset + o * in;
+            for (int64_t j = 0; j < in; j++)
+                for (int q = 0; q < ROWS; q++) sum[q] += (double)rows[q * in + j] * x[j];
+        } else {
+            const double *rows = (const double *)w + offset + o * in;
+            for (int64_t j = 0; j < in; j++)
+                for (int q = 0; q < ROWS; q++) sum[q] += rows[q * in + j] * x[j];
         }
-    } else if (kind == PROJ_DENSE_LOW_RANK) {  /* up (Hk*R, rank) @ down (rank, Hk*Dc) @ u */
-        matvec(pa, wd, 0, u, hk * dc, rank, NULL, scratch);
-        matvec(pb, wd, 0, scratch, rank, hk * r, NULL, c);
-    } else if (kind == PROJ_FULL_RANK) {  /* per head and frequency: scale * (w / max(|w|, 1e-12)) . u_h */
-        for (int64_t h = 0; h < hk; h++) {
-            for (int64_t i = 0; i < r; i++) {
-                const int64_t row = (h * r + i) * dc;
-                double norm = 0.0, dot = 0.0;
-                for (int64_t j = 0; j < dc; j++) {
-                    const double w = load(pa, wd, row + j);
-                    norm += w * w;
-                    dot += w * u[h * dc + j];
-                }
-                norm = sqrt(norm);
-                c[h * r + i] = load(pb, wd, h * r + i) * dot / (norm > 1e-12 ? norm : 1e-12);
-            }
-        }
-    } else if (kind == PROJ_SCALAR) {  /* one value per head, shared by every frequency */
-        for (int64_t h = 0; h < hk; h++) {
-            matvec(pa, wd, h * dc, u + h * dc, dc, 1, NULL, scratch);
-            for (int64_t i = 0; i < r; i++) c[h * r + i] = scratch[0];
-        }
+        for (int q = 0; q < ROWS; q++) y[o + q] = b ? sum[q] + load(b, wd, o + q) : sum[q];
+    }
+    for (; o < out; o++) {
+        lanes_t s = {0};
+        for (int64_t j = 0; j < in; j++) s += load(w, wd, offset + o * in + j) * x[j];
+        if (b) s += load(b, wd, o);
+        y[o] = s;
     }
 }
 
-/* What a layer's step reads that does not change between steps: sizes, options and the parameters (the Python
-   wrapper's DecodeStepPlan fills it once; field order and types must match its _Parameters). */
+/* sin and cos of float32 angles (|angle| <= 2π), in float64 and rounded to float32 (within rounding of the exact
+   values; the C library's sinf/cosf would not vectorise). x = n π/2 + r with |r| <= π/4, polynomials of fdlibm's
+   __kernel_sin/__kernel_cos on r, and the quadrant n mod 4 swaps and negates them. */
+__attribute__((always_inline)) static inline void sincos_lanes(const float *angle, float *sin_out,
+                                                             float *cos_out) {
+    const double ROUNDER = 6755399441055744.0;  /* 1.5 * 2^52: adding it rounds to an integer, kept in the low bits */
+    floats_t angles;
+    memcpy(&angles, angle, sizeof angles);
+    const lanes_t x = __builtin_convertvector(angles, lanes_t);
+    const lanes_t shifted = x * 0.63661977236758134308 + ROUNDER;
+    const lanes_t n = shifted - ROUNDER;
+    const bits_t quadrant = (bits_t)shifted;  /* n mod 4 in the low two bits (two's complement) */
+    const lanes_t r = (x - n * 1.57079632679489655800) - n * 6.12323399573676603587e-17;
+    const lanes_t z = r * r;
+    const lanes_t s = r + r * z * (-1.66666666666666324348e-01 + z * (8.33333333332248946124e-03 + z *
+                      (-1.98412698298579493134e-04 + z * (2.75573137070700676789e-06 + z *
+                      (-2.50507602534068634195e-08 + z * 1.58969099521155010221e-10)))));
+    const lanes_t c = 1.0 - 0.5 * z + z * z * (4.16666666666666019037e-02 + z * (-1.38888888888741095749e-03 + z *
+                      (2.48015872894767294178e-05 + z * (-2.75573143513906633035e-07 + z *
+                      (2.08757232129817482790e-09 + z * -1.13596475577881948265e-11)))));
+    const bits_t odd = (bits_t){0} - (quadrant & 1);  /* all ones where n is odd: sin and cos swap */
+    const bits_t sin_bits = (((bits_t)s & ~odd) | ((bits_t)c & odd)) ^ ((quadrant & 2) << 62);
+    const bits_t cos_bits = (((bits_t)c & ~odd) | ((bits_t)s & odd)) ^ (((quadrant + 1) & 2) << 62);
+    const floats_t sin_floats = __builtin_convertvector((lanes_t)sin_bits, floats_t);
+    const floats_t cos_floats = __builtin_convertvector((lanes_t)cos_bits, floats_t);
+    memcpy(sin_out, &sin_floats, sizeof sin_floats);
+    memcpy(cos_out, &cos_floats, sizeof cos_floats);
+}
+
+/* What a layer's call reads that does not change between calls: sizes, options and the parameters (the Python
+   wrapper's RotaryPlan fills it once; field order and types must match its _Parameters). */
 typedef struct {
     int64_t num_query_heads, num_key_heads, head_dim, rotary_pairs, chunk_dim;
     int64_t param_dtype, projection, proj_rank, convolution, conv_size, conv_silu, gate_layers, gate_rank, gate_width;
     const void *temperature, *proj_a, *proj_b, *conv_taps, *bias, *gate_w1, *gate_b1, *gate_w2, *gate_b2;
-} StepParameters;
+} Parameters;
 
-int selective_rope_decode_step(
-    const StepParameters *p, int64_t batch, const void *x, int64_t x_dtype, int64_t x_stride,
-    const void *q, const void *k, int64_t qk_dtype, int64_t q_stride_b, int64_t q_stride_h, int64_t k_stride_b,
-    int64_t k_stride_h, void *q_out, void *k_out, const double *phase, int64_t phase_stride_b,
-    int64_t phase_stride_h, int64_t phase_stride_r, double *new_phase, const double *conv_state,
-    double *new_conv_state, const uint8_t *valid) {
-    const int64_t num_query_heads = p->num_query_heads, num_key_heads = p->num_key_heads, head_dim = p->head_dim;
-    const int64_t rotary_pairs = p->rotary_pairs, chunk_dim = p->chunk_dim, proj_rank = p->proj_rank;
-    const int64_t projection = p->projection, convolution = p->convolution, conv_size = p->conv_size;
-    const int64_t gate_rank = p->gate_rank, gate_width = p->gate_width;
-    const int param_dtype = (int)p->param_dtype, conv_silu = (int)p->conv_silu, gate_layers = (int)p->gate_layers;
-    const void *temperature = p->temperature, *conv_taps = p->conv_taps, *bias = p->bias;
-    const int64_t hk = num_key_heads, r = rotary_pairs, dc = chunk_dim, hidden = hk * dc, channels = hk * r;
-    const int64_t groups = num_query_heads / num_key_heads, history = conv_size - 1;
-    int64_t scratch_len = proj_rank > 1 ? proj_rank : 1;
-    if (gate_rank > scratch_len) scratch_len = gate_rank;
-    double *work = malloc(sizeof(double) * (size_t)(hidden + channels + gate_width + scratch_len));
-    if (!work) return 1;
-    double *u = work, *c = u + hidden, *gate = c + channels, *scratch = gate + gate_width;
-    float *cos_sin = malloc(sizeof(float) * 2 * (size_t)channels);
-    if (!cos_sin) { free(work); return 1; }
+/* A call's tensors: x (B, T, hidden), q (B, T, Hq, D), k (B, T, Hk, D) by strides, the outputs contiguous. */
+typedef struct {
+    const void *x, *q, *k;
+    int64_t x_dtype, qk_dtype, x_stride_b, x_stride_t, q_stride_b, q_stride_t, q_stride_h, k_stride_b, k_stride_t,
+        k_stride_h;
+    void *q_out, *k_out;
+    const double *phase;  /* (B, Hk, R) by strides, or NULL (zeros) */
+    int64_t phase_stride_b, phase_stride_h, phase_stride_r;
+    double *new_phase;  /* (B, Hk, R) */
+    const double *conv_state;  /* (B, K-1, Hk*R), or NULL (zeros) */
+    double *new_conv_state;  /* (B, K-1, Hk*R), or NULL without convolution */
+    const int64_t *lengths;  /* (B,): tokens t >= lengths[b] are pads; NULL: none */
+} Tensors;
 
-    for (int64_t b = 0; b < batch; b++) {
-        const double keep = (valid && !valid[b]) ? 0.0 : 1.0;  /* 0 for a pad token */
-        if (projection == PROJ_ONE) {  /* RoPE: c = 1 for a real token */
-            for (int64_t i = 0; i < channels; i++) c[i] = keep;
+/* Scratch memory of one call, in lanes (float64 vectors) and floats. */
+typedef struct {
+    lanes_t *u, *c, *low, *gate;  /* (Hk*Dc), (Hk*R), (max(rank, gate rank)), (gate width) lanes */
+    double *conv_windows;  /* (Hk*R, K-1+LANES) */
+    double *turns, *exp_bias, *conv_taps;  /* τ_i / 2π (R); exp(b) (Hk*R); the taps (Hk*R, K), float64 */
+    float *angle, *cos, *sin;  /* (LANES, Hk*R) */
+} Scratch;
+
+/* c_t for up to LANES consecutive tokens of one row (rounded to float32, 0 for pads), from x; advances the
+   convolution history `window` ((K-1) values per channel, oldest first, in place). */
+HOT static void increments(const Parameters *p, const Tensors *a, const Scratch *s, int64_t b, int64_t t0, int64_t n,
+                       int64_t valid, double *history) {
+    const int64_t hk = p->num_key_heads, r = p->rotary_pairs, dc = p->chunk_dim, channels = hk * r;
+    const int wd = (int)p->param_dtype;
+    lanes_t *u = s->u, *c = s->c, *low = s->low, *gate = s->gate;
+    lanes_t keep = {0};
+    for (int64_t l = 0; l < valid; l++) keep[l] = 1.0;
+    if (p->projection == PROJ_ONE) {  /* RoPE: c = 1 for a real token */
+        for (int64_t i = 0; i < channels; i++) c[i] = keep;
+        return;
+    }
+    for (int64_t l = 0; l < LANES; l++) {  /* x, one lane per token (unused lanes 0) */
+        const int64_t row = b * a->x_stride_b + (t0 + l) * a->x_stride_t;
+        if (l >= n) {
+            for (int64_t j = 0; j < hk * dc; j++) u[j][l] = 0.0;
+        } else if (a->x_dtype == F32) {
+            for (int64_t j = 0; j < hk * dc; j++) u[j][l] = ((const float *)a->x)[row + j];
         } else {
-            for (int64_t h = 0; h < hk; h++) {  /* u_h = x_h / max(|x_h|, 1e-12) (F.normalize) */
-                double norm = 0.0;
-                for (int64_t j = 0; j < dc; j++) {
-                    const double v = load(x, (int)x_dtype, b * x_stride + h * dc + j);
-                    u[h * dc + j] = v;
-                    norm += v * v;
-                }
-                norm = sqrt(norm);
-                const double denominator = norm > 1e-12 ? norm : 1e-12;
-                for (int64_t j = 0; j < dc; j++) u[h * dc + j] /= denominator;
-            }
-            project((int)projection, p->proj_a, p->proj_b, param_dtype, proj_rank, hk, dc, r, u, scratch, c);
-            for (int64_t i = 0; i < channels; i++) c[i] *= keep;  /* pads never enter the history */
-            if (convolution != CONV_NONE) {
-                const double *old = conv_state ? conv_state + b * history * channels : NULL;
-                double *out = new_conv_state + b * history * channels;
-                for (int64_t i = 0; i < channels; i++) {
-                    double y = 0.0;  /* the window oldest first, as causal_conv1d sums it */
-                    for (int64_t j = 0; j < history; j++) {
-                        const double tap = convolution == CONV_DIFFERENCE ? -1.0 : load(conv_taps, param_dtype,
-                                                                                       i * conv_size + j);
-                        y += (old ? old[j * channels + i] : 0.0) * tap;
-                    }
-                    const double last = convolution == CONV_DIFFERENCE ? 1.0 : load(conv_taps, param_dtype,
-                                                                                   i * conv_size + history);
-                    y += c[i] * last;
-                    for (int64_t j = 0; j < history; j++) {  /* a pad keeps the history it had */
-                        const double previous = old ? old[j * channels + i] : 0.0;
-                        const double shifted = j + 1 < history ? (old ? old[(j + 1) * channels + i] : 0.0) : c[i];
-                        out[j * channels + i] = keep != 0.0 ? shifted : previous;
-                    }
-                    c[i] = conv_silu ? silu(y) : y;
-                }
-            }
-            if (bias)
-                for (int64_t i = 0; i < channels; i++) c[i] += exp(load(bias, param_dtype, i));
-            if (gate_layers > 0) {
-                if (gate_layers == 1) {
-                    matvec(p->gate_w1, param_dtype, 0, u, hidden, gate_width, p->gate_b1, gate);
-                } else {
-                    matvec(p->gate_w1, param_dtype, 0, u, hidden, gate_rank, p->gate_b1, scratch);
-                    matvec(p->gate_w2, param_dtype, 0, scratch, gate_rank, gate_width, p->gate_b2, gate);
-                }
-                const int64_t per_head = gate_width == hk ? r : 1;  /* one gate per head, or per channel */
-                for (int64_t i = 0; i < channels; i++) c[i] *= sigmoid(gate[i / per_head]);
-            }
-            for (int64_t i = 0; i < channels; i++) c[i] = (double)(float)(c[i] * keep);  /* rounded once */
-        }
-        for (int64_t h = 0; h < hk; h++) {
-            for (int64_t i = 0; i < r; i++) {
-                const int64_t at = b * channels + h * r + i;
-                const int64_t cached = b * phase_stride_b + h * phase_stride_h + i * phase_stride_r;
-                const double previous = phase ? phase[cached] : 0.0;
-                const double theta = c[h * r + i] + previous;
-                new_phase[at] = theta;
-                const double t = theta * (load(temperature, param_dtype, i) / TWO_PI);
-                const float angle = (float)(t - trunc(t)) * (float)TWO_PI;
-                cos_sin[2 * (h * r + i)] = cosf(angle);
-                cos_sin[2 * (h * r + i) + 1] = sinf(angle);
-            }
-        }
-        for (int64_t head = 0; head < num_query_heads + hk; head++) {  /* query heads, then key heads */
-            const int is_query = head < num_query_heads;
-            const int64_t key_head = is_query ? head / groups : head - num_query_heads;
-            const void *src = is_query ? q : k;
-            void *dst = is_query ? q_out : k_out;
-            const int64_t in = is_query ? b * q_stride_b + head * q_stride_h : b * k_stride_b + key_head * k_stride_h;
-            const int64_t out = (is_query ? b * num_query_heads + head : b * hk + key_head) * head_dim;
-            for (int64_t i = 0; i < r; i++) {
-                const float x1 = (float)load(src, (int)qk_dtype, in + i);
-                const float x2 = (float)load(src, (int)qk_dtype, in + r + i);
-                const float cs = cos_sin[2 * (key_head * r + i)], sn = cos_sin[2 * (key_head * r + i) + 1];
-                store(dst, (int)qk_dtype, out + i, x1 * cs - x2 * sn);
-                store(dst, (int)qk_dtype, out + r + i, x1 * sn + x2 * cs);
-            }
-            for (int64_t i = 2 * r; i < head_dim; i++)  /* the rest passes through (in float32, as the torch step) */
-                store(dst, (int)qk_dtype, out + i, (float)load(src, (int)qk_dtype, in + i));
+            for (int64_t j = 0; j < hk * dc; j++) u[j][l] = load(a->x, (int)a->x_dtype, row + j);
         }
     }
-    free(cos_sin);
-    free(work);
+    for (int64_t h = 0; h < hk; h++) {  /* u_h = x_h / max(|x_h|, 1e-12) (F.normalize) */
+        lanes_t norm = {0}, denominator;
+        for (int64_t j = h * dc; j < (h + 1) * dc; j++) norm += u[j] * u[j];
+        for (int64_t l = 0; l < LANES; l++) denominator[l] = sqrt(norm[l]) > 1e-12 ? sqrt(norm[l]) : 1e-12;
+        for (int64_t j = h * dc; j < (h + 1) * dc; j++) u[j] /= denominator;
+    }
+    if (p->projection == PROJ_LOW_RANK) {  /* per head: up_h (R, rank) @ down_h (rank, Dc) @ u_h */
+        for (int64_t h = 0; h < hk; h++) {
+            matvec(p->proj_a, wd, h * p->proj_rank * dc, u + h * dc, dc, p->proj_rank, NULL, low);
+            matvec(p->proj_b, wd, h * r * p->proj_rank, low, p->proj_rank, r, NULL, c + h * r);
+        }
+    } else if (p->projection == PROJ_DENSE_LOW_RANK) {  /* up (Hk*R, rank) @ down (rank, Hk*Dc) @ u */
+        matvec(p->proj_a, wd, 0, u, hk * dc, p->proj_rank, NULL, low);
+        matvec(p->proj_b, wd, 0, low, p->proj_rank, channels, NULL, c);
+    } else if (p->projection == PROJ_FULL_RANK) {  /* per row: scale * (w . u_h) / max(|w|, 1e-12) */
+        for (int64_t h = 0; h < hk; h++) {
+            matvec(p->proj_a, wd, h * r * dc, u + h * dc, dc, r, NULL, c + h * r);
+            for (int64_t i = 0; i < r; i++) {
+                double norm = 0.0;
+                for (int64_t j = 0; j < dc; j++) {
+                    const double w = load(p->proj_a, wd, (h * r + i) * dc + j);
+                    norm += w * w;
+                }
+                norm = sqrt(norm);
+                c[h * r + i] = load(p->proj_b, wd, h * r + i) * c[h * r + i] / (norm > 1e-12 ? norm : 1e-12);
+            }
+        }
+    } else {  /* scalar: one value per head, shared by every frequency */
+        for (int64_t h = 0; h < hk; h++) {
+            matvec(p->proj_a, wd, h * dc, u + h * dc, dc, 1, NULL, low);
+            for (int64_t i = 0; i < r; i++) c[h * r + i] = low[0];
+        }
+    }
+    for (int64_t i = 0; i < channels; i++) c[i] *= keep;  /* pads never enter the history */
+    if (p->convolution != CONV_NONE) {  /* causal, over the history then these tokens, oldest first */
+        const int64_t size = p->conv_size, past = size - 1;
+        const int64_t span = past + LANES;
+        /* Each channel's window (the history, then these tokens), all written before any is read: a vector load
+           from an offset into a vector just stored would wait for the store to reach the cache. */
+        for (int64_t i = 0; i < channels; i++) {
+            for (int64_t j = 0; j < past; j++) s->conv_windows[i * span + j] = history[j * channels + i];
+            memcpy(s->conv_windows + i * span + past, &c[i], sizeof c[i]);
+        }
+        for (int64_t i = 0; i < channels; i++) {
+            const double *window = s->conv_windows + i * span;
+            lanes_t y = {0};
+            for (int64_t j = 0; j < size; j++) {  /* lane l reads window[l + j] */
+                lanes_t shifted;
+                memcpy(&shifted, window + j, sizeof shifted);
+                y += shifted * s->conv_taps[i * size + j];
+            }
+            if (p->conv_silu)
+                for (int64_t l = 0; l < n; l++) y[l] = silu(y[l]);
+            c[i] = y;
+            for (int64_t j = 0; j < past; j++) history[j * channels + i] = window[valid + j];  /* pads keep it */
+        }
+    }
+    if (p->bias)
+        for (int64_t i = 0; i < channels; i++) c[i] += s->exp_bias[i];
+    if (p->gate_layers > 0) {
+        if (p->gate_layers == 1) {
+            matvec(p->gate_w1, wd, 0, u, hk * dc, p->gate_width, p->gate_b1, gate);
+        } else {
+            matvec(p->gate_w1, wd, 0, u, hk * dc, p->gate_rank, NULL, low);
+            matvec(p->gate_w2, wd, 0, low, p->gate_rank, p->gate_width, p->gate_b2, gate);
+        }
+        const int64_t per_gate = p->gate_width == hk ? r : 1;  /* one gate per head, or per channel */
+        for (int64_t g = 0; g < p->gate_width; g++)
+            for (int64_t l = 0; l < n; l++) gate[g][l] = sigmoid(gate[g][l]);
+        for (int64_t i = 0; i < channels; i++) c[i] *= gate[i / per_gate];
+    }
+    for (int64_t i = 0; i < channels; i++)  /* rounded once */
+        for (int64_t l = 0; l < LANES; l++) c[i][l] = (double)(float)(c[i][l] * keep[l]);
+}
+
+/* The angles τ_i θ_t (reduced mod 2π in float64, in turns, as rotary_torch.rotary_angles), their cos and sin, for
+   the phases of n tokens (theta: (n, Hk*R)). */
+HOT static void cos_sin(const double *theta, const double *turns, int64_t n, int64_t r, int64_t channels,
+                        float *angle, float *cos_out, float *sin_out) {
+    for (int64_t row = 0; row < n * channels; row += r)  /* each token's heads */
+        for (int64_t i = 0; i < r; i++) {
+            const double t = theta[row + i] * turns[i];
+            angle[row + i] = (float)(t - trunc(t)) * (float)TWO_PI;
+        }
+    for (int64_t i = 0; i < n * channels; i += LANES)  /* the arrays hold LANES * channels floats */
+        sincos_lanes(angle + i, sin_out + i, cos_out + i);
+}
+
+/* One head of one token: the GPT-NeoX halves of the first 2R dims rotated in float32, the rest passed through. */
+HOT static void rotate_head(const void *src, void *dst, int dtype, int64_t r, int64_t head_dim, const float *cos,
+                            const float *sin) {
+    if (dtype == F32) {
+        const float *x = src;
+        float *y = dst;
+        for (int64_t i = 0; i < r; i++) {
+            y[i] = x[i] * cos[i] - x[r + i] * sin[i];
+            y[r + i] = x[i] * sin[i] + x[r + i] * cos[i];
+        }
+        for (int64_t i = 2 * r; i < head_dim; i++) y[i] = x[i];
+        return;
+    }
+    for (int64_t i = 0; i < r; i++) {
+        const float x1 = (float)load(src, dtype, i), x2 = (float)load(src, dtype, r + i);
+        store(dst, dtype, i, x1 * cos[i] - x2 * sin[i]);
+        store(dst, dtype, r + i, x1 * sin[i] + x2 * cos[i]);
+    }
+    for (int64_t i = 2 * r; i < head_dim; i++) store(dst, dtype, i, (float)load(src, dtype, i));
+}
+
+/* float64 copies of float32 parameters, in one block returned for the caller to free (NULL if there is no memory),
+   and `wide` pointing at them. In a long call the products then read every weight as a float64 operand, where they
+   would otherwise widen each weight again for every 8 tokens (the numbers are the same: a float32 widens exactly). */
+static double *widen_parameters(const Parameters *p, Parameters *wide) {
+    const int64_t hk = p->num_key_heads, r = p->rotary_pairs, dc = p->chunk_dim, channels = hk * r;
+    const int64_t rank = p->proj_rank, hidden = hk * dc, width = p->gate_width, kind = p->projection;
+    const int two_layers = p->gate_layers == 2;
+    struct { const void **field; int64_t count; } parts[] = {
+        {&wide->temperature, r},
+        {&wide->proj_a, kind == PROJ_LOW_RANK ? hk * rank * dc : kind == PROJ_DENSE_LOW_RANK ? rank * hidden
+                        : kind == PROJ_FULL_RANK ? channels * dc : kind == PROJ_SCALAR ? hk * dc : 0},
+        {&wide->proj_b, kind == PROJ_LOW_RANK || kind == PROJ_DENSE_LOW_RANK ? channels * rank
+                        : kind == PROJ_FULL_RANK ? channels : 0},
+        {&wide->conv_taps, p->convolution == CONV_LEARNED ? channels * p->conv_size : 0},
+        {&wide->bias, channels},
+        {&wide->gate_w1, (two_layers ? p->gate_rank : width) * hidden},
+        {&wide->gate_b1, two_layers ? 0 : width},
+        {&wide->gate_w2, two_layers ? width * p->gate_rank : 0},
+        {&wide->gate_b2, two_layers ? width : 0},
+    };
+    const int count = sizeof parts / sizeof parts[0];
+    *wide = *p;
+    int64_t total = 0;
+    for (int i = 0; i < count; i++) total += *parts[i].field ? parts[i].count : 0;
+    double *block = malloc(sizeof(double) * (size_t)(total > 0 ? total : 1)), *next = block;
+    if (!block) return NULL;
+    for (int i = 0; i < count; i++) {
+        if (!*parts[i].field) continue;
+        for (int64_t j = 0; j < parts[i].count; j++) next[j] = ((const float *)*parts[i].field)[j];
+        *parts[i].field = next;
+        next += parts[i].count;
+    }
+    wide->param_dtype = F64;
+    return block;
+}
+
+/* The rotary module on B rows of T tokens: for each row, the tokens in order, LANES at a time (a decoding step is
+   T = 1). Returns 0, or 1 if scratch memory could not be had. */
+HOT static int rotary(const Parameters *given, const Tensors *a, int64_t batch, int64_t seq_len) {
+    Parameters wide;
+    double *widened = NULL;
+    if (given->param_dtype == F32 && batch * seq_len >= 4 * LANES) {
+        widened = widen_parameters(given, &wide);
+        if (!widened) return 1;
+    }
+    const Parameters *p = widened ? &wide : given;
+    const int64_t hq = p->num_query_heads, hk = p->num_key_heads, head_dim = p->head_dim, r = p->rotary_pairs;
+    const int64_t channels = hk * r, groups = hq / hk, past = p->conv_size - 1;
+    const int64_t hidden = hk * p->chunk_dim, qk_size = a->qk_dtype == F64 ? 8 : a->qk_dtype == F32 ? 4 : 2;
+    int64_t inner = p->proj_rank > p->gate_rank ? p->proj_rank : p->gate_rank;
+    inner = inner > 1 ? inner : 1;
+    const int64_t n_lanes = hidden + channels + inner + (p->gate_width > 0 ? p->gate_width : 1);
+    const int64_t n_doubles = channels * (past + LANES) + r + channels + channels * p->conv_size + channels * LANES
+                              + (past > 0 ? past * channels : 1);
+    lanes_t *lanes = aligned_alloc(sizeof(lanes_t), sizeof(lanes_t) * (size_t)n_lanes);
+    double *doubles = malloc(sizeof(double) * (size_t)n_doubles);
+    float *floats = calloc(3 * (size_t)(LANES * channels), sizeof(float));
+    if (!lanes || !doubles || !floats) { free(lanes); free(doubles); free(floats); free(widened); return 1; }
+    memset(lanes, 0, sizeof(lanes_t) * (size_t)n_lanes);
+    const Scratch s = {lanes, lanes + hidden, lanes + hidden + channels, lanes + hidden + channels + inner,
+                       doubles, doubles + channels * (past + LANES), doubles + channels * (past + LANES) + r,
+                       doubles + channels * (past + LANES) + r + channels, floats, floats + LANES * channels,
+                       floats + 2 * LANES * channels};
+    double *theta = s.conv_taps + channels * p->conv_size, *history = theta + channels * LANES;
+    const int wd = (int)p->param_dtype;
+    for (int64_t i = 0; i < r; i++) s.turns[i] = load(p->temperature, wd, i) / TWO_PI;
+    if (p->bias)
+        for (int64_t i = 0; i < channels; i++) s.exp_bias[i] = exp(load(p->bias, wd, i));
+    for (int64_t i = 0; i < channels * p->conv_size; i++)  /* the difference: (-1, 1) */
+        s.conv_taps[i] = p->convolution == CONV_LEARNED ? load(p->conv_taps, wd, i) : i % 2 ? 1.0 : -1.0;
+
+    for (int64_t b = 0; b < batch; b++) {
+        const int64_t length = a->lengths ? a->lengths[b] : seq_len;
+        double *row_history = a->new_conv_state ? a->new_conv_state + b * past * channels : history;
+        if (a->new_conv_state) {
+            for (int64_t i = 0; i < past * channels; i++)
+                row_history[i] = a->conv_state ? a->conv_state[b * past * channels + i] : 0.0;
+        }
+        double *phase = a->new_phase + b * channels;  /* the running phase, θ_0 first */
+        for (int64_t h = 0; h < hk; h++)
+            for (int64_t i = 0; i < r; i++)
+                phase[h * r + i] = a->phase ? a->phase[b * a->phase_stride_b + h * a->phase_stride_h
+                                                       + i * a->phase_stride_r] : 0.0;
+        for (int64_t t0 = 0; t0 < seq_len; t0 += LANES) {
+            const int64_t n = seq_len - t0 < LANES ? seq_len - t0 : LANES;
+            const int64_t valid = length <= t0 ? 0 : length - t0 < n ? length - t0 : n;
+            increments(p, a, &s, b, t0, n, valid, row_history);
+            for (int64_t l = 0; l < n; l++)  /* θ_t = θ_{t-1} + c_t, summed in float64 token by token */
+                for (int64_t i = 0; i < channels; i++)
+                    theta[l * channels + i] = phase[i] = s.c[i][l] + phase[i];
+            cos_sin(theta, s.turns, n, r, channels, s.angle, s.cos, s.sin);
+            for (int64_t l = 0; l < n; l++) {
+                const int64_t t = t0 + l;
+                for (int64_t head = 0; head < hq + hk; head++) {  /* query heads, then key heads */
+                    const int is_query = head < hq;
+                    const int64_t key_head = is_query ? head / groups : head - hq;
+                    const char *src = is_query ? (const char *)a->q + qk_size * (b * a->q_stride_b + t * a->q_stride_t
+                                                                                 + head * a->q_stride_h)
+                                               : (const char *)a->k + qk_size * (b * a->k_stride_b + t * a->k_stride_t
+                                                                                 + key_head * a->k_stride_h);
+                    char *dst = is_query ? (char *)a->q_out + qk_size * ((b * seq_len + t) * hq + head) * head_dim
+                                         : (char *)a->k_out + qk_size * ((b * seq_len + t) * hk + key_head) * head_dim;
+                    const int64_t at = l * channels + key_head * r;
+                    rotate_head(src, dst, (int)a->qk_dtype, r, head_dim, s.cos + at, s.sin + at);
+                }
+            }
+        }
+    }
+    free(lanes);
+    free(doubles);
+    free(floats);
+    free(widened);
     return 0;
+}
+
+/* The entry point (flat arguments: what ctypes passes fastest). */
+int selective_rope_rotary(const Parameters *p, int64_t batch, int64_t seq_len, const void *x, int64_t x_dtype,
+                          int64_t x_stride_b, int64_t x_stride_t, const void *q, const void *k, int64_t qk_dtype,
+                          int64_t q_stride_b, int64_t q_stride_t, int64_t q_stride_h, int64_t k_stride_b,
+                          int64_t k_stride_t, int64_t k_stride_h, void *q_out, void *k_out, const double *phase,
+                          int64_t phase_stride_b, int64_t phase_stride_h, int64_t phase_stride_r, double *new_phase,
+                          const double *conv_state, double *new_conv_state, const int64_t *lengths) {
+    const Tensors tensors = {x, q, k, x_dtype, qk_dtype, x_stride_b, x_stride_t, q_stride_b, q_stride_t, q_stride_h,
+                             k_stride_b, k_stride_t, k_stride_h, q_out, k_out, phase, phase_stride_b, phase_stride_h,
+                             phase_stride_r, new_phase, conv_state, new_conv_state, lengths};
+    return rotary(p, &tensors, batch, seq_len);
 }
 """
 
 
 class _Parameters(ctypes.Structure):
-    """``StepParameters`` in ``C_SOURCE``, field for field."""
+    """``Parameters`` in ``C_SOURCE``, field for field."""
 
     _fields_ = ([(name, ctypes.c_int64) for name in (
         "num_query_heads", "num_key_heads", "head_dim", "rotary_pairs", "chunk_dim", "param_dtype", "projection",
@@ -279,18 +468,22 @@ class _Parameters(ctypes.Structure):
             "temperature", "proj_a", "proj_b", "conv_taps", "bias", "gate_w1", "gate_b1", "gate_w2", "gate_b2")])
 
 
-_ARGTYPES = ([ctypes.POINTER(_Parameters), ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]  # x
-             + [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 2  # q, k, outputs
-             + [ctypes.c_void_p] + [ctypes.c_int64] * 3  # phase and its strides
-             + [ctypes.c_void_p] * 4)  # new phase, history, new history, valid
-_FLAGS = ["-O2", "-shared", "-fPIC", "-ffp-contract=off", "-std=c99"]
+_ARGTYPES = ([ctypes.POINTER(_Parameters), ctypes.c_int64, ctypes.c_int64]  # batch, seq_len
+             + [ctypes.c_void_p] + [ctypes.c_int64] * 3  # x, its dtype and strides
+             + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 7  # q, k, their dtype and strides
+             + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3  # outputs, phase and its strides
+             + [ctypes.c_void_p] * 4)  # new phase, history, new history, lengths
+# -O3: the loops over tokens and frequencies are vectorised (-fno-trapping-math lets `trunc` be, and changes no
+# value: it only drops floating-point exception flags); -ffp-contract=off: no fused multiply-adds, so every version
+# of the code (and PyTorch's rotation) rounds alike.
+_FLAGS = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-trapping-math", "-std=c11"]
 
 _lock = threading.Lock()
-_step = None  # the loaded C function, False once loading failed, None before the first try
+_kernel = None  # the loaded C function, False once loading failed, None before the first try
 
 
 def enabled() -> bool:
-    """Whether the C step may run: not switched off by ``SELECTIVE_ROPE_CPU_KERNEL=0`` (read at every call)."""
+    """Whether the C kernel may run: not switched off by ``SELECTIVE_ROPE_CPU_KERNEL=0`` (read at every call)."""
     value = os.environ.get(ENV_SWITCH)
     return value is None or value.strip().lower() not in ("0", "false", "no", "off")
 
@@ -318,7 +511,7 @@ def build(directory: Path, compiler: list[str] | str) -> Path:
     ``RuntimeError`` (the compiler failed; its output is in the message)."""
     command = [compiler] if isinstance(compiler, str) else list(compiler)
     key = hashlib.sha256("\0".join([C_SOURCE, *command, *_FLAGS, platform.machine()]).encode()).hexdigest()[:16]
-    target = directory / f"rotary_decode_{key}.so"
+    target = directory / f"rotary_{key}.so"
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
@@ -347,45 +540,47 @@ def build(directory: Path, compiler: list[str] | str) -> Path:
     return target
 
 
-def load_step():
+def load_kernel():
     """The C function, building the library on first use; ``None`` (after one warning) if it cannot be had."""
-    global _step
-    if _step:
-        return _step
+    global _kernel
+    if _kernel:
+        return _kernel
     with _lock:
-        if _step is None:
+        if _kernel is None:
             compiler = find_compiler()
             try:
                 if compiler is None:
                     raise RuntimeError("no C compiler found (set $CC, or install cc, gcc or clang)")
-                function = ctypes.CDLL(str(build(cache_dir(), compiler))).selective_rope_decode_step
+                function = ctypes.CDLL(str(build(cache_dir(), compiler))).selective_rope_rotary
                 function.argtypes, function.restype = _ARGTYPES, ctypes.c_int
-                _step = function
+                _kernel = function
             # AttributeError: a library that loads but lacks our function
             except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as error:
-                _step = False
-                warnings.warn(f"Selective RoPE's compiled CPU decoding step is unavailable, so decoding runs the "
-                              f"slower PyTorch step ({error}). Set {ENV_SWITCH}=0 to silence this.", RuntimeWarning,
+                _kernel = False
+                warnings.warn(f"Selective RoPE's compiled CPU kernel is unavailable, so inference runs the slower "
+                              f"PyTorch path ({error}). Set {ENV_SWITCH}=0 to silence this.", RuntimeWarning,
                               stacklevel=2)
-    return _step or None
+    return _kernel or None
 
 
 def available() -> bool:
-    """Whether the C step can run here: enabled, and compiled (the first call builds it, or finds it cached)."""
-    return enabled() and load_step() is not None
+    """Whether the C kernel can run here: enabled, and compiled (the first call builds it, or finds it cached)."""
+    return enabled() and load_kernel() is not None
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-class DecodeStepPlan:
-    """One layer's compiled CPU decoding step, prepared once from its sizes and parameters, then called per step.
+class RotaryPlan:
+    """One layer's compiled CPU rotary kernel, prepared once from its sizes and parameters, then called per forward
+    (a prefill, or a decoding step: the same code, so a prefill and the decoding steps of the same tokens agree
+    exactly).
 
-    Preparing validates everything that does not change between steps; a step (``try_step``) checks only its own
+    Preparing validates everything that does not change between calls; a call (``try_call``) checks only its own
     tensors. The plan keeps references to the parameter tensors and reads them in place: it sees in-place updates,
     but a parameter whose storage is replaced (``param.data = ...``, ``module.to(...)``) needs a new plan
-    (``current`` tells; ``try_step`` declines). Noticing a parameter or module swapped for another is the caller's
+    (``current`` tells; ``try_call`` declines). Noticing a parameter or module swapped for another is the caller's
     job.
 
     Args:
@@ -401,7 +596,6 @@ class DecodeStepPlan:
         gate: the gate's linear layers ``((weight, bias), ...)``: none, one ``(Hk, Hk*Dc)`` with a bias, or
             ``(rank, Hk*Dc)`` without one and ``(Hk or Hk*R, rank)`` with one.
     """
-
     def __init__(self, num_query_heads: int, num_key_heads: int, head_dim: int, hidden_size: int,
                  temperature: torch.Tensor, *, projection: tuple | None = None, conv: tuple | None = None,
                  bias: torch.Tensor | None = None, gate: tuple = ()):
@@ -468,20 +662,22 @@ class DecodeStepPlan:
                 return False
         return True
 
-    def try_step(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, phase: torch.Tensor | None = None,
-                 conv_state: torch.Tensor | None = None, valid: torch.Tensor | None = None):
-        """One step for every row, or ``None`` where this plan does not take the call (the caller then runs its
-        torch step): x, q or k not CPU tensors of a dtype it reads (float32, float64, bfloat16; q and k alike) with a
-        contiguous last dim, a parameter's storage replaced since planning (``current``), or no compiled library.
+    def try_call(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, phase: torch.Tensor | None = None,
+                 conv_state: torch.Tensor | None = None, lengths: torch.Tensor | None = None):
+        """The rotary module's inference forward for every row, or ``None`` where this plan does not take the call
+        (the caller then runs its torch path): x, q or k not CPU tensors of a dtype it reads (float32, float64,
+        bfloat16; q and k alike) with a contiguous last dim, no tokens, a parameter's storage replaced since planning
+        (``current``), or no compiled library.
 
         Args:
-            x: ``(B, 1, hidden_size)`` the mixer input (read by Selective RoPE only); q: ``(B, 1, Hq, D)``;
-                k: ``(B, 1, Hk, D)``.
+            x: ``(B, T, hidden_size)`` the mixer input (read by Selective RoPE only); q: ``(B, T, Hq, D)``;
+                k: ``(B, T, Hk, D)``; any strides but a contiguous last dim.
             phase: ``(B, Hk, R)`` float64, the cached phase, any strides (e.g. RoPE's count of tokens expanded
                 from ``(B, 1, 1)``; ``None``: zeros).
             conv_state: ``(B, K-1, Hk*R)`` float64 contiguous, the convolution's history, oldest first (``None``:
                 zeros; ignored without convolution).
-            valid: ``(B,)`` bool, False for a pad token (adds 0, keeps the history), or ``None``.
+            lengths: ``(B,)`` int64, the number of real tokens of each row (right-padded rows: tokens from
+                ``lengths[b]`` on are pads, which add nothing to the phase and leave the history), or ``None``.
 
         Returns:
             Rotated q and k (new contiguous tensors, input dtype), the new phase ``(B, Hk, R)`` and the new history
@@ -492,16 +688,18 @@ class DecodeStepPlan:
         if (qk_dtype is None or x_dtype is None or k.dtype != q.dtype or not (x.is_cpu and q.is_cpu and k.is_cpu)
                 or x.stride(-1) != 1 or q.stride(-1) != 1 or k.stride(-1) != 1 or not self.current()):
             return None
-        step = load_step()
-        if step is None:
+        kernel = load_kernel()
+        if kernel is None:
             return None
         num_query_heads, num_key_heads, head_dim, rotary_pairs, hidden_size, history = self.sizes
-        batch = q.shape[0]
-        if (q.shape, k.shape, x.shape) != ((batch, 1, num_query_heads, head_dim),
-                                           (batch, 1, num_key_heads, head_dim), (batch, 1, hidden_size)):
+        batch, seq_len = q.shape[:2]
+        if (q.shape, k.shape, x.shape) != ((batch, seq_len, num_query_heads, head_dim),
+                                           (batch, seq_len, num_key_heads, head_dim), (batch, seq_len, hidden_size)):
             raise ValueError(f"x {tuple(x.shape)}, q {tuple(q.shape)}, k {tuple(k.shape)}: this plan takes "
-                             f"(B, 1, {hidden_size}), (B, 1, {num_query_heads}, {head_dim}) and "
-                             f"(B, 1, {num_key_heads}, {head_dim})")
+                             f"(B, T, {hidden_size}), (B, T, {num_query_heads}, {head_dim}) and "
+                             f"(B, T, {num_key_heads}, {head_dim})")
+        if seq_len == 0:
+            return None
         conv_state = conv_state if self.has_conv else None
         phase_shape = (batch, num_key_heads, rotary_pairs)
         history_shape = (batch, history, num_key_heads * rotary_pairs)
@@ -510,19 +708,20 @@ class DecodeStepPlan:
         if conv_state is not None and (conv_state.shape != history_shape or conv_state.dtype != torch.float64
                                        or not conv_state.is_contiguous() or not conv_state.is_cpu):
             raise ValueError(f"conv_state must be a contiguous CPU float64 tensor of shape {history_shape}")
-        if valid is not None and (valid.shape != (batch,) or valid.dtype != torch.bool or not valid.is_contiguous()):
-            raise ValueError(f"valid must be a contiguous bool tensor of shape ({batch},)")
+        if lengths is not None and (lengths.shape != (batch,) or lengths.dtype != torch.int64
+                                    or not lengths.is_contiguous() or not lengths.is_cpu):
+            raise ValueError(f"lengths must be a contiguous CPU int64 tensor of shape ({batch},)")
 
-        q_out = torch.empty((batch, 1, num_query_heads, head_dim), dtype=q.dtype)
-        k_out = torch.empty((batch, 1, num_key_heads, head_dim), dtype=q.dtype)
+        q_out = torch.empty((batch, seq_len, num_query_heads, head_dim), dtype=q.dtype)
+        k_out = torch.empty((batch, seq_len, num_key_heads, head_dim), dtype=q.dtype)
         new_phase = torch.empty((batch, num_key_heads, rotary_pairs), dtype=torch.float64)
         new_history = (torch.empty((batch, history, num_key_heads * rotary_pairs), dtype=torch.float64)
                        if self.has_conv else None)
-        status = step(self.parameters_ref, batch, x.data_ptr(), x_dtype, x.stride(0), q.data_ptr(), k.data_ptr(),
-                      qk_dtype, q.stride(0), q.stride(2), k.stride(0), k.stride(2), q_out.data_ptr(),
-                      k_out.data_ptr(), *((None, 0, 0, 0) if phase is None else (phase.data_ptr(), *phase.stride())),
-                      new_phase.data_ptr(), _pointer(conv_state),
-                      _pointer(new_history), _pointer(valid))
+        status = kernel(self.parameters_ref, batch, seq_len, x.data_ptr(), x_dtype, x.stride(0), x.stride(1),
+                        q.data_ptr(), k.data_ptr(), qk_dtype, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
+                        k.stride(1), k.stride(2), q_out.data_ptr(), k_out.data_ptr(),
+                        *((None, 0, 0, 0) if phase is None else (phase.data_ptr(), *phase.stride())),
+                        new_phase.data_ptr(), _pointer(conv_state), _pointer(new_history), _pointer(lengths))
         if status != 0:
-            raise MemoryError("the compiled CPU decoding step could not allocate its scratch memory")
+            raise MemoryError("the compiled CPU rotary kernel could not allocate its scratch memory")
         return q_out, k_out, new_phase, new_history

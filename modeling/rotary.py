@@ -40,9 +40,9 @@ from ..configuration.position_embedding import SelectiveRopeConfigBase
 from ..kernels.conv_torch import causal_conv1d
 from ..kernels.dispatch import requested_backend, resolve_backend
 from ..kernels.rotary import selective_rotary, selective_rotary_decode, single_token_step_applies
-from ..kernels.rotary_cpu import DecodeStepPlan
-from ..kernels.rotary_cpu import available as cpu_step_available
-from ..kernels.rotary_cpu import enabled as cpu_step_enabled
+from ..kernels.rotary_cpu import RotaryPlan
+from ..kernels.rotary_cpu import available as cpu_kernel_available
+from ..kernels.rotary_cpu import enabled as cpu_kernel_enabled
 from ..kernels.rotary_torch import phase_dtype, rotary_angles, rotate_query_and_key
 from .layers import ShortConvolution
 from .layout import SequenceLayout, valid_mask
@@ -293,7 +293,7 @@ class SelectiveRotaryEmbedding(nn.Module):
         angles by up to 59 rad at 32k tokens (README, "Numerical precision"). ``_apply`` is how ``nn.Module`` casts,
         so this covers every cast that goes through it (not, e.g., a framework's own low-precision parameter copies).
         """
-        self.__dict__.pop("_cpu_plan", None)  # the compiled step's plan points at the storages being replaced
+        self.__dict__.pop("_cpu_plan", None)  # the compiled kernel's plan points at the storages being replaced
         low_precision = (torch.bfloat16, torch.float16)
 
         def keep_precision(tensor: torch.Tensor) -> torch.Tensor:
@@ -388,10 +388,13 @@ class SelectiveRotaryEmbedding(nn.Module):
             return self._forward_packed(x, q, k, state, cu_seqlens, backend)
         state = state or {}
         seq_len = x.shape[1]
+        if backend == "torch" and seq_len > 0 and not torch.is_grad_enabled() and self._cpu_kernel_allowed(x):
+            compiled = self._forward_cpu_kernel(x, q, k, state, lengths)  # a prefill or a decoding step
+            if compiled is not None:
+                return compiled
         if single_token_step_applies(seq_len, cu_seqlens):
             if backend == "torch":
-                step = self._decode_step_cpu(x, q, k, state, lengths) if self._cpu_step_allowed(x) else None
-                return step or self._decode_step_torch(x, q, k, state, lengths)
+                return self._decode_step_torch(x, q, k, state, lengths)
             if self.position_embedding == "selective_rope":
                 return self._decode_step(x, q, k, state, lengths)  # the fused Triton step
         valid = None if lengths is None else valid_mask(lengths, seq_len)  # (B, T)
@@ -423,18 +426,19 @@ class SelectiveRotaryEmbedding(nn.Module):
         )
         return q_out.unsqueeze(1), k_out.unsqueeze(1), self._state(phase, conv_state)
 
-    def _cpu_step_allowed(self, x: torch.Tensor) -> bool:
-        """The compiled CPU step serves CPU tensors unless it is switched off (``SELECTIVE_ROPE_CPU_KERNEL=0``) or the
-        torch backend was asked for by name (config or ``SELECTIVE_ROPE_BACKEND``): that one stays pure PyTorch, the
-        reference (SPEC §5); ``"auto"`` (the default) gets the compiled step."""
-        return x.is_cpu and cpu_step_enabled() and requested_backend(self.backend) != "torch"
+    def _cpu_kernel_allowed(self, x: torch.Tensor) -> bool:
+        """The compiled CPU kernel serves CPU tensors unless it is switched off (``SELECTIVE_ROPE_CPU_KERNEL=0``) or
+        the torch backend was asked for by name (config or ``SELECTIVE_ROPE_BACKEND``): that one stays pure PyTorch,
+        the reference (SPEC §5); ``"auto"`` (the default) gets the compiled kernel."""
+        return x.is_cpu and cpu_kernel_enabled() and requested_backend(self.backend) != "torch"
 
-    def _decode_step_cpu(self, x, q, k, state, lengths):
-        """``_decode_step_torch`` as one compiled call (``kernels/rotary_cpu.py``: the same math and precisions), or
-        ``None`` where the torch step must run instead (see ``_cpu_step_plan`` and ``DecodeStepPlan.try_step``)."""
+    def _forward_cpu_kernel(self, x, q, k, state, lengths):
+        """The inference forward (a prefill, or ``_decode_step_torch``'s single token) as one compiled call
+        (``kernels/rotary_cpu.py``: the same math and precisions as the torch path), or ``None`` where the torch path
+        must run instead (see ``_kernel_plan`` and ``RotaryPlan.try_call``)."""
         if torch.compiler.is_compiling() or torch.jit.is_tracing():  # a tracer would not see the C call's writes
             return None
-        plan = self._cpu_step_plan((x.shape[-1], q.shape[2], q.shape[3]))
+        plan = self._kernel_plan((x.shape[-1], q.shape[2], q.shape[3]))
         if plan is None:
             return None
         phase, history = state.get("phase"), state.get("phase_conv")
@@ -442,17 +446,19 @@ class SelectiveRotaryEmbedding(nn.Module):
             phase = phase.to(torch.float64)
         if history is not None and (history.dtype != torch.float64 or not history.is_contiguous()):
             history = history.to(torch.float64).contiguous()
-        step = plan.try_step(x, q, k, phase, history, None if lengths is None else lengths > 0)
-        if step is None:
-            if plan.current():  # inputs the C step does not take
+        if lengths is not None and (lengths.dtype != torch.int64 or not lengths.is_contiguous()):
+            lengths = lengths.to(torch.int64).contiguous()
+        result = plan.try_call(x, q, k, phase, history, lengths)
+        if result is None:
+            if plan.current():  # inputs the C kernel does not take
                 return None
             del self.__dict__["_cpu_plan"]  # a parameter's storage was replaced: plan again
-            return self._decode_step_cpu(x, q, k, state, lengths)
-        return step[0], step[1], self._state(step[2], step[3])
+            return self._forward_cpu_kernel(x, q, k, state, lengths)
+        return result[0], result[1], self._state(result[2], result[3])
 
-    def _cpu_step_plan(self, sizes: tuple[int, int, int]) -> DecodeStepPlan | None:
-        """This module's compiled-step plan for ``sizes`` (hidden size, ``Hq``, ``D``), made on first use and again
-        whenever the phase path changed (``_CachedPlan``); ``None`` where the C step must not serve this module: it
+    def _kernel_plan(self, sizes: tuple[int, int, int]) -> RotaryPlan | None:
+        """This module's compiled-kernel plan for ``sizes`` (hidden size, ``Hq``, ``D``), made on first use and again
+        whenever the phase path changed (``_CachedPlan``); ``None`` where the C kernel must not serve this module: it
         cannot be built here, forward hooks on the phase modules or global ones (they must see their module run), a
         phase module it does not know (e.g. one wrapped by a PEFT adapter), or parameters of mixed dtypes."""
         if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
@@ -463,9 +469,9 @@ class SelectiveRotaryEmbedding(nn.Module):
         return cached.plan_if_unhooked()
 
     def _make_cpu_plan(self, sizes: tuple[int, int, int]) -> _CachedPlan:
-        """The plan for this module as it is now, with what it was made from (``None`` inside if the C step does not
+        """The plan for this module as it is now, with what it was made from (``None`` inside if the C kernel does not
         know a phase module: exactly our classes, not subclasses or wrappers, which may compute something else)."""
-        modules, known, parameters = [], True, {}  # phase modules (not this one: its own hooks run whichever step does)
+        modules, known, parameters = [], True, {}  # phase modules (not this one: its own hooks run whichever path does)
         if self.position_embedding == "selective_rope":
             proj, conv, gate = self.phase_proj, self.phase_conv, self.phase_gate_proj
             children = list(gate.children()) if type(gate) is nn.Sequential else []
@@ -474,7 +480,7 @@ class SelectiveRotaryEmbedding(nn.Module):
             known = (type(proj) in (PhaseProjection, DenseLowRankPhaseProjection)
                      and (conv is None or type(conv) in (PhaseConvolution, PhaseDifference))
                      and all(type(layer) is PhaseLinear for layer in gate_layers))
-            if known:  # DecodeStepPlan's keyword arguments
+            if known:  # RotaryPlan's keyword arguments
                 low_rank = proj.kind in ("low_rank", "dense_low_rank")
                 parameters["projection"] = ((proj.kind, proj.down, proj.up) if low_rank else
                                             (proj.kind, proj.weight, proj.scale if proj.kind == "full_rank" else None))
@@ -485,12 +491,12 @@ class SelectiveRotaryEmbedding(nn.Module):
                 parameters["bias"] = self.phase_bias
                 parameters["gate"] = tuple((layer.weight, layer.bias) for layer in gate_layers)
         plan = None
-        if known and cpu_step_available():
+        if known and cpu_kernel_available():
             hidden_size, num_query_heads, head_dim = sizes
             try:
-                plan = DecodeStepPlan(num_query_heads, self.num_key_heads, head_dim, hidden_size, self.temperature,
-                                      **parameters)
-            except ValueError:  # e.g. one module cast to another dtype: the torch step handles any mix
+                plan = RotaryPlan(num_query_heads, self.num_key_heads, head_dim, hidden_size, self.temperature,
+                                  **parameters)
+            except ValueError:  # e.g. one module cast to another dtype: the torch path handles any mix
                 plan = None
         return _CachedPlan(plan, self, modules, sizes)
 
@@ -567,9 +573,9 @@ class SelectiveRotaryEmbedding(nn.Module):
 
 
 class _CachedPlan:
-    """A rotary module's compiled-step plan (``None``: no C step for this structure) and what it was made from: the
+    """A rotary module's compiled-kernel plan (``None``: no C kernel for this structure) and what it was made from: the
     module's and its phase modules' parameters and children, and the call's sizes. Valid while all of them are the
-    same objects (a replaced storage is the plan's own check, ``DecodeStepPlan.current``); the phase modules' hooks
+    same objects (a replaced storage is the plan's own check, ``RotaryPlan.current``); the phase modules' hooks
     are looked at on every call (adding one assigns nothing). It refers to the rotary module's parameter and child
     dicts but not to the module itself: no reference cycle keeps a deleted model's memory alive until the next
     garbage collection.
@@ -578,7 +584,7 @@ class _CachedPlan:
     microseconds) but is never copied: ``copy.deepcopy``, pickling and ``torch.save`` of the module leave ``None`` in
     its place, and ``SelectiveRotaryEmbedding._apply`` drops it (a device move or cast replaces the storages)."""
 
-    def __init__(self, plan: DecodeStepPlan | None, owner: nn.Module, modules: list[nn.Module], sizes: tuple):
+    def __init__(self, plan: RotaryPlan | None, owner: nn.Module, modules: list[nn.Module], sizes: tuple):
         self.plan, self.modules, self.sizes = plan, modules, sizes
         containers = [c for module in (owner, *modules) for c in (module._parameters, module._modules)]
         self.counts = [(container, len(container)) for container in containers]
@@ -596,7 +602,7 @@ class _CachedPlan:
                 return False
         return True
 
-    def plan_if_unhooked(self) -> DecodeStepPlan | None:
+    def plan_if_unhooked(self) -> RotaryPlan | None:
         return None if any(m._forward_hooks or m._forward_pre_hooks for m in self.modules) else self.plan
 
     def __reduce__(self):

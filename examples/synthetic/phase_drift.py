@@ -90,7 +90,8 @@ def errors_on_patterns(model, length: int = 160) -> dict[str, list[int]]:
 def phase_zeroed(model, head: int, frequency: int | None = None):
     """Within the block, key head ``head`` of every Selective RoPE layer adds no phase at ``frequency`` (or at any
     frequency when None), so a fresh forward leaves that head's q and k unrotated there. Patches
-    ``phase_increment``, which full-sequence forwards call (not the fused Triton decode step)."""
+    ``phase_increment``, which full-sequence forwards of the general path call, and keeps the layers on that path
+    (not the compiled CPU kernel, nor the fused Triton decode step, which compute the increment themselves)."""
     rotaries = [layer.attn.rotary for layer in model.model.layers
                 if layer.attn.rotary.position_embedding == "selective_rope"]
     for rotary in rotaries:
@@ -109,11 +110,12 @@ def phase_zeroed(model, head: int, frequency: int | None = None):
     # A diagnostic patch on the instances (not the class), undone on exit.
     for rotary in rotaries:
         rotary.phase_increment = without(rotary.phase_increment)
+        rotary._cpu_kernel_allowed = lambda x: False
     try:
         yield
     finally:
         for rotary in rotaries:
-            del rotary.phase_increment
+            del rotary.phase_increment, rotary._cpu_kernel_allowed
 
 
 def parse_head(text: str) -> tuple[int, int | None]:

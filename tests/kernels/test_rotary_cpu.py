@@ -35,18 +35,22 @@ def step_inputs(module, heads=(4, 2), dtype=torch.float32, cached_tokens=5):
 
 
 class StepCounter:
-    """Counts the compiled steps that ran (``try_step`` returning a result)."""
+    """Counts the compiled calls that ran (``try_call`` returning a result): single-token steps in ``count``, longer
+    calls (prefills) in ``prefills``."""
 
     def __init__(self, monkeypatch):
-        self.count = 0
-        original = rotary_cpu.DecodeStepPlan.try_step
+        self.count = self.prefills = 0
+        original = rotary_cpu.RotaryPlan.try_call
 
-        def counted(plan, *args, **kwargs):
-            result = original(plan, *args, **kwargs)
-            self.count += result is not None
+        def counted(plan, x, *args, **kwargs):
+            result = original(plan, x, *args, **kwargs)
+            if result is not None and x.shape[1] == 1:
+                self.count += 1
+            elif result is not None:
+                self.prefills += 1
             return result
 
-        monkeypatch.setattr(rotary_cpu.DecodeStepPlan, "try_step", counted)
+        monkeypatch.setattr(rotary_cpu.RotaryPlan, "try_call", counted)
 
 
 @pytest.fixture
@@ -95,17 +99,89 @@ def test_compiled_step_equals_torch_step(options, heads, param_dtype, monkeypatc
     assert compiled_steps.count == 3
 
 
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"hq{h[0]}-hk{h[1]}")
+@pytest.mark.parametrize("options", ROTATING_GRID,
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+def test_compiled_prefill_equals_torch_prefill(options, heads, param_dtype, monkeypatch, compiled_steps):
+    """Every option set, 37 tokens (four blocks of 8 and a partial one): from no state, continuing a cached state
+    with right-padded rows (the pads add nothing and keep the history), and with an empty row."""
+    module = make_rotary(*heads, dtype=param_dtype, **options)
+    x, q, k = torch.randn(2, 45, HIDDEN), torch.randn(2, 45, heads[0], 8), torch.randn(2, 45, heads[1], 8)
+    with torch.no_grad():
+        monkeypatch.setenv(rotary_cpu.ENV_SWITCH, "0")
+        _, _, state = module(x[:, :8], q[:, :8], k[:, :8])
+    prefill = (x[:, 8:], q[:, 8:], k[:, 8:])
+    for cached, lengths in [(None, None), (state, torch.tensor([37, 20])), (state, torch.tensor([0, 37]))]:
+        compiled, reference = both_steps(module, prefill, cached, monkeypatch, lengths)
+        assert_same_step(compiled, reference)
+        if lengths is not None and lengths[0] == 0:  # the empty row keeps its phase and history
+            for name in cached:
+                torch.testing.assert_close(compiled[2][name][0], cached[name][0], rtol=0, atol=0)
+    assert compiled_steps.prefills == 3
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("options", ROTATING_GRID,
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+def test_prefill_in_any_pieces_equals_decoding_exactly(options, monkeypatch, compiled_steps):
+    """The compiled prefill and decoding step are one piece of C run over the tokens in order, so a sequence split
+    anywhere (one call, chunks of 3, 8 or 13 tokens, token by token) gives bit-identical q, k and state, pads
+    included. One call of 3 rows by 40 tokens reads its parameters widened to float64 first, the single-token
+    steps read them as they are: the same numbers."""
+    module = make_rotary(4, 2, dtype=torch.float32, **options)
+    seq_len = 40
+    x, q, k = torch.randn(3, seq_len, HIDDEN), torch.randn(3, seq_len, 4, 8), torch.randn(3, seq_len, 2, 8)
+    lengths = torch.tensor([seq_len, 29, 3])
+
+    def run(chunk):
+        state, outputs = None, []
+        for start in range(0, seq_len, chunk):
+            stop = min(start + chunk, seq_len)
+            real = (lengths - start).clamp(0, stop - start)  # right-padded within the chunk
+            q_out, k_out, state = module(x[:, start:stop], q[:, start:stop], k[:, start:stop], state=state,
+                                         lengths=real)
+            outputs.append(torch.cat([q_out, k_out], dim=2))
+        return torch.cat(outputs, 1), state
+
+    whole, state = run(seq_len)
+    assert compiled_steps.prefills == 1
+    for chunk in (13, 8, 3, 1):
+        pieces, pieces_state = run(chunk)
+        assert torch.equal(pieces, whole), chunk
+        assert pieces_state.keys() == state.keys() and all(torch.equal(pieces_state[n], state[n]) for n in state)
+    assert compiled_steps.count == seq_len + 2  # token by token, and the last token of the 13 and 3 chunkings
+
+
+def test_training_takes_the_torch_path(monkeypatch, compiled_steps):
+    """With autograd on, a prefill runs the torch path (the C kernel has no backward), and gradients reach the
+    inputs and the phase parameters."""
+    module = make_rotary(4, 2, dtype=torch.float32)
+    x = torch.randn(2, 12, HIDDEN, requires_grad=True)
+    q, k = torch.randn(2, 12, 4, 8), torch.randn(2, 12, 2, 8)
+    q_out, k_out, _ = module(x, q, k)
+    (q_out.square().sum() + k_out.square().sum() + (q_out * k_out.repeat_interleave(2, 2)).sum()).backward()
+    assert compiled_steps.prefills == 0 and compiled_steps.count == 0
+    assert x.grad.abs().sum() > 0 and module.phase_proj.down.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("options", [dict(), dict(position_embedding="rope"),
                                      dict(phase_conv_type="difference", phase_gate_type="channel")], ids=str)
 def test_bfloat16_steps(options, monkeypatch, compiled_steps):
-    """bf16 q, k and input (a bf16 model; the rotary parameters stay float32): the rotation is computed in float32
-    and rounded to bf16 once, as the torch step does, so the two agree to one bf16 rounding at most."""
+    """bf16 q, k and input (a bf16 model; the rotary parameters stay float32), a decoding step and a prefill: the
+    rotation is computed in float32 and rounded to bf16 once, as the torch path does, so the two agree to one bf16
+    rounding at most."""
     module = make_rotary(4, 2, dtype=torch.float32, **options)
     state, step = step_inputs(module, dtype=torch.bfloat16)
     compiled, reference = both_steps(module, step, state, monkeypatch)
     assert compiled[0].dtype == torch.bfloat16
     assert_same_step(compiled, reference, qk_tolerance=2 ** -7)
     assert compiled_steps.count == 1
+    prefill = (torch.randn(2, 20, HIDDEN), torch.randn(2, 20, 4, 8), torch.randn(2, 20, 2, 8))
+    compiled, reference = both_steps(module, tuple(t.bfloat16() for t in prefill), state, monkeypatch)
+    assert compiled[0].dtype == torch.bfloat16
+    assert_same_step(compiled, reference, qk_tolerance=2 ** -7)
+    assert compiled_steps.prefills == 2  # step_inputs' and this one
 
 
 @torch.no_grad()
@@ -268,27 +344,27 @@ def test_a_planned_module_is_freed_without_the_garbage_collector(monkeypatch, co
 def test_plan_rejects_inputs_that_do_not_fit():
     temperature = torch.rand(4)
     with pytest.raises(ValueError, match="disagree"):
-        rotary_cpu.DecodeStepPlan(3, 2, 8, 16, temperature)  # Hq not a multiple of Hk
+        rotary_cpu.RotaryPlan(3, 2, 8, 16, temperature)  # Hq not a multiple of Hk
     with pytest.raises(ValueError, match="projection a"):
-        rotary_cpu.DecodeStepPlan(4, 2, 8, 16, temperature, projection=("low_rank", torch.rand(2, 3, 7),
+        rotary_cpu.RotaryPlan(4, 2, 8, 16, temperature, projection=("low_rank", torch.rand(2, 3, 7),
                                                                         torch.rand(2, 4, 3)))
     with pytest.raises(ValueError, match="float32 or float64"):
-        rotary_cpu.DecodeStepPlan(4, 2, 8, 16, temperature.half())
+        rotary_cpu.RotaryPlan(4, 2, 8, 16, temperature.half())
     with pytest.raises(ValueError, match="convolution: missing"):
-        rotary_cpu.DecodeStepPlan(4, 2, 8, 16, temperature, conv=("learned", None, None))
+        rotary_cpu.RotaryPlan(4, 2, 8, 16, temperature, conv=("learned", None, None))
     with pytest.raises(ValueError, match="unknown projection"):
-        rotary_cpu.DecodeStepPlan(4, 2, 8, 16, temperature, projection=("diagonal", None, None))
+        rotary_cpu.RotaryPlan(4, 2, 8, 16, temperature, projection=("diagonal", None, None))
     with pytest.raises(ValueError, match="projection a: missing"):
-        rotary_cpu.DecodeStepPlan(4, 2, 8, 16, temperature, projection=("low_rank", None, torch.rand(2, 4, 3)))
-    plan = rotary_cpu.DecodeStepPlan(4, 2, 8, 16, temperature)
+        rotary_cpu.RotaryPlan(4, 2, 8, 16, temperature, projection=("low_rank", None, torch.rand(2, 4, 3)))
+    plan = rotary_cpu.RotaryPlan(4, 2, 8, 16, temperature)
     x, q, k = torch.randn(1, 1, 16), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 2, 8)
     with pytest.raises(ValueError, match="this plan takes"):
-        plan.try_step(x, torch.randn(1, 1, 2, 8), k)
+        plan.try_call(x, torch.randn(1, 1, 2, 8), k)
     with pytest.raises(ValueError, match="phase"):
-        plan.try_step(x, q, k, phase=torch.zeros(1, 2, 4))  # float32
-    assert plan.try_step(x, q.half(), k.half()) is None
-    assert plan.try_step(x, q.transpose(2, 3).contiguous().transpose(2, 3), k) is None  # strided last dim
-    q_out, k_out, phase, history = plan.try_step(x, q, k)  # RoPE from no state: rotated by τ · 1
+        plan.try_call(x, q, k, phase=torch.zeros(1, 2, 4))  # float32
+    assert plan.try_call(x, q.half(), k.half()) is None
+    assert plan.try_call(x, q.transpose(2, 3).contiguous().transpose(2, 3), k) is None  # strided last dim
+    q_out, k_out, phase, history = plan.try_call(x, q, k)  # RoPE from no state: rotated by τ · 1
     assert history is None
     torch.testing.assert_close(phase, torch.ones(1, 2, 4, dtype=torch.float64))
     ones = torch.ones(1, 1, 4, 4, dtype=torch.float64)
@@ -301,13 +377,13 @@ def test_plan_rejects_inputs_that_do_not_fit():
 def test_build_reuses_the_library_and_leaves_other_files_alone(tmp_path):
     compiler = rotary_cpu.find_compiler()
     (tmp_path / "notes.txt").write_text("mine")
-    (tmp_path / ".rotary_decode_0000.so").write_text("also mine")  # looks like a partial build; is not ours
+    (tmp_path / ".rotary_0000.so").write_text("also mine")  # looks like a partial build; is not ours
     first = rotary_cpu.build(tmp_path, compiler)
     made = first.stat().st_mtime_ns
     assert rotary_cpu.build(tmp_path, compiler) == first and first.stat().st_mtime_ns == made
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, "notes.txt", ".rotary_decode_0000.so"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, "notes.txt", ".rotary_0000.so"])
     assert (tmp_path / "notes.txt").read_text() == "mine"
-    assert (tmp_path / ".rotary_decode_0000.so").read_text() == "also mine"
+    assert (tmp_path / ".rotary_0000.so").read_text() == "also mine"
 
 
 def test_failed_build_leaves_nothing_and_warns_once(tmp_path, monkeypatch):
@@ -332,10 +408,10 @@ def test_failed_build_leaves_nothing_and_warns_once(tmp_path, monkeypatch):
         monkeypatch.setenv(rotary_cpu.ENV_SWITCH, "0")
         reference = module(*step, state=state)
         monkeypatch.setenv(rotary_cpu.ENV_SWITCH, "1")
-        monkeypatch.setattr(rotary_cpu, "_step", None)  # as in a fresh process
+        monkeypatch.setattr(rotary_cpu, "_kernel", None)  # as in a fresh process
         monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
         monkeypatch.setenv(rotary_cpu.CACHE_ENV, str(tmp_path / "fresh"))
-        with pytest.warns(RuntimeWarning, match="compiled CPU decoding step is unavailable") as first_warnings:
+        with pytest.warns(RuntimeWarning, match="compiled CPU kernel is unavailable") as first_warnings:
             first = module(*step, state=state)
         with warnings.catch_warnings(record=True) as later_warnings:
             warnings.simplefilter("always")
@@ -343,17 +419,17 @@ def test_failed_build_leaves_nothing_and_warns_once(tmp_path, monkeypatch):
     assert len(first_warnings) == 1 and not later_warnings
     assert_same_step(first, reference)
     assert_same_step(second, reference)
-    assert rotary_cpu._step is False and not any((tmp_path / "fresh").iterdir())  # no file left behind
+    assert rotary_cpu._kernel is False and not any((tmp_path / "fresh").iterdir())  # no file left behind
 
 
 def test_corrupt_library_is_not_loaded_nor_removed(tmp_path, monkeypatch):
     compiler = rotary_cpu.find_compiler()
     library = rotary_cpu.build(tmp_path, compiler)
     library.write_bytes(b"not a library")
-    monkeypatch.setattr(rotary_cpu, "_step", None)
+    monkeypatch.setattr(rotary_cpu, "_kernel", None)
     monkeypatch.setenv(rotary_cpu.CACHE_ENV, str(tmp_path))
     with pytest.warns(RuntimeWarning, match="unavailable"):
-        assert rotary_cpu.load_step() is None
+        assert rotary_cpu.load_kernel() is None
     assert library.read_bytes() == b"not a library"
 
 
@@ -383,10 +459,10 @@ def test_interrupted_build_publishes_no_partial_library(tmp_path, sig):
     process.wait(timeout=60)
     assert process.returncode != 0
     names = sorted(p.name for p in cache.iterdir())
-    assert not any(name.startswith("rotary_decode_") for name in names)  # nothing under a final name
+    assert not any(name.startswith("rotary_") for name in names)  # nothing under a final name
     if sig == signal.SIGINT:
         assert names == ["notes.txt"]
     else:  # killed outright: its temporaries stay, hidden, under names no build reuses
-        assert "notes.txt" in names and all(name.startswith(".rotary_decode_") for name in names if name != "notes.txt")
+        assert "notes.txt" in names and all(name.startswith(".rotary_") for name in names if name != "notes.txt")
     library = rotary_cpu.build(cache, real)
     assert library.exists() and (cache / "notes.txt").read_text() == "mine"
