@@ -109,13 +109,44 @@ static inline void store(void *p, int dtype, int64_t i, float v) {
 static inline double sigmoid(double z) { return 1.0 / (1.0 + exp(-z)); }
 static inline double silu(double z) { return z / (1.0 + exp(-z)); }
 
-/* y[o] = w[o] . x (+ b[o]) for every lane: x (in, LANES), y (out, LANES), the rows of w (out, in) from element
-   `offset`. Each lane's sum runs over the inputs in order, so a token gets the same numbers whichever tokens share
-   its call (a decoding step and a prefill agree exactly). */
+/* y[o] = w[o] . x (+ b[o]) for the first n lanes (the others are 0 or unused): x (in, LANES), y (out, LANES), the
+   rows of w (out, in) from element `offset`. Each lane's sum runs over the inputs in order, so a token gets the same
+   numbers whichever tokens share its call (a decoding step and a prefill agree exactly). */
 HOT static void matvec(const void *w, int wd, int64_t offset, const lanes_t *x, int64_t in, int64_t out,
-                       const void *b, lanes_t *y) {
-    enum { ROWS = 8 };  /* rows at a time: each input vector is loaded once for ROWS independent sums */
+                       const void *b, lanes_t *y, int64_t n) {
+    enum { ROWS = 8 };  /* rows at a time: each input is loaded once for ROWS independent sums */
     int64_t o = 0;
+    if (n == 1) {  /* one token (a decoding step): the same sums in scalars, without seven idle lanes */
+        for (; o + ROWS <= out; o += ROWS) {
+            double sum[ROWS] = {0};
+            if (wd == F32) {
+                const float *rows = (const float *)w + offset + o * in;
+                for (int64_t j = 0; j < in; j++)
+                    for (int q = 0; q < ROWS; q++) sum[q] += (double)rows[q * in + j] * x[j][0];
+            } else {
+                const double *rows = (const double *)w + offset + o * in;
+                for (int64_t j = 0; j < in; j++)
+                    for (int q = 0; q < ROWS; q++) sum[q] += rows[q * in + j] * x[j][0];
+            }
+            for (int q = 0; q < ROWS; q++) {
+                const lanes_t lanes = {b ? sum[q] + load(b, wd, o + q) : sum[q]};
+                y[o + q] = lanes;
+            }
+        }
+        for (; o < out; o++) {
+            double sum = 0.0;
+            if (wd == F32) {
+                const float *row = (const float *)w + offset + o * in;
+                for (int64_t j = 0; j < in; j++) sum += (double)row[j] * x[j][0];
+            } else {
+                const double *row = (const double *)w + offset + o * in;
+                for (int64_t j = 0; j < in; j++) sum += row[j] * x[j][0];
+            }
+            const lanes_t lanes = {b ? sum + load(b, wd, o) : sum};
+            y[o] = lanes;
+        }
+        return;
+    }
     for (; o + ROWS <= out; o += ROWS) {
         lanes_t sum[ROWS] = {{0}};
         if (wd == F32) {
@@ -211,7 +242,8 @@ HOT static void increments(const Parameters *p, const Tensors *a, const Scratch 
     }
     for (int64_t l = 0; l < LANES; l++) {  /* x, one lane per token (unused lanes 0) */
         const int64_t row = b * a->x_stride_b + (t0 + l) * a->x_stride_t;
-        if (l >= n) {
+        if (l >= n) {  /* zero from the scratch's start; a previous block's tokens may be there */
+            if (t0 == 0) break;
             for (int64_t j = 0; j < hk * dc; j++) u[j][l] = 0.0;
         } else if (a->x_dtype == F32) {
             for (int64_t j = 0; j < hk * dc; j++) u[j][l] = ((const float *)a->x)[row + j];
@@ -223,19 +255,22 @@ HOT static void increments(const Parameters *p, const Tensors *a, const Scratch 
         lanes_t norm = {0}, denominator;
         for (int64_t j = h * dc; j < (h + 1) * dc; j++) norm += u[j] * u[j];
         for (int64_t l = 0; l < LANES; l++) denominator[l] = sqrt(norm[l]) > 1e-12 ? sqrt(norm[l]) : 1e-12;
-        for (int64_t j = h * dc; j < (h + 1) * dc; j++) u[j] /= denominator;
+        if (n == 1)  /* a decoding step: scalar divisions, cheaper than vector ones of seven idle lanes */
+            for (int64_t j = h * dc; j < (h + 1) * dc; j++) u[j][0] /= denominator[0];
+        else
+            for (int64_t j = h * dc; j < (h + 1) * dc; j++) u[j] /= denominator;
     }
     if (p->projection == PROJ_LOW_RANK) {  /* per head: up_h (R, rank) @ down_h (rank, Dc) @ u_h */
         for (int64_t h = 0; h < hk; h++) {
-            matvec(p->proj_a, wd, h * p->proj_rank * dc, u + h * dc, dc, p->proj_rank, NULL, low);
-            matvec(p->proj_b, wd, h * r * p->proj_rank, low, p->proj_rank, r, NULL, c + h * r);
+            matvec(p->proj_a, wd, h * p->proj_rank * dc, u + h * dc, dc, p->proj_rank, NULL, low, n);
+            matvec(p->proj_b, wd, h * r * p->proj_rank, low, p->proj_rank, r, NULL, c + h * r, n);
         }
     } else if (p->projection == PROJ_DENSE_LOW_RANK) {  /* up (Hk*R, rank) @ down (rank, Hk*Dc) @ u */
-        matvec(p->proj_a, wd, 0, u, hk * dc, p->proj_rank, NULL, low);
-        matvec(p->proj_b, wd, 0, low, p->proj_rank, channels, NULL, c);
+        matvec(p->proj_a, wd, 0, u, hk * dc, p->proj_rank, NULL, low, n);
+        matvec(p->proj_b, wd, 0, low, p->proj_rank, channels, NULL, c, n);
     } else if (p->projection == PROJ_FULL_RANK) {  /* per row: scale * (w . u_h) / max(|w|, 1e-12) */
         for (int64_t h = 0; h < hk; h++) {
-            matvec(p->proj_a, wd, h * r * dc, u + h * dc, dc, r, NULL, c + h * r);
+            matvec(p->proj_a, wd, h * r * dc, u + h * dc, dc, r, NULL, c + h * r, n);
             for (int64_t i = 0; i < r; i++) {
                 double norm = 0.0;
                 for (int64_t j = 0; j < dc; j++) {
@@ -248,7 +283,7 @@ HOT static void increments(const Parameters *p, const Tensors *a, const Scratch 
         }
     } else {  /* scalar: one value per head, shared by every frequency */
         for (int64_t h = 0; h < hk; h++) {
-            matvec(p->proj_a, wd, h * dc, u + h * dc, dc, 1, NULL, low);
+            matvec(p->proj_a, wd, h * dc, u + h * dc, dc, 1, NULL, low, n);
             for (int64_t i = 0; i < r; i++) c[h * r + i] = low[0];
         }
     }
@@ -280,10 +315,10 @@ HOT static void increments(const Parameters *p, const Tensors *a, const Scratch 
         for (int64_t i = 0; i < channels; i++) c[i] += s->exp_bias[i];
     if (p->gate_layers > 0) {
         if (p->gate_layers == 1) {
-            matvec(p->gate_w1, wd, 0, u, hk * dc, p->gate_width, p->gate_b1, gate);
+            matvec(p->gate_w1, wd, 0, u, hk * dc, p->gate_width, p->gate_b1, gate, n);
         } else {
-            matvec(p->gate_w1, wd, 0, u, hk * dc, p->gate_rank, NULL, low);
-            matvec(p->gate_w2, wd, 0, low, p->gate_rank, p->gate_width, p->gate_b2, gate);
+            matvec(p->gate_w1, wd, 0, u, hk * dc, p->gate_rank, NULL, low, n);
+            matvec(p->gate_w2, wd, 0, low, p->gate_rank, p->gate_width, p->gate_b2, gate, n);
         }
         const int64_t per_gate = p->gate_width == hk ? r : 1;  /* one gate per head, or per channel */
         for (int64_t g = 0; g < p->gate_width; g++)
@@ -685,8 +720,9 @@ class RotaryPlan:
             that do not fit the plan.
         """
         qk_dtype, x_dtype = DTYPE_CODES.get(q.dtype), DTYPE_CODES.get(x.dtype)
+        x_strides, q_strides, k_strides = x.stride(), q.stride(), k.stride()  # (each call costs: a decoding step)
         if (qk_dtype is None or x_dtype is None or k.dtype != q.dtype or not (x.is_cpu and q.is_cpu and k.is_cpu)
-                or x.stride(-1) != 1 or q.stride(-1) != 1 or k.stride(-1) != 1 or not self.current()):
+                or x_strides[-1] != 1 or q_strides[-1] != 1 or k_strides[-1] != 1 or not self.current()):
             return None
         kernel = load_kernel()
         if kernel is None:
@@ -717,9 +753,8 @@ class RotaryPlan:
         new_phase = torch.empty((batch, num_key_heads, rotary_pairs), dtype=torch.float64)
         new_history = (torch.empty((batch, history, num_key_heads * rotary_pairs), dtype=torch.float64)
                        if self.has_conv else None)
-        status = kernel(self.parameters_ref, batch, seq_len, x.data_ptr(), x_dtype, x.stride(0), x.stride(1),
-                        q.data_ptr(), k.data_ptr(), qk_dtype, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
-                        k.stride(1), k.stride(2), q_out.data_ptr(), k_out.data_ptr(),
+        status = kernel(self.parameters_ref, batch, seq_len, x.data_ptr(), x_dtype, *x_strides[:2], q.data_ptr(),
+                        k.data_ptr(), qk_dtype, *q_strides[:3], *k_strides[:3], q_out.data_ptr(), k_out.data_ptr(),
                         *((None, 0, 0, 0) if phase is None else (phase.data_ptr(), *phase.stride())),
                         new_phase.data_ptr(), _pointer(conv_state), _pointer(new_history), _pointer(lengths))
         if status != 0:
