@@ -240,25 +240,34 @@ HOT static void increments(const Parameters *p, const Tensors *a, const Scratch 
         for (int64_t i = 0; i < channels; i++) c[i] = keep;
         return;
     }
-    for (int64_t l = 0; l < LANES; l++) {  /* x, one lane per token (unused lanes 0) */
-        const int64_t row = b * a->x_stride_b + (t0 + l) * a->x_stride_t;
-        if (l >= n) {  /* zero from the scratch's start; a previous block's tokens may be there */
-            if (t0 == 0) break;
-            for (int64_t j = 0; j < hk * dc; j++) u[j][l] = 0.0;
-        } else if (a->x_dtype == F32) {
-            for (int64_t j = 0; j < hk * dc; j++) u[j][l] = ((const float *)a->x)[row + j];
-        } else {
-            for (int64_t j = 0; j < hk * dc; j++) u[j][l] = load(a->x, (int)a->x_dtype, row + j);
+    /* u_h = x_h / max(|x_h|, 1e-12) (F.normalize), one lane per token; each norm summed in order */
+    if (n == 1) {  /* a decoding step: lane 0 only, in scalars (every reader of u takes lane 0 alone then) */
+        const int64_t row = b * a->x_stride_b + t0 * a->x_stride_t;
+        for (int64_t h = 0; h < hk; h++) {
+            double norm = 0.0;
+            for (int64_t j = h * dc; j < (h + 1) * dc; j++) {
+                u[j][0] = load(a->x, (int)a->x_dtype, row + j);
+                norm += u[j][0] * u[j][0];
+            }
+            const double denominator = sqrt(norm) > 1e-12 ? sqrt(norm) : 1e-12;
+            for (int64_t j = h * dc; j < (h + 1) * dc; j++) u[j][0] /= denominator;
         }
-    }
-    for (int64_t h = 0; h < hk; h++) {  /* u_h = x_h / max(|x_h|, 1e-12) (F.normalize) */
-        lanes_t norm = {0}, denominator;
-        for (int64_t j = h * dc; j < (h + 1) * dc; j++) norm += u[j] * u[j];
-        for (int64_t l = 0; l < LANES; l++) denominator[l] = sqrt(norm[l]) > 1e-12 ? sqrt(norm[l]) : 1e-12;
-        if (n == 1)  /* a decoding step: scalar divisions, cheaper than vector ones of seven idle lanes */
-            for (int64_t j = h * dc; j < (h + 1) * dc; j++) u[j][0] /= denominator[0];
-        else
+    } else {
+        for (int64_t l = 0; l < LANES; l++) {  /* unused lanes 0 */
+            const int64_t row = b * a->x_stride_b + (t0 + l) * a->x_stride_t;
+            if (l >= n)
+                for (int64_t j = 0; j < hk * dc; j++) u[j][l] = 0.0;
+            else if (a->x_dtype == F32)
+                for (int64_t j = 0; j < hk * dc; j++) u[j][l] = ((const float *)a->x)[row + j];
+            else
+                for (int64_t j = 0; j < hk * dc; j++) u[j][l] = load(a->x, (int)a->x_dtype, row + j);
+        }
+        for (int64_t h = 0; h < hk; h++) {
+            lanes_t norm = {0}, denominator;
+            for (int64_t j = h * dc; j < (h + 1) * dc; j++) norm += u[j] * u[j];
+            for (int64_t l = 0; l < LANES; l++) denominator[l] = sqrt(norm[l]) > 1e-12 ? sqrt(norm[l]) : 1e-12;
             for (int64_t j = h * dc; j < (h + 1) * dc; j++) u[j] /= denominator;
+        }
     }
     if (p->projection == PROJ_LOW_RANK) {  /* per head: up_h (R, rank) @ down_h (rank, Dc) @ u_h */
         for (int64_t h = 0; h < hk; h++) {
@@ -421,7 +430,6 @@ HOT static int rotary(const Parameters *given, const Tensors *a, int64_t batch, 
     double *doubles = malloc(sizeof(double) * (size_t)n_doubles);
     float *floats = calloc(3 * (size_t)(LANES * channels), sizeof(float));
     if (!lanes || !doubles || !floats) { free(lanes); free(doubles); free(floats); free(widened); return 1; }
-    memset(lanes, 0, sizeof(lanes_t) * (size_t)n_lanes);
     const Scratch s = {lanes, lanes + hidden, lanes + hidden + channels, lanes + hidden + channels + inner,
                        doubles, doubles + channels * (past + LANES), doubles + channels * (past + LANES) + r,
                        doubles + channels * (past + LANES) + r + channels, floats, floats + LANES * channels,
