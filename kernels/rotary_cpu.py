@@ -8,14 +8,16 @@ issue-21 benchmark model (one thread, 256 cached tokens), these ops made Selecti
 time per token and the plain RoPE port at 1.13×; with the rotation removed, 1.05× and 0.99×. A prefill of thousands
 of tokens is the other way round: ~15 float64 passes over ``(T, Hk, R)`` tensors and float64 ``bmm`` with small inner
 sizes (43–54 ms per layer at 8k tokens, GLA benchmark shape, one thread); one pass over the tokens, eight at a time
-in vector registers, takes ~14 ms. Fewer PyTorch ops, NumPy and ``torch.compile`` (a 26 s compile per shape) did not
-close these gaps.
+in vector registers, takes ~14 ms (~9.5 ms on two threads, against ~35 ms). Fewer PyTorch ops, NumPy and
+``torch.compile`` (a 26 s compile per shape) did not close these gaps.
 
 How. The C source below (``C_SOURCE``, a string so that it travels with a saved model's remote code, which carries
 only ``.py`` files) is compiled on first use by the system's C compiler (``$CC``, else ``cc``, ``gcc`` or
-``clang``; ~0.5–1 s, once) into a shared library cached under ``$SELECTIVE_ROPE_CACHE`` (default
+``clang``; ~1.5 s, once) into a shared library cached under ``$SELECTIVE_ROPE_CACHE`` (default
 ``~/.cache/selective_rope``), named by a hash of the source and the compiler, and called through ``ctypes``. On
-x86-64 with glibc the hot functions are built for AVX-512, AVX2 and the baseline, chosen when the library loads. No
+x86-64 with glibc the hot functions are built for AVX-512, AVX2 and the baseline, chosen when the library loads.
+A row of at least 1024 real tokens is split between ``torch.get_num_threads()`` threads (POSIX threads, at least 512
+tokens each; see ``row_threaded``), with the same results bit for bit. No
 compiler, a failed build or an unwritable cache leave the PyTorch path in charge, with one warning
 (``SELECTIVE_ROPE_CPU_KERNEL=0`` turns the kernel off without one). It serves the ``"auto"`` backend (the default)
 without autograd (``torch.no_grad``, ``torch.inference_mode``: generation, evaluation); training and
@@ -32,7 +34,7 @@ order than PyTorch's (``bmm``, ``norm``, ``cumsum``) and cos/sin are our own pol
 vectorise), so results agree with the torch path to rounding (float32 q and k to ~1e-6; tests:
 ``tests/kernels/test_rotary_cpu.py``). Among themselves the compiled calls agree exactly: a prefill is the decoding
 step's code run over the tokens in order, so a sequence split into any pieces, down to one token per call, gives
-bit-identical q, k and state.
+bit-identical q, k and state, on any number of threads.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ CONVOLUTIONS = {None: 0, "learned": 1, "difference": 2}
 
 C_SOURCE = r"""
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -195,12 +198,13 @@ typedef struct {
     const int64_t *lengths;  /* (B,): tokens t >= lengths[b] are pads; NULL: none */
 } Tensors;
 
-/* Scratch memory of one call, in lanes (float64 vectors) and floats. */
+/* Scratch memory of one thread, in lanes (float64 vectors), doubles and floats. */
 typedef struct {
     lanes_t *u, *c, *low, *gate;  /* (Hk*Dc), (Hk*R), (max(rank, gate rank)), (gate width) lanes */
     double *conv_windows;  /* (Hk*R, K-1+LANES) */
     double *turns, *exp_bias, *conv_taps;  /* τ_i / 2π (R); exp(b) (Hk*R); the taps (Hk*R, K), float64 */
-    float *angle, *cos, *sin;  /* (LANES, Hk*R) */
+    double *theta, *history;  /* (LANES, Hk*R) phases; (K-1, Hk*R) a convolution history */
+    float *angle, *cos, *sin, *block;  /* (LANES, Hk*R): angles, their cos and sin; one block's increments */
 } Scratch;
 
 /* c_t for up to LANES consecutive tokens of one row (rounded to float32, 0 for pads), from x; advances the
@@ -386,7 +390,170 @@ static double *widen_parameters(const Parameters *p, Parameters *wide) {
 
 /* The rotary module on B rows of T tokens: for each row, the tokens in order, LANES at a time (a decoding step is
    T = 1). Returns 0, or 1 if scratch memory could not be had. */
-HOT static int rotary(const Parameters *given, const Tensors *a, int64_t batch, int64_t seq_len) {
+/* One thread's scratch memory (Scratch), allocated in three blocks; 0, or 1 if there is no memory. */
+static int scratch_alloc(const Parameters *p, Scratch *s) {
+    const int64_t r = p->rotary_pairs, channels = p->num_key_heads * r, past = p->conv_size - 1;
+    const int64_t hidden = p->num_key_heads * p->chunk_dim;
+    int64_t inner = p->proj_rank > p->gate_rank ? p->proj_rank : p->gate_rank;
+    inner = inner > 1 ? inner : 1;
+    const int64_t n_lanes = hidden + channels + inner + (p->gate_width > 0 ? p->gate_width : 1);
+    const int64_t n_doubles = channels * (past + LANES) + r + channels + channels * p->conv_size + channels * LANES
+                              + past * channels;
+    lanes_t *lanes = aligned_alloc(sizeof(lanes_t), sizeof(lanes_t) * (size_t)n_lanes);
+    double *doubles = malloc(sizeof(double) * (size_t)n_doubles);
+    float *floats = malloc(sizeof(float) * 4 * (size_t)(LANES * channels));
+    if (!lanes || !doubles || !floats) { free(lanes); free(doubles); free(floats); return 1; }
+    *s = (Scratch){lanes, lanes + hidden, lanes + hidden + channels, lanes + hidden + channels + inner, doubles};
+    s->turns = s->conv_windows + channels * (past + LANES);
+    s->exp_bias = s->turns + r;
+    s->conv_taps = s->exp_bias + channels;
+    s->theta = s->conv_taps + channels * p->conv_size;
+    s->history = s->theta + channels * LANES;
+    s->angle = floats;
+    s->cos = floats + LANES * channels;
+    s->sin = floats + 2 * LANES * channels;
+    s->block = floats + 3 * LANES * channels;
+    const int wd = (int)p->param_dtype;
+    for (int64_t i = 0; i < r; i++) s->turns[i] = load(p->temperature, wd, i) / TWO_PI;
+    if (p->bias)
+        for (int64_t i = 0; i < channels; i++) s->exp_bias[i] = exp(load(p->bias, wd, i));
+    for (int64_t i = 0; i < channels * p->conv_size; i++)  /* the difference: (-1, 1) */
+        s->conv_taps[i] = p->convolution == CONV_LEARNED ? load(p->conv_taps, wd, i) : i % 2 ? 1.0 : -1.0;
+    return 0;
+}
+
+static void scratch_free(Scratch *s) {
+    free(s->u);
+    free(s->conv_windows);
+    free(s->angle);
+}
+
+/* c_t of row b's tokens [start, stop), into inc ((stop - start) * Hk*R floats: c_t is rounded to float32, so this
+   is exact), NULL to drop them; the convolution history advanced in place. */
+static void row_increments(const Parameters *p, const Tensors *a, const Scratch *s, int64_t b, int64_t start,
+                           int64_t stop, int64_t length, double *history, float *inc) {
+    const int64_t channels = p->num_key_heads * p->rotary_pairs;
+    for (int64_t t0 = start; t0 < stop; t0 += LANES) {
+        const int64_t n = stop - t0 < LANES ? stop - t0 : LANES;
+        const int64_t valid = length <= t0 ? 0 : length - t0 < n ? length - t0 : n;
+        increments(p, a, s, b, t0, n, valid, history);
+        if (inc)
+            for (int64_t l = 0; l < n; l++)
+                for (int64_t i = 0; i < channels; i++) inc[(t0 - start + l) * channels + i] = (float)s->c[i][l];
+    }
+}
+
+/* Row b's tokens [start, stop): θ_t = θ_{t-1} + c_t summed in float64 token by token from `phase` (advanced in
+   place), c_t from inc ((stop - start) * Hk*R), and q, k rotated. */
+static void row_rotate(const Parameters *p, const Tensors *a, const Scratch *s, int64_t b, int64_t seq_len,
+                       int64_t start, int64_t stop, double *phase, const float *inc) {
+    const int64_t hq = p->num_query_heads, hk = p->num_key_heads, head_dim = p->head_dim, r = p->rotary_pairs;
+    const int64_t channels = hk * r, groups = hq / hk;
+    const int64_t qk_size = a->qk_dtype == F64 ? 8 : a->qk_dtype == F32 ? 4 : 2;
+    for (int64_t t0 = start; t0 < stop; t0 += LANES) {
+        const int64_t n = stop - t0 < LANES ? stop - t0 : LANES;
+        for (int64_t l = 0; l < n; l++)
+            for (int64_t i = 0; i < channels; i++)
+                s->theta[l * channels + i] = phase[i] = (double)inc[(t0 - start + l) * channels + i] + phase[i];
+        cos_sin(s->theta, s->turns, n, r, channels, s->angle, s->cos, s->sin);
+        for (int64_t l = 0; l < n; l++) {
+            const int64_t t = t0 + l;
+            for (int64_t head = 0; head < hq + hk; head++) {  /* query heads, then key heads */
+                const int is_query = head < hq;
+                const int64_t key_head = is_query ? head / groups : head - hq;
+                const char *src = is_query ? (const char *)a->q + qk_size * (b * a->q_stride_b + t * a->q_stride_t
+                                                                             + head * a->q_stride_h)
+                                           : (const char *)a->k + qk_size * (b * a->k_stride_b + t * a->k_stride_t
+                                                                             + key_head * a->k_stride_h);
+                char *dst = is_query ? (char *)a->q_out + qk_size * ((b * seq_len + t) * hq + head) * head_dim
+                                     : (char *)a->k_out + qk_size * ((b * seq_len + t) * hk + key_head) * head_dim;
+                const int64_t at = l * channels + key_head * r;
+                rotate_head(src, dst, (int)a->qk_dtype, r, head_dim, s->cos + at, s->sin + at);
+            }
+        }
+    }
+}
+
+/* A long row split between threads: each computes the increments of its tokens (after the K-1 tokens before them,
+   to fill its convolution history), the phase at each part's start is summed token by token on one thread, then each
+   rotates its tokens. Every number is the one the single-threaded loop computes. */
+#define MAX_THREADS 64
+#define MIN_TOKENS_PER_THREAD 512
+typedef struct {
+    const Parameters *p;
+    const Tensors *a;
+    Scratch s;
+    int64_t b, seq_len, length, warm_from, start, stop;
+    float *inc;  /* the row's increments, (T, Hk*R) */
+    double *phase;  /* (Hk*R): the phase before `start`, then advanced */
+} Part;
+
+static void *part_increments(void *arg) {
+    Part *w = arg;
+    const int64_t channels = w->p->num_key_heads * w->p->rotary_pairs;
+    row_increments(w->p, w->a, &w->s, w->b, w->warm_from, w->start, w->length, w->s.history, NULL);
+    row_increments(w->p, w->a, &w->s, w->b, w->start, w->stop, w->length, w->s.history, w->inc + w->start * channels);
+    return NULL;
+}
+
+static void *part_rotate(void *arg) {
+    Part *w = arg;
+    const int64_t channels = w->p->num_key_heads * w->p->rotary_pairs;
+    row_rotate(w->p, w->a, &w->s, w->b, w->seq_len, w->start, w->stop, w->phase, w->inc + w->start * channels);
+    return NULL;
+}
+
+/* task on every part, parts[0] on this thread; a thread that cannot start has its part run here. */
+static void run_parts(Part *parts, int count, void *(*task)(void *)) {
+    pthread_t threads[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int i = 1; i < count; i++) started[i] = pthread_create(&threads[i], NULL, task, &parts[i]) == 0;
+    task(&parts[0]);
+    for (int i = 1; i < count; i++) {
+        if (started[i]) pthread_join(threads[i], NULL);
+        else task(&parts[i]);
+    }
+}
+
+/* Row b on `count` threads (see Part); `history` (K-1, Hk*R) and `phase` (Hk*R) hold the row's state in and out,
+   `inc` room for (T, Hk*R) floats. Returns 1 if scratch memory could not be had. */
+static int row_threaded(const Parameters *p, const Tensors *a, int64_t b, int64_t seq_len, int64_t length, int count,
+                        double *history, double *phase, float *inc) {
+    const int64_t channels = p->num_key_heads * p->rotary_pairs, past = p->conv_size - 1;
+    Part parts[MAX_THREADS];
+    double *starts = malloc(sizeof(double) * (size_t)(count * channels));
+    int ready = 0, failed = !starts;
+    for (; ready < count && !failed; ready++) failed = scratch_alloc(p, &parts[ready].s);
+    if (failed) {
+        for (int i = 0; i < ready - 1; i++) scratch_free(&parts[i].s);
+        free(starts);
+        return 1;
+    }
+    for (int i = 0; i < count; i++) {  /* parts of the real tokens; the last also takes the pads after them */
+        Part *w = &parts[i];
+        w->p = p, w->a = a, w->b = b, w->seq_len = seq_len, w->length = length, w->inc = inc;
+        w->start = length * i / count;
+        w->stop = i + 1 < count ? length * (i + 1) / count : seq_len;
+        w->warm_from = w->start - past > 0 ? w->start - past : 0;
+        for (int64_t j = 0; j < past * channels; j++) w->s.history[j] = w->warm_from == 0 ? history[j] : 0.0;
+        w->phase = starts + i * channels;
+    }
+    run_parts(parts, count, part_increments);
+    for (int64_t j = 0; j < past * channels; j++) history[j] = parts[count - 1].s.history[j];
+    for (int i = 0; i < count; i++) {  /* each part's first phase, summed in order */
+        memcpy(parts[i].phase, phase, sizeof(double) * (size_t)channels);
+        for (int64_t t = parts[i].start; t < parts[i].stop; t++)
+            for (int64_t j = 0; j < channels; j++) phase[j] = (double)inc[t * channels + j] + phase[j];
+    }
+    run_parts(parts, count, part_rotate);
+    for (int i = 0; i < count; i++) scratch_free(&parts[i].s);
+    free(starts);
+    return 0;
+}
+
+/* The rotary module on B rows of T tokens: each row's tokens in order, LANES at a time (a decoding step is T = 1),
+   a long row on up to `threads` threads. Returns 0, or 1 if scratch memory could not be had. */
+HOT static int rotary(const Parameters *given, const Tensors *a, int64_t batch, int64_t seq_len, int64_t threads) {
     Parameters wide;
     double *widened = NULL;
     if (given->param_dtype == F32 && batch * seq_len >= 4 * LANES) {
@@ -394,77 +561,44 @@ HOT static int rotary(const Parameters *given, const Tensors *a, int64_t batch, 
         if (!widened) return 1;
     }
     const Parameters *p = widened ? &wide : given;
-    const int64_t hq = p->num_query_heads, hk = p->num_key_heads, head_dim = p->head_dim, r = p->rotary_pairs;
-    const int64_t channels = hk * r, groups = hq / hk, past = p->conv_size - 1;
-    const int64_t hidden = hk * p->chunk_dim, qk_size = a->qk_dtype == F64 ? 8 : a->qk_dtype == F32 ? 4 : 2;
-    int64_t inner = p->proj_rank > p->gate_rank ? p->proj_rank : p->gate_rank;
-    inner = inner > 1 ? inner : 1;
-    const int64_t n_lanes = hidden + channels + inner + (p->gate_width > 0 ? p->gate_width : 1);
-    const int64_t n_doubles = channels * (past + LANES) + r + channels + channels * p->conv_size + channels * LANES
-                              + (past > 0 ? past * channels : 1);
-    lanes_t *lanes = aligned_alloc(sizeof(lanes_t), sizeof(lanes_t) * (size_t)n_lanes);
-    double *doubles = malloc(sizeof(double) * (size_t)n_doubles);
-    float *floats = calloc(3 * (size_t)(LANES * channels), sizeof(float));
-    if (!lanes || !doubles || !floats) { free(lanes); free(doubles); free(floats); free(widened); return 1; }
-    const Scratch s = {lanes, lanes + hidden, lanes + hidden + channels, lanes + hidden + channels + inner,
-                       doubles, doubles + channels * (past + LANES), doubles + channels * (past + LANES) + r,
-                       doubles + channels * (past + LANES) + r + channels, floats, floats + LANES * channels,
-                       floats + 2 * LANES * channels};
-    double *theta = s.conv_taps + channels * p->conv_size, *history = theta + channels * LANES;
-    const int wd = (int)p->param_dtype;
-    for (int64_t i = 0; i < r; i++) s.turns[i] = load(p->temperature, wd, i) / TWO_PI;
-    if (p->bias)
-        for (int64_t i = 0; i < channels; i++) s.exp_bias[i] = exp(load(p->bias, wd, i));
-    for (int64_t i = 0; i < channels * p->conv_size; i++)  /* the difference: (-1, 1) */
-        s.conv_taps[i] = p->convolution == CONV_LEARNED ? load(p->conv_taps, wd, i) : i % 2 ? 1.0 : -1.0;
-
-    for (int64_t b = 0; b < batch; b++) {
-        const int64_t length = a->lengths ? a->lengths[b] : seq_len;
-        double *row_history = a->new_conv_state ? a->new_conv_state + b * past * channels : history;
-        if (a->new_conv_state) {
-            for (int64_t i = 0; i < past * channels; i++)
-                row_history[i] = a->conv_state ? a->conv_state[b * past * channels + i] : 0.0;
-        }
+    const int64_t hk = p->num_key_heads, r = p->rotary_pairs, channels = hk * r, past = p->conv_size - 1;
+    Scratch s;
+    float *inc = threads > 1 && seq_len >= 2 * MIN_TOKENS_PER_THREAD
+                 ? malloc(sizeof(float) * (size_t)(seq_len * channels)) : NULL;
+    if (scratch_alloc(p, &s)) { free(widened); free(inc); return 1; }
+    int status = 0;
+    for (int64_t b = 0; b < batch && status == 0; b++) {
+        const int64_t length = a->lengths ? (a->lengths[b] < seq_len ? a->lengths[b] : seq_len) : seq_len;
+        double *history = a->new_conv_state ? a->new_conv_state + b * past * channels : s.history;
+        for (int64_t i = 0; i < past * channels; i++)
+            history[i] = a->conv_state ? a->conv_state[b * past * channels + i] : 0.0;
         double *phase = a->new_phase + b * channels;  /* the running phase, θ_0 first */
         for (int64_t h = 0; h < hk; h++)
             for (int64_t i = 0; i < r; i++)
                 phase[h * r + i] = a->phase ? a->phase[b * a->phase_stride_b + h * a->phase_stride_h
                                                        + i * a->phase_stride_r] : 0.0;
+        int64_t count = length / MIN_TOKENS_PER_THREAD;
+        count = count < threads ? count : threads;
+        count = count < MAX_THREADS ? count : MAX_THREADS;
+        if (count > 1 && inc) {
+            status = row_threaded(p, a, b, seq_len, length, (int)count, history, phase, inc);
+            continue;
+        }
         for (int64_t t0 = 0; t0 < seq_len; t0 += LANES) {
-            const int64_t n = seq_len - t0 < LANES ? seq_len - t0 : LANES;
-            const int64_t valid = length <= t0 ? 0 : length - t0 < n ? length - t0 : n;
-            increments(p, a, &s, b, t0, n, valid, row_history);
-            for (int64_t l = 0; l < n; l++)  /* θ_t = θ_{t-1} + c_t, summed in float64 token by token */
-                for (int64_t i = 0; i < channels; i++)
-                    theta[l * channels + i] = phase[i] = s.c[i][l] + phase[i];
-            cos_sin(theta, s.turns, n, r, channels, s.angle, s.cos, s.sin);
-            for (int64_t l = 0; l < n; l++) {
-                const int64_t t = t0 + l;
-                for (int64_t head = 0; head < hq + hk; head++) {  /* query heads, then key heads */
-                    const int is_query = head < hq;
-                    const int64_t key_head = is_query ? head / groups : head - hq;
-                    const char *src = is_query ? (const char *)a->q + qk_size * (b * a->q_stride_b + t * a->q_stride_t
-                                                                                 + head * a->q_stride_h)
-                                               : (const char *)a->k + qk_size * (b * a->k_stride_b + t * a->k_stride_t
-                                                                                 + key_head * a->k_stride_h);
-                    char *dst = is_query ? (char *)a->q_out + qk_size * ((b * seq_len + t) * hq + head) * head_dim
-                                         : (char *)a->k_out + qk_size * ((b * seq_len + t) * hk + key_head) * head_dim;
-                    const int64_t at = l * channels + key_head * r;
-                    rotate_head(src, dst, (int)a->qk_dtype, r, head_dim, s.cos + at, s.sin + at);
-                }
-            }
+            const int64_t stop = seq_len - t0 < LANES ? seq_len : t0 + LANES;
+            row_increments(p, a, &s, b, t0, stop, length, history, s.block);
+            row_rotate(p, a, &s, b, seq_len, t0, stop, phase, s.block);
         }
     }
-    free(lanes);
-    free(doubles);
-    free(floats);
+    scratch_free(&s);
+    free(inc);
     free(widened);
-    return 0;
+    return status;
 }
 
 /* The entry point. The call's sizes, pointers and strides come as one array of int64 (pointers as integers), in
    this order: B, T; x, its dtype and strides (B, T); q, k, their dtype, q's strides (B, T, H), k's; q_out, k_out;
-   phase and its strides (B, H, R); new_phase, conv_state, new_conv_state, lengths (0 for NULL). ctypes passes one
+   phase and its strides (B, H, R); new_phase, conv_state, new_conv_state, lengths (0 for NULL); threads. ctypes passes one
    pointer in ~0.8 us where 26 arguments took ~3 us, per layer and decoding step. */
 int selective_rope_rotary(const Parameters *p, const int64_t *call) {
 #define POINTER(i) ((void *)(intptr_t)call[i])
@@ -472,7 +606,7 @@ int selective_rope_rotary(const Parameters *p, const int64_t *call) {
                              call[11], call[12], call[13], call[14], POINTER(15), POINTER(16), POINTER(17), call[18],
                              call[19], call[20], POINTER(21), POINTER(22), POINTER(23), POINTER(24)};
 #undef POINTER
-    return rotary(p, &tensors, call[0], call[1]);
+    return rotary(p, &tensors, call[0], call[1], call[25]);
 }
 """
 
@@ -491,7 +625,7 @@ _ARGTYPES = [ctypes.POINTER(_Parameters), ctypes.c_void_p]  # the plan's paramet
 # -O3: the loops over tokens and frequencies are vectorised (-fno-trapping-math lets `trunc` be, and changes no
 # value: it only drops floating-point exception flags); -ffp-contract=off: no fused multiply-adds, so every version
 # of the code (and PyTorch's rotation) rounds alike.
-_FLAGS = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-trapping-math", "-std=c11"]
+_FLAGS = ["-O3", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-trapping-math", "-std=c11"]
 
 _lock = threading.Lock()
 _kernel = None  # the loaded C function, False once loading failed, None before the first try
@@ -736,7 +870,8 @@ class RotaryPlan:
         call = array.array("q", (batch, seq_len, x.data_ptr(), x_dtype, *x_strides[:2], q.data_ptr(), k.data_ptr(),
                                  qk_dtype, *q_strides[:3], *k_strides[:3], q_out.data_ptr(), k_out.data_ptr(),
                                  *((0, 0, 0, 0) if phase is None else (phase.data_ptr(), *phase.stride())),
-                                 new_phase.data_ptr(), _pointer(conv_state), _pointer(new_history), _pointer(lengths)))
+                                 new_phase.data_ptr(), _pointer(conv_state), _pointer(new_history), _pointer(lengths),
+                                 torch.get_num_threads() if seq_len > 1 else 1))
         status = kernel(self.parameters_ref, call.buffer_info()[0])  # (the C entry point lists the order)
         if status != 0:
             raise MemoryError("the compiled CPU rotary kernel could not allocate its scratch memory")

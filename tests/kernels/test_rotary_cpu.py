@@ -153,6 +153,31 @@ def test_prefill_in_any_pieces_equals_decoding_exactly(options, monkeypatch, com
     assert compiled_steps.count == seq_len + 2  # token by token, and the last token of the 13 and 3 chunkings
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("options", ROTATING_GRID,
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+def test_long_prefill_on_threads_is_bit_identical(options, monkeypatch, compiled_steps):
+    """A long row is split between torch's threads (each part's increments after the tokens before it, the phase at
+    each part's start summed in order on one thread): the same q, k and state bit for bit with 1, 2 or 3 threads,
+    continuing a cached state, with a shorter padded row; and the torch path's values to rounding."""
+    module = make_rotary(4, 2, dtype=torch.float32, **options)
+    seq_len = 1600  # parts of at least 512 real tokens: 3 for the first row, 2 for the second
+    x, q, k = torch.randn(2, seq_len, HIDDEN), torch.randn(2, seq_len, 4, 8), torch.randn(2, seq_len, 2, 8)
+    lengths = torch.tensor([seq_len, 1100])
+    _, _, state = module(x[:, :40], q[:, :40], k[:, :40])
+    results = []
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)  # (restored by conftest's autouse fixture)
+        results.append(module(x, q, k, state=state, lengths=lengths))
+    for q_out, k_out, new_state in results[1:]:
+        assert torch.equal(q_out, results[0][0]) and torch.equal(k_out, results[0][1])
+        assert all(torch.equal(new_state[name], results[0][2][name]) for name in state)
+    assert compiled_steps.prefills == 4
+    monkeypatch.setenv(rotary_cpu.ENV_SWITCH, "0")
+    reference = module(x, q, k, state=state, lengths=lengths)
+    assert_same_step(results[-1], reference, qk_tolerance=1e-5)
+
+
 def test_training_takes_the_torch_path(monkeypatch, compiled_steps):
     """With autograd on, a prefill runs the torch path (the C kernel has no backward), and gradients reach the
     inputs and the phase parameters."""
