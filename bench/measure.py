@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..modeling.inputs import CACHE_FIELD, returned_cache
 from .machine import Quiet
 from .report import comparison_cell, log
 from .timing import comparison_record, paired_ratio, target, timed_rounds
@@ -36,12 +37,12 @@ def decode_contexts(model, contexts: list[int], vocab: int, steps: int, steps_pe
             start = time.perf_counter()
             out = model(ids, use_cache=True)
             prefill_s[ctx] = time.perf_counter() - start
-            caches[ctx] = out.past_key_values
+            caches[ctx] = returned_cache(out)
             next_ids[ctx] = out.logits[:, -1:].argmax(-1)
 
         def step(ctx: int) -> None:
-            out = model(next_ids[ctx], past_key_values=caches[ctx], use_cache=True)
-            caches[ctx] = out.past_key_values
+            out = model(next_ids[ctx], **{CACHE_FIELD: caches[ctx]}, use_cache=True)
+            caches[ctx] = returned_cache(out)
             next_ids[ctx] = out.logits[:, -1:].argmax(-1)  # greedy: each step depends on the previous one
 
         for _ in range(warmup_steps):
@@ -209,12 +210,12 @@ def decode_comparison(models: dict, contexts: list[int], vocab: int, rounds: int
         with torch.inference_mode():
             for name, model in models.items():
                 out = model(ids, use_cache=True)
-                states[name] = [out.past_key_values, out.logits[:, -1:].argmax(-1)]
+                states[name] = [returned_cache(out), out.logits[:, -1:].argmax(-1)]
 
             def step(name: str, states: dict = states) -> None:
                 cache, token = states[name]
-                out = models[name](token, past_key_values=cache, use_cache=True)
-                states[name] = [out.past_key_values, out.logits[:, -1:].argmax(-1)]
+                out = models[name](token, **{CACHE_FIELD: cache}, use_cache=True)
+                states[name] = [returned_cache(out), out.logits[:, -1:].argmax(-1)]
 
             for _ in range(warmup_steps):
                 for name in models:

@@ -35,6 +35,8 @@ def median_seconds(fn, repeats: int) -> float:
 def measure_family(family: str, args: argparse.Namespace, device) -> dict:
     import torch
 
+    from ..modeling import CACHE_FIELD, returned_cache
+
     lm_class = get_family(family).lm_class
     torch.manual_seed(0)
     config = bench_config(family, args.hidden_size, args.layers, args.vocab_size, args.position_embedding)
@@ -50,12 +52,12 @@ def measure_family(family: str, args: argparse.Namespace, device) -> dict:
     def decode():  # seconds per decoded token, after a cached prefill (not timed)
         with torch.inference_mode():
             out = model(ids, use_cache=True)
-            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            cache, token = returned_cache(out), out.logits[:, -1:].argmax(-1)
             sync()
             start = time.perf_counter()
             for _ in range(args.decode_tokens):
-                out = model(token, past_key_values=cache, use_cache=True)
-                cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                out = model(token, **{CACHE_FIELD: cache}, use_cache=True)
+                cache, token = returned_cache(out), out.logits[:, -1:].argmax(-1)
             sync()
             return (time.perf_counter() - start) / args.decode_tokens
 

@@ -60,6 +60,7 @@ from selective_rope.bench.report import log, print_comparison
 from selective_rope.bench.runner import Comparison, FamilyBenchmark, Run, run_benchmark, script_paths
 from selective_rope.bench.timing import target, timed_rounds
 from selective_rope.configuration import SelectiveRopeFoXConfig
+from selective_rope.modeling import returned_cache
 
 # the repository root; benchmarks/results/fox_cpu.json, and fox_vs_llama_cpu.json for --compare-only
 PATHS = script_paths(__file__, "fox", comparison="vs_llama")
@@ -151,7 +152,7 @@ def measured_forward(model, ids: torch.Tensor, use_cache: bool) -> dict:
     record = {"seconds": round(seconds, 4), "rss_before_mib": round(before / 1024, 1),
               "rss_after_mib": round(status["VmRSS"] / 1024, 1),
               "logits_mib": round(out.logits.numel() * out.logits.element_size() / 2**20, 1),
-              "cache_mib": round(cache_bytes(out.past_key_values) / 2**20, 1) if use_cache else 0.0}
+              "cache_mib": round(cache_bytes(returned_cache(out)) / 2**20, 1) if use_cache else 0.0}
     if reset_ok:
         record.update(method="VmHWM after clear_refs", peak_above_baseline_mib=round((status["VmHWM"] - before) / 1024,
                                                                                      1))

@@ -38,6 +38,7 @@ from selective_rope.bench.machine import source_provenance
 from selective_rope.bench.measure import num_parameters
 from selective_rope.bench.report import log, write_results
 from selective_rope.kernels import dispatch
+from selective_rope.modeling import returned_cache
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -119,11 +120,11 @@ def bench_decode(variant: str, backend: str, layers: int, batch: int, context: i
     generator = torch.Generator(device="cuda").manual_seed(2)
     ids = torch.randint(0, MODEL_CONFIG["vocab_size"], (batch, context), device="cuda", generator=generator)
     out = model(ids, use_cache=True)
-    state = {"cache": out.past_key_values, "next": out.logits[:, -1:].argmax(-1)}
+    state = {"cache": returned_cache(out), "next": out.logits[:, -1:].argmax(-1)}
 
     def step():
         out = model(state["next"], past_key_values=state["cache"], use_cache=True)
-        state["cache"], state["next"] = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        state["cache"], state["next"] = returned_cache(out), out.logits[:, -1:].argmax(-1)
 
     stats = cuda_timings({"step": step}, repeats=steps, warmup=5, flush=L2Flush(False))["step"]
     result = {"variant": variant, "backend": backend, "kernels": kernels_used(backend), "batch": batch,

@@ -36,6 +36,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from selective_rope import SelectiveRopeGLAConfig, SelectiveRopeGLAForCausalLM  # noqa: E402
+from selective_rope.modeling import returned_cache  # noqa: E402
 
 PREFILL = 16
 
@@ -69,7 +70,7 @@ def drift(model, length: int, checkpoints: list[int]) -> dict:
     start = time.perf_counter()
     full = model(ids, use_cache=False).logits[0]  # (T, V)
     out = model(ids[:, :PREFILL], use_cache=True)
-    steps, cache = [out.logits[0]], out.past_key_values
+    steps, cache = [out.logits[0]], returned_cache(out)
     for t in range(PREFILL, length):
         out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
         steps.append(out.logits[0])

@@ -3,9 +3,11 @@ from .cache import SelectiveRopeCache, SelectiveRopeCacheLayer
 from .fox import ForgettingAttention, SelectiveRopeFoXForCausalLM, SelectiveRopeFoXModel
 from .gated_deltanet import GatedDeltaNet, SelectiveRopeGatedDeltaNetForCausalLM, SelectiveRopeGatedDeltaNetModel
 from .gla import GatedLinearAttention, SelectiveRopeGLAForCausalLM, SelectiveRopeGLAModel
+from .inputs import CACHE_FIELD, returned_cache
 from .rotary import SelectiveRotaryEmbedding, rotary_temperature
 
 __all__ = [
+    "CACHE_FIELD",
     "ForgettingAttention",
     "GatedDeltaNet",
     "GatedLinearAttention",
@@ -21,5 +23,6 @@ __all__ = [
     "SelectiveRopeGatedDeltaNetModel",
     "SelectiveRopeModelBase",
     "SelectiveRotaryEmbedding",
+    "returned_cache",
     "rotary_temperature",
 ]

@@ -23,7 +23,8 @@ from transformers.utils.generic import can_return_tuple
 from ..kernels.dispatch import keeps_packed, resolve_backend
 from .cache import SelectiveRopeCache
 from .hub import HubMixin, unsharded_class
-from .inputs import check_cache, check_kwargs, check_tokens, packed_offsets, padding_mask
+from .inputs import (CACHE_FIELD, check_cache, check_kwargs, check_tokens, one_cache, packed_offsets, padding_mask,
+                     returned_cache)
 from .layers import GatedMLP, RMSNorm
 from .layout import SequenceLayout
 from .mixer import LayerState, Mixer
@@ -150,21 +151,25 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         cu_seqlens: torch.LongTensor | None = None,
+        cache: SelectiveRopeCache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """
         Args:
             input_ids: ``(B, T)`` token ids; or ``inputs_embeds``: ``(B, T, hidden_size)``.
             attention_mask: padding mask (1 or True = real token, 0 = padding, anywhere in a row) of shape ``(B, T)``
-                or ``(B, T_past + T)`` (``T_past``: the tokens already in ``past_key_values``, as ``generate`` passes
+                or ``(B, T_past + T)`` (``T_past``: the tokens already in the cache, as ``generate`` passes
                 it). Only its last ``T`` columns mark this call's tokens. Values other than 0 and 1 are refused (an
                 additive 0 / -inf mask would read inverted).
             position_ids: positions are implicit (the phase counts real tokens); ``position_ids`` are read only as
                 transformers' packing convention (batch 1, restarting at 0 at each sequence, as
                 ``DataCollatorWithFlattening`` gives), otherwise they must equal the implicit positions.
-            past_key_values: a :class:`SelectiveRopeCache` to continue from (created when ``use_cache`` and None).
+            past_key_values: a :class:`SelectiveRopeCache` to continue from (created when ``use_cache`` and None),
+                returned as ``outputs.cache`` (transformers >= 5.24) or ``outputs.past_key_values`` (before).
             cu_seqlens: packed sequences: ``input_ids`` of shape ``(1, total)`` and offsets ``[0, ..., total]``; each
                 sequence gets exactly the outputs it has alone (the cache then holds one row per sequence).
+            cache: the same as ``past_key_values``, under the name transformers uses from 5.24 on (give one of the
+                two).
             kwargs: transformers' packing keywords ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` /
                 ``max_length_k`` and ``seq_idx`` (the same packed path as ``cu_seqlens``), ``num_items_in_batch``
                 and ``cache_position`` (not needed here), ``output_attentions`` / ``output_router_logits`` (False)
@@ -177,12 +182,13 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
         if self.gradient_checkpointing and self.training and use_cache:
             logger.warning_once("use_cache=True is incompatible with gradient checkpointing; setting use_cache=False")
             use_cache = False
-        check_cache(past_key_values, len(self.layers))
-        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+        cache = one_cache(past_key_values, cache)
+        check_cache(cache, len(self.layers))
+        past_len = cache.get_seq_length() if cache is not None else 0
         mask = padding_mask(attention_mask, batch, seq_len, past_len)
         cu_seqlens = packed_offsets(cu_seqlens, position_ids, markers, batch, seq_len, mask, past_len)
-        if use_cache and past_key_values is None:
-            past_key_values = SelectiveRopeCache(self.config)
+        if use_cache and cache is None:
+            cache = SelectiveRopeCache(self.config)
 
         hidden_states = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         # Which kernels run, decided once for the whole call (SELECTIVE_ROPE_BACKEND may override the config).
@@ -195,13 +201,13 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
         rows = hidden_states if layout is None else layout.to_rows(hidden_states)  # (N, L, D), or (1, total, D)
         lengths = None if layout is None else layout.lengths
         restore = (lambda x: x) if layout is None else layout.from_rows
-        self._check_cache_batch(past_key_values, rows.shape[0] if packed is None else packed.numel() - 1)
+        self._check_cache_batch(cache, rows.shape[0] if packed is None else packed.numel() - 1)
 
         all_hidden_states = [] if output_hidden_states else None
         for layer_idx, block in enumerate(self.layers):
             if all_hidden_states is not None:
                 all_hidden_states.append(restore(rows))
-            cached = past_key_values.layers[layer_idx] if past_key_values is not None else None
+            cached = cache.layers[layer_idx] if cache is not None else None
             state = LayerState(cached.states if cached is not None else None, keep=use_cache)
             rows = block(rows, state, lengths=lengths, cu_seqlens=packed, backend=backend)
             if use_cache:
@@ -212,8 +218,8 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
 
         return BaseModelOutputWithPast(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values if use_cache else None,
             hidden_states=tuple(all_hidden_states) if all_hidden_states is not None else None,
+            **{CACHE_FIELD: cache if use_cache else None},
         )
 
     @staticmethod
@@ -221,8 +227,8 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
         states = cache.layers[0].states if cache is not None and len(cache.layers) else {}
         cached_rows = next(iter(states.values())).shape[0] if states else rows
         if cached_rows != rows:
-            raise ValueError(f"past_key_values holds {cached_rows} sequences but the input has {rows} "
-                             "(with cu_seqlens, one per packed sequence)")
+            raise ValueError(f"the cache (cache / past_key_values) holds {cached_rows} sequences but the input has "
+                             f"{rows} (with cu_seqlens, one per packed sequence)")
 
     @staticmethod
     def _layout(grid, mask, cu_seqlens) -> SequenceLayout | None:
@@ -269,6 +275,7 @@ class SelectiveRopeForCausalLMBase(SelectiveRopePreTrainedModel, GenerationMixin
         output_hidden_states: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         cu_seqlens: torch.LongTensor | None = None,
+        cache: SelectiveRopeCache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """``labels`` ``(B, T)`` (-100 = ignored) gives the shifted next-token loss through ``self.loss_function``,
@@ -284,6 +291,7 @@ class SelectiveRopeForCausalLMBase(SelectiveRopePreTrainedModel, GenerationMixin
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
             cu_seqlens=cu_seqlens,
+            cache=cache,
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
@@ -296,6 +304,6 @@ class SelectiveRopeForCausalLMBase(SelectiveRopePreTrainedModel, GenerationMixin
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
+            **{CACHE_FIELD: returned_cache(outputs)},
         )

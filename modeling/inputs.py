@@ -19,6 +19,7 @@ accepted, any other name is a ``TypeError``.
 from __future__ import annotations
 
 import torch
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from .cache import SelectiveRopeCache
 from .layout import check_offsets, is_integer
@@ -34,6 +35,24 @@ SUPPORTED_FLAGS = {  # name -> (accepted values, why others are refused)
     "is_causal": ((None, True), "these models are causal only"),
 }
 PACKING_KWARGS = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+# transformers 5.24 renamed the cache, as the argument of forward and as the field of its outputs, from
+# `past_key_values` to `cache` (the old name is deprecated until 5.40). The models take either name (generate passes
+# the installed version's) and return the cache under the installed version's field name.
+CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def one_cache(past_key_values, cache):
+    """The cache passed as ``past_key_values`` (transformers < 5.24) or as ``cache`` (5.24 on), not both."""
+    if past_key_values is not None and cache is not None:
+        raise ValueError("pass the cache once, as `cache` or as `past_key_values` (its name before transformers "
+                         "5.24), not both")
+    return past_key_values if cache is None else cache
+
+
+def returned_cache(outputs):
+    """The cache a forward returned (``outputs.cache`` from transformers 5.24 on, ``outputs.past_key_values`` before)."""
+    return getattr(outputs, CACHE_FIELD)
 
 
 def check_kwargs(kwargs: dict, owner: str) -> dict:
@@ -73,15 +92,15 @@ def check_tokens(input_ids, inputs_embeds, vocab_size: int, hidden_size: int) ->
 
 
 def check_cache(cache, num_layers: int) -> None:
-    """``past_key_values``: None or a :class:`SelectiveRopeCache` with one layer per model layer."""
+    """``cache`` (or ``past_key_values``): None or a :class:`SelectiveRopeCache` with one layer per model layer."""
     if cache is None:
         return
     if not isinstance(cache, SelectiveRopeCache):
-        raise TypeError(f"past_key_values must be a SelectiveRopeCache (these models carry recurrent state), "
-                        f"got {type(cache).__name__}")
+        raise TypeError(f"the cache (cache / past_key_values) must be a SelectiveRopeCache (these models carry "
+                        f"recurrent state), got {type(cache).__name__}")
     if len(cache.layers) != num_layers:
-        raise ValueError(f"past_key_values has {len(cache.layers)} layers but the model has {num_layers}: build it "
-                         "with SelectiveRopeCache(model.config)")
+        raise ValueError(f"the cache (cache / past_key_values) has {len(cache.layers)} layers but the model has "
+                         f"{num_layers}: build it with SelectiveRopeCache(model.config)")
 
 
 def padding_mask(attention_mask, batch: int, seq_len: int, past_len: int) -> torch.Tensor | None:
@@ -97,7 +116,7 @@ def padding_mask(attention_mask, batch: int, seq_len: int, past_len: int) -> tor
     lengths = sorted({seq_len, past_len + seq_len})
     allowed = (f"T={seq_len} (this call's tokens)" if past_len == 0 else
                f"T={seq_len} (this call's tokens) or T_past + T = {past_len + seq_len} (with the {past_len} tokens "
-               "already in past_key_values)")
+               "already in the cache)")
     if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] not in lengths:
         raise ValueError(f"attention_mask must be a 2-D padding mask of shape (B={batch}, L) with L = {allowed}; got "
                          f"shape {tuple(attention_mask.shape)}")

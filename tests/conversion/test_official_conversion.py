@@ -17,6 +17,7 @@ from selective_rope import (
     SelectiveRopeGLAForCausalLM,
 )
 from selective_rope.conversion import ConversionError, RetrofitOptions, convert
+from selective_rope.modeling import returned_cache
 
 convert_module = importlib.import_module("selective_rope.conversion.convert")  # the package exports the function
 TOL = dict(atol=1e-4, rtol=0)
@@ -95,7 +96,7 @@ def test_selective_rope_sources_are_ported_exactly(case, tmp_path):
     # difference at every call; ours continues it).
     with torch.no_grad():
         out = model(ids[:, :8], use_cache=True)
-        steps, cache = [out.logits], out.past_key_values
+        steps, cache = [out.logits], returned_cache(out)
         for t in range(8, 12):
             out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
             steps.append(out.logits)

@@ -32,6 +32,7 @@ from selective_rope.kernels import dispatch  # noqa: E402
 from selective_rope.kernels.forgetting_attention import forgetting_attention  # noqa: E402
 from selective_rope.kernels.rotary import selective_rotary_decode  # noqa: E402
 from selective_rope.kernels.rotary_torch import selective_rotary  # noqa: E402
+from selective_rope.modeling import returned_cache  # noqa: E402
 
 from families import OPTION_VARIANTS  # noqa: E402
 from triton_interpreter import counting, fla_kernels_on_cpu  # noqa: E402
@@ -247,7 +248,7 @@ def test_one_token_training_step(target, family, monkeypatch, fla_calls, tmp_pat
         use_backend(monkeypatch, backend)
         model.zero_grad()
         with torch.no_grad():
-            cache = model(prompt, use_cache=True).past_key_values
+            cache = returned_cache(model(prompt, use_cache=True))
         out = model(token, past_key_values=cache, use_cache=True)
         weighted_sum(out.logits, weights).backward()
         results[backend] = out.logits.detach(), grads_of(model)
@@ -298,9 +299,9 @@ def test_cached_decoding_and_generate(target, options, family, monkeypatch, fla_
             seen, history = mask, [out.logits[mask.bool()]]
             for ids, call_mask in calls:
                 seen = torch.cat([seen, call_mask], dim=1)
-                out = model(ids, attention_mask=seen, past_key_values=out.past_key_values, use_cache=True)
+                out = model(ids, attention_mask=seen, past_key_values=returned_cache(out), use_cache=True)
                 history.append(out.logits[call_mask.bool()])
-        logits[backend], caches[backend] = history, out.past_key_values
+        logits[backend], caches[backend] = history, returned_cache(out)
     layers = model.config.num_hidden_layers
     if target.device == "cpu":
         if family.name == "fox":  # only the prefill has no cached keys before its queries
@@ -357,10 +358,10 @@ def test_packed_sequences_stay_packed(target, options, family, monkeypatch, fla_
         logits = [out.logits.detach()]
         with torch.no_grad():
             if more is not None:
-                out = model(more[0], cu_seqlens=more[1], past_key_values=out.past_key_values, use_cache=True)
+                out = model(more[0], cu_seqlens=more[1], past_key_values=returned_cache(out), use_cache=True)
                 logits.append(out.logits)
-            logits.append(model(step, past_key_values=out.past_key_values, use_cache=True).logits)
-        results[backend] = logits, grads_of(model), out.past_key_values
+            logits.append(model(step, past_key_values=returned_cache(out), use_cache=True).logits)
+        results[backend] = logits, grads_of(model), returned_cache(out)
     layers = model.config.num_hidden_layers
     if target.device == "cpu":
         # FoX: fla attends to whole sequences only; the call continuing a cached timeline goes through the torch op

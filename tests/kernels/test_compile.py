@@ -14,6 +14,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from selective_rope.kernels.forgetting_attention_torch import forgetting_attention
+from selective_rope.modeling import returned_cache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -125,7 +126,7 @@ def _train_decode_generate(family, dynamic) -> None:
         out = model(ids[:, :5], use_cache=True)
         logits = [out.logits]
         for t in range(5, ids.shape[1]):
-            out = model(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
+            out = model(ids[:, t : t + 1], past_key_values=returned_cache(out), use_cache=True)
             logits.append(out.logits)
         torch.testing.assert_close(torch.cat(logits, dim=1), full, atol=1e-4, rtol=0)
         assert torch.equal(model.generate(ids[:, :4], max_new_tokens=4, do_sample=False, pad_token_id=0), generated)

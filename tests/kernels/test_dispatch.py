@@ -20,6 +20,7 @@ from selective_rope.kernels.forgetting_attention import forgetting_attention
 from selective_rope.kernels.gated_delta import gated_delta_rule
 from selective_rope.kernels.gla import gated_linear_attention
 from selective_rope.kernels.rotary import selective_rotary
+from selective_rope.modeling import returned_cache
 
 from families import FAMILIES
 from isolation import import_blocker
@@ -254,9 +255,9 @@ def test_model_cached_decoding(family, options, monkeypatch, decode_calls):
             seen, history = mask, [out.logits]
             for token, step_mask in steps:
                 seen = torch.cat([seen, step_mask], dim=1)
-                out = model(token, attention_mask=seen, past_key_values=out.past_key_values, use_cache=True)
+                out = model(token, attention_mask=seen, past_key_values=returned_cache(out), use_cache=True)
                 history.append(out.logits)
-        logits[backend], caches[backend] = history, out.past_key_values
+        logits[backend], caches[backend] = history, returned_cache(out)
     for i, (a, e) in enumerate(zip(logits["triton"], logits["torch"])):
         real = mask if i == 0 else steps[i - 1][1]
         assert_close(a[real.bool()], e[real.bool()], f"logits of call {i}")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from selective_rope import SelectiveRopeCache, SelectiveRopeFoXConfig, SelectiveRopeFoXForCausalLM
+from selective_rope.modeling import returned_cache
 from selective_rope.modeling.cache import SelectiveRopeCacheLayer, append_tokens
 from selective_rope.modeling.mixer import LayerState
 
@@ -74,7 +75,7 @@ def test_cache_has_one_layer_per_model_layer_and_reads_the_first_layers_length(f
     assert cache.get_seq_length() == 0 and cache.get_seq_length(layer_idx=config.num_hidden_layers) == 0
     model = family.lm_class(config).eval()
     with torch.no_grad():
-        returned = model(torch.randint(3, 61, (2, 4)), past_key_values=cache, use_cache=True).past_key_values
+        returned = returned_cache(model(torch.randint(3, 61, (2, 4)), past_key_values=cache, use_cache=True))
     assert returned is cache and cache.is_initialized and cache.get_seq_length() == 4
     with pytest.raises(NotImplementedError, match="named states"):
         cache.layers[0].update(torch.zeros(1), torch.zeros(1))
@@ -92,7 +93,7 @@ def test_crop_rolls_the_attention_cache_back(position_embedding):
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[1, :4] = 0  # left padding: holes in the key timeline survive the crop
     with torch.no_grad():
-        cache = model(ids[:, :9], attention_mask=mask[:, :9], use_cache=True).past_key_values
+        cache = returned_cache(model(ids[:, :9], attention_mask=mask[:, :9], use_cache=True))
         for t in range(9, 12):
             model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache, use_cache=True)
         cache.crop(-3)
@@ -109,7 +110,7 @@ def test_crop_refuses_states_it_cannot_roll_back(family_name, overrides):
     family = FAMILIES[family_name]
     model = family.lm_class(family.config_class(**{**family.tiny, **overrides})).eval()
     with torch.no_grad():
-        cache = model(torch.randint(3, 61, (1, 5)), use_cache=True).past_key_values
+        cache = returned_cache(model(torch.randint(3, 61, (1, 5)), use_cache=True))
     with pytest.raises(NotImplementedError, match="cannot be rolled back"):
         cache.crop(-1)
     with pytest.raises(ValueError, match="negative"):

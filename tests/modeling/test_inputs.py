@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from transformers import DataCollatorWithFlattening
 
 from selective_rope import SelectiveRopeCache
+from selective_rope.modeling import returned_cache
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 
@@ -65,14 +66,14 @@ def test_mask_lengths_t_or_t_past_plus_t(family):
         with pytest.raises(ValueError, match=r"L = T=5 \(this call's tokens\); got shape \(2, 7\)") as error:
             model(ids[:, :5], attention_mask=mask)  # longer than T, and no cache: nothing to cover
         one_line_error(error, "attention_mask")
-        cache = model(ids[:, :5], attention_mask=mask[:, :5], use_cache=True).past_key_values
+        cache = returned_cache(model(ids[:, :5], attention_mask=mask[:, :5], use_cache=True))
         steps = []
         for t in (5, 6):  # generate's convention (the mask so far, T_past + T) and this call's columns only (T)
             so_far = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=copy.deepcopy(cache))
             step = model(ids[:, t:t + 1], attention_mask=mask[:, t:t + 1], past_key_values=cache, use_cache=True)
             torch.testing.assert_close(so_far.logits, step.logits, rtol=0, atol=0)
             steps.append(step.logits)
-            cache = step.past_key_values
+            cache = returned_cache(step)
         torch.testing.assert_close(torch.cat(steps, 1), full[:, 5:], **TOL)
         with pytest.raises(ValueError, match=r"T=1 \(this call's tokens\) or T_past \+ T = 8") as error:
             model(ids[:, :1], attention_mask=torch.ones(2, 9), past_key_values=cache)
@@ -141,8 +142,8 @@ def test_position_ids_that_are_the_implicit_positions_are_accepted(family):
         expected = model(ids, attention_mask=mask).logits
         torch.testing.assert_close(model(ids, attention_mask=mask, position_ids=positions).logits, expected,
                                    rtol=0, atol=0)
-        cache = model(ids[:, :6], attention_mask=mask[:, :6], position_ids=positions[:, :6],
-                      use_cache=True).past_key_values
+        cache = returned_cache(model(ids[:, :6], attention_mask=mask[:, :6], position_ids=positions[:, :6],
+                                     use_cache=True))
         step = model(ids[:, 6:], attention_mask=mask, position_ids=positions[:, 6:], past_key_values=cache)
         torch.testing.assert_close(step.logits, expected[:, 6:], **TOL)
         with pytest.raises(ValueError, match="position_ids must either mark packed sequences") as error:
@@ -252,6 +253,6 @@ def test_malformed_inputs_are_refused_naming_the_argument(family):
         with pytest.raises(ValueError) as error:
             model(**kwargs)
         one_line_error(error, name, words)
-    cache = model(tokens(2, 3), use_cache=True).past_key_values
+    cache = returned_cache(model(tokens(2, 3), use_cache=True))
     with pytest.raises(ValueError, match="holds 2 sequences but the input has 1"):
         model(ids[:, :1], past_key_values=cache)

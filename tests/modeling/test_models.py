@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from selective_rope import SelectiveRopeCache
+from selective_rope.modeling import CACHE_FIELD, returned_cache
 
 from families import FAMILIES, OPTION_VARIANTS
 
@@ -87,14 +90,33 @@ def test_cached_decoding_matches_full_forward(family, position_embedding):
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
         out = model(ids[:, :13], use_cache=True)
-        assert isinstance(out.past_key_values, SelectiveRopeCache)
+        assert isinstance(returned_cache(out), SelectiveRopeCache)
         steps = [out.logits]
-        cache = out.past_key_values
+        cache = returned_cache(out)
         for t in range(13, 21):
             out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
             steps.append(out.logits)
     assert cache.get_seq_length() == 21
     torch.testing.assert_close(torch.cat(steps, 1), full, **TOL)
+
+
+def test_the_cache_goes_in_under_either_name_and_comes_back_under_transformers_name(family):
+    # transformers 5.24 renamed `past_key_values` to `cache` (argument and output field); both names must work
+    model = build(family)
+    ids = tokens(family, 2, 9)
+    with torch.no_grad():
+        prefix = model(ids[:, :6], use_cache=True)
+        assert prefix[CACHE_FIELD] is returned_cache(prefix)  # the field the installed transformers' outputs have
+        as_old = model(ids[:, 6:], past_key_values=copy.deepcopy(returned_cache(prefix)), use_cache=True)
+        as_new = model(ids[:, 6:], cache=copy.deepcopy(returned_cache(prefix)), use_cache=True)
+        through_base = model.model(ids[:, 6:], cache=copy.deepcopy(returned_cache(prefix)), use_cache=True)
+        full = model(ids).logits
+    torch.testing.assert_close(as_old.logits, full[:, 6:], **TOL)
+    assert torch.equal(as_new.logits, as_old.logits)
+    assert torch.equal(model.lm_head(through_base.last_hidden_state), as_new.logits)
+    assert returned_cache(as_new).get_seq_length() == returned_cache(through_base).get_seq_length() == 9
+    with pytest.raises(ValueError, match="not both"):
+        model(ids, cache=returned_cache(prefix), past_key_values=returned_cache(prefix))
 
 
 @pytest.mark.slow
@@ -115,7 +137,7 @@ def test_cached_decoding_matches_full_forward_at_long_context(seq_len):
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
         out = model(ids[:, :16], use_cache=True)
-        steps, cache = [out.logits], out.past_key_values
+        steps, cache = [out.logits], returned_cache(out)
         for t in range(16, seq_len):
             out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
             steps.append(out.logits)
@@ -130,7 +152,7 @@ def test_chunked_prefill_matches_full_forward(family):
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
         first = model(ids[:, :70], use_cache=True)
-        second = model(ids[:, 70:], past_key_values=first.past_key_values, use_cache=True)
+        second = model(ids[:, 70:], past_key_values=returned_cache(first), use_cache=True)
     torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), full, **TOL)
 
 
@@ -154,8 +176,8 @@ def test_generate_continues_from_a_returned_cache_and_from_embeddings(family):
     ids = tokens(family, 2, 7)
     reference = model.generate(ids, max_new_tokens=7, do_sample=False, pad_token_id=0)
     first = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
-    assert first.past_key_values.get_seq_length() == 10  # the last sampled token is not fed yet
-    resumed = model.generate(first.sequences, past_key_values=first.past_key_values, max_new_tokens=3,
+    assert returned_cache(first).get_seq_length() == 10  # the last sampled token is not fed yet
+    resumed = model.generate(first.sequences, **{CACHE_FIELD: returned_cache(first)}, max_new_tokens=3,
                              do_sample=False, pad_token_id=0)
     assert torch.equal(resumed, reference)
     from_embeddings = model.generate(inputs_embeds=model.get_input_embeddings()(ids), max_new_tokens=4,
@@ -232,7 +254,7 @@ def test_packed_sequences_equal_separate(family):
             alone = model(seq, use_cache=True)
             span = slice(int(cu_seqlens[i]), int(cu_seqlens[i + 1]))
             torch.testing.assert_close(packed.logits[:, span], alone.logits, **TOL)
-            for packed_layer, alone_layer in zip(packed.past_key_values.layers, alone.past_key_values.layers):
+            for packed_layer, alone_layer in zip(returned_cache(packed).layers, returned_cache(alone).layers):
                 for name, state in alone_layer.states.items():
                     packed_state = packed_layer.states[name][i]
                     if name in alone_layer.token_states:  # per-token history: the row's slots, then padding
@@ -285,7 +307,7 @@ def test_bad_inputs_are_refused(family):
         model(ids, past_key_values=DynamicCache())
     with pytest.raises(ValueError, match="padding mask"):
         model(ids, attention_mask=torch.ones(2, 4, 4))
-    cache = model(ids, use_cache=True).past_key_values
+    cache = returned_cache(model(ids, use_cache=True))
     with pytest.raises(ValueError, match="holds 2 sequences but the input has 1"):
         model(ids[:1, :1], past_key_values=cache, use_cache=True)
 
@@ -326,7 +348,7 @@ def test_bf16_loading_and_casting_keep_the_phase_path_precise(family, tmp_path):
         out = loaded(ids, use_cache=True)
         reference = model(ids).logits
     assert out.logits.dtype == torch.bfloat16
-    for layer in out.past_key_values.layers:
+    for layer in returned_cache(out).layers:
         assert layer.states["rotary.phase"].dtype == torch.float64
     # bf16 weights and activations (a sanity bound: the tiny test model has large, 0.2-std weights; over three seeds
     # the mean error was <= 5% of the mean logit for every family and variant, the largest error up to 22% of the
