@@ -51,7 +51,7 @@ def one_cache(past_key_values, cache):
 
 
 def returned_cache(outputs):
-    """The cache a forward returned (``outputs.cache`` from transformers 5.24 on, ``outputs.past_key_values`` before)."""
+    """The cache a forward returned: ``outputs.cache`` from transformers 5.24 on, ``outputs.past_key_values`` before."""
     return getattr(outputs, CACHE_FIELD)
 
 

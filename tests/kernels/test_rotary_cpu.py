@@ -4,6 +4,7 @@ the torch step must run (hooks, adapters, unusual tensors), and a build cache th
 from __future__ import annotations
 
 import copy
+import ctypes
 import gc
 import io
 import shlex
@@ -176,6 +177,52 @@ def test_long_prefill_on_threads_is_bit_identical(options, monkeypatch, compiled
     monkeypatch.setenv(rotary_cpu.ENV_SWITCH, "0")
     reference = module(x, q, k, state=state, lengths=lengths)
     assert_same_step(results[-1], reference, qk_tolerance=1e-5)
+
+
+def mapped_openmp_runtimes() -> set[str]:
+    """The files of the OpenMP runtimes this process has mapped (Linux)."""
+    with open("/proc/self/maps") as maps:
+        return {line.split()[-1] for line in maps if "libgomp" in line or "libomp" in line or "libiomp" in line}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_long_rows_run_on_torchs_own_openmp_runtime(compiled_steps):
+    """The library's threads are torch's: loading it maps no second OpenMP runtime next to the one torch brought."""
+    before = mapped_openmp_runtimes()
+    if not before:
+        pytest.skip("torch runs without a loaded OpenMP runtime here")
+    module = make_rotary(4, 2, dtype=torch.float32)
+    with torch.no_grad():
+        module(torch.randn(1, 1100, HIDDEN), torch.randn(1, 1100, 4, 8), torch.randn(1, 1100, 2, 8))
+    assert compiled_steps.prefills == 1
+    assert mapped_openmp_runtimes() == before
+
+
+@torch.no_grad()
+def test_a_compiler_without_openmp_gives_a_one_thread_library_with_the_same_results(tmp_path, monkeypatch,
+                                                                                   compiled_steps):
+    """Where ``-fopenmp`` fails (e.g. clang without libomp) the build retries without it; that library runs a long
+    row on one thread whatever torch's thread count, with the OpenMP library's numbers bit for bit."""
+    no_openmp = tmp_path / "cc-without-openmp"
+    real = rotary_cpu.find_compiler()
+    no_openmp.write_text('#!/bin/sh\nfor arg in "$@"; do [ "$arg" = -fopenmp ] && exit 1; done\n'
+                         f'exec {shlex.join(real)} "$@"\n')
+    no_openmp.chmod(0o755)
+    library = rotary_cpu.build(tmp_path / "cache", str(no_openmp))
+    assert b"GOMP_parallel" not in library.read_bytes()
+    assert b"GOMP_parallel" in rotary_cpu.build(rotary_cpu.cache_dir(), real).read_bytes()  # the usual build's
+    serial = ctypes.CDLL(str(library)).selective_rope_rotary
+    serial.argtypes, serial.restype = rotary_cpu._ARGTYPES, ctypes.c_int
+
+    module = make_rotary(4, 2, dtype=torch.float32, phase_conv_type="learned")
+    x, q, k = torch.randn(1, 1600, HIDDEN), torch.randn(1, 1600, 4, 8), torch.randn(1, 1600, 2, 8)
+    torch.set_num_threads(2)  # (restored by conftest's autouse fixture)
+    threaded = module(x, q, k)
+    monkeypatch.setattr(rotary_cpu, "_kernel", serial)
+    one_thread = module(x, q, k)
+    assert compiled_steps.prefills == 2
+    assert torch.equal(one_thread[0], threaded[0]) and torch.equal(one_thread[1], threaded[1])
+    assert all(torch.equal(one_thread[2][name], threaded[2][name]) for name in threaded[2])
 
 
 def test_training_takes_the_torch_path(monkeypatch, compiled_steps):
