@@ -116,6 +116,8 @@ def main(argv: list[str] | None = None) -> None:
         precision = " (which ran with bf16 weights)" if args.bf16 else ""
         print(f"{args.strategy} on {training_args.world_size} processes: saved {final}/; reloaded logits differ from "
               f"the trained model's{precision} by {difference:.1e}; greedy continuation accuracy {accuracy:.1%}")
+    if torch.distributed.is_initialized():  # TrainingArguments started it (several processes): leave it cleanly
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -391,3 +391,8 @@ def test_example_commands(tmp_path):
 
 if __name__ == "__main__":
     (bf16_weights_worker if "--bf16-weights" in sys.argv else worker)(Path(sys.argv[1]))
+    # Leave with the process group torn down. Once (27 Nov, in a full suite run, not reproduced in 7 runs of this
+    # module since) a rank ended in "terminate called without an active exception" after its last training had
+    # logged, which failed every test here; a live process group at exit is the likely cause.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
