@@ -7,6 +7,7 @@ import copy
 import ctypes
 import gc
 import io
+import os
 import shlex
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import textwrap
 import time
 import warnings
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -196,6 +198,33 @@ def test_long_rows_run_on_torchs_own_openmp_runtime(compiled_steps):
         module(torch.randn(1, 1100, HIDDEN), torch.randn(1, 1100, 4, 8), torch.randn(1, 1100, 2, 8))
     assert compiled_steps.prefills == 1
     assert mapped_openmp_runtimes() == before
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_on_one_thread_runs_long_rows(tmp_path):
+    """After the parent ran long rows on torch's OpenMP threads, a forked child that sets one thread (as DataLoader
+    workers do; OpenMP's pool does not survive fork) computes the same results instead of hanging."""
+    script = textwrap.dedent(f"""
+        import os, sys, torch
+        sys.path.insert(0, {str(Path(__file__).parents[1])!r})
+        from rotary_reference import HIDDEN, make_rotary
+        torch.manual_seed(0)
+        torch.set_num_threads(2)
+        module = make_rotary(4, 2, dtype=torch.float32)
+        x, q, k = torch.randn(1, 1600, HIDDEN), torch.randn(1, 1600, 4, 8), torch.randn(1, 1600, 2, 8)
+        with torch.no_grad():
+            parent = module(x, q, k)[0]
+        pid = os.fork()
+        if pid == 0:
+            torch.set_num_threads(1)
+            with torch.no_grad():
+                child = module(x, q, k)[0]
+            os._exit(0 if torch.equal(child, parent) else 3)
+        sys.exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "SELECTIVE_ROPE_CPU_KERNEL": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 @torch.no_grad()
