@@ -18,7 +18,8 @@ How it is computed:
   position only, so the largest temporaries are a few of one block's ``(B, Hq, rows, keys)``
   float32 tiles, never ``Tq x Tk`` for all heads.
 * Inference (no autograd needed):
-  - one query per row (decoding): computed directly, grouped heads against their key head, no blocks
+  - one query per row (decoding): no blocks; one SDPA call with the bias as a (1 x keys) mask per head up to
+    ``SDPA_SINGLE_QUERY_KEYS`` keys, grouped heads against their key head in matrix products beyond
     (`_attention_single_query`);
   - on CPU without padding: per query block, PyTorch's CPU flash kernel on the block's causal square (exact bias as
     a small rows x rows mask) and on the keys before it (the bias splits into a row term, which cancels in the
@@ -92,6 +93,12 @@ MIN_BLOCK_SIZE = 16  # rows; below this the per-block Python overhead dominates
 # Measured on 2 CPU cores at T = 8192 (Hq = 4, D = 64): 256 and 512 rows within ~3% of each other, 64 rows ~10% slower.
 MERGED_BLOCK_SIZE = 256
 MERGED_OUTER_BLOCKS = 4  # the keys before an outer block of 4 blocks are read by one call for all its rows
+
+# A decoding step (one query per row) with at most this many keys is one scaled_dot_product_attention call, with more
+# a few matrix products: measured on the 2-core VM (4 query / 2 key heads, D = 64, two threads, no gate), SDPA took
+# 7.8 / 14.0 / 24.2 / 45.6 / 90.0 us at 129 / 513 / 1025 / 2049 / 4097 keys, the products 16.0 / 21.8 / 29.9 / 48.0 /
+# 84.7 us (with a gate each ~4-9 us more).
+SDPA_SINGLE_QUERY_KEYS = 2048
 
 # The mask value: exp(MASKED - max) is exactly 0 next to any real logit, and a row of only MASKED stays finite.
 MASKED = torch.finfo(torch.float32).min
@@ -304,7 +311,9 @@ def _attention_inference(
 
 
 def _attention_single_query(q, k, v, cum, key_valid, scale: float) -> torch.Tensor:
-    """One query per row (a decoding step), computed directly: a few matrix-vector products, no tiles.
+    """One query per row (a decoding step), no tiles: up to ``SDPA_SINGLE_QUERY_KEYS`` keys one
+    scaled_dot_product_attention call with the bias (and padding) as a (B, Hq, 1, Tk) float mask, beyond that a few
+    matrix-vector products.
 
     Shapes as `_attention_inference` with Tq = 1. The bias of key τ is ``c_T - c_τ`` taken from the float64
     cumulative sum, as in the block that holds the last query on the other paths. The G query heads of one key head
@@ -312,6 +321,12 @@ def _attention_single_query(q, k, v, cum, key_valid, scale: float) -> torch.Tens
     """
     B, Hq, _, D = q.shape
     Hk, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    if Tk <= SDPA_SINGLE_QUERY_KEYS:
+        mask = None if cum is None else (cum[..., -1:] - cum).float().unsqueeze(2)  # (B, Hq, 1, Tk)
+        if key_valid is not None:
+            padding = ~key_valid[:, None, None, :]  # (B, 1, 1, Tk)
+            mask = (q.new_zeros(B, 1, 1, Tk) if mask is None else mask).masked_fill(padding, MASKED)
+        return _sdpa(q, k, v, attn_mask=mask, scale=scale)
     q = q.reshape(B, Hk, Hq // Hk, D)  # (B, Hk, G, D): query head h = hk * G + g
     if cum is None:
         scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # (B, Hk, G, Tk)

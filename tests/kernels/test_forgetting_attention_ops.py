@@ -183,14 +183,21 @@ def record_sdpa_calls(monkeypatch):
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa2", "mqa"])
 @pytest.mark.parametrize("gate", [True, False], ids=["gate", "no_gate"])
 @pytest.mark.parametrize("padded", [False, True], ids=["full", "holes"])
-def test_decoding_step(monkeypatch, heads, gate, padded):
-    # one query per row takes the direct path (no blocks, no scaled_dot_product_attention call)
+@pytest.mark.parametrize("one_sdpa_call", [True, False], ids=["sdpa", "products"])
+def test_decoding_step(monkeypatch, heads, gate, padded, one_sdpa_call):
+    # one query per row, no blocks: one scaled_dot_product_attention call up to SDPA_SINGLE_QUERY_KEYS keys (here 300),
+    # matrix products beyond (the threshold lowered to reach them)
+    if not one_sdpa_call:
+        monkeypatch.setattr(forgetting_attention_torch, "SDPA_SINGLE_QUERY_KEYS", 299)
     q, k, v, g, valid = padded_inputs(300, heads=heads)
     g, valid = (g if gate else None), (valid if padded else None)
     calls = record_sdpa_calls(monkeypatch)
     with torch.no_grad():
         o = forgetting_attention(q[:, -1:], k, v, g, key_valid=valid)
-    assert calls == [] and o.shape == (B, 1, heads[0], DV)
+    masked = gate or padded
+    expected_calls = [((B, heads[0], 1, D), (B, heads[1], 300, D), (B, heads[0] if gate else 1, 1, 300) if masked
+                       else None)] if one_sdpa_call else []
+    assert calls == expected_calls and o.shape == (B, 1, heads[0], DV)
     torch.testing.assert_close(o, reference(q[:, -1:], k, v, g, key_valid=valid).float(), **EXACT_TOL)
 
 
