@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..modeling.inputs import CACHE_FIELD, returned_cache
+from ..modeling import CACHE_FIELD, returned_cache
 from .machine import Quiet
 from .report import comparison_cell, log
 from .timing import comparison_record, paired_ratio, target, timed_rounds

@@ -34,7 +34,6 @@ class SelectiveRopeFoXConfig(SelectiveRopeConfigBase):
     """
 
     model_type = "selective_rope_fox"
-    keys_to_ignore_at_inference = ["cache", "past_key_values"]  # the name from transformers 5.24 on, and before
     attribute_map = {"norm_eps": "rms_norm_eps"}  # the name the other families and the shared model use
 
     vocab_size: int = validated_field(at_least(1), default=32000)

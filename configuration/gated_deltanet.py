@@ -36,7 +36,6 @@ class SelectiveRopeGatedDeltaNetConfig(SelectiveRopeConfigBase):
     """
 
     model_type = "selective_rope_gated_deltanet"
-    keys_to_ignore_at_inference = ["cache", "past_key_values"]  # the name from transformers 5.24 on, and before
 
     vocab_size: int = validated_field(at_least(1), default=32000)
     hidden_size: int = validated_field(at_least(1), default=2048)

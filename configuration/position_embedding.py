@@ -204,6 +204,9 @@ class SelectiveRopeConfigBase(PreTrainedConfig):
     needs valid values.
     """
 
+    # Output fields Trainer's evaluation leaves out: the cache, by its name from transformers 5.24 on and before.
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]
+
     position_embedding: PositionEmbedding = "selective_rope"
     phase_gate: bool = True
     phase_gate_type: PhaseGateType = "head"
