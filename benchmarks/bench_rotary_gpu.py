@@ -19,7 +19,7 @@ Usage::
     python benchmarks/bench_rotary_gpu.py            # full run -> benchmarks/results/rotary_gpu.json
     python benchmarks/bench_rotary_gpu.py --quick    # B=1, T=2048 only
 
-Needs a CUDA GPU with triton; exits with a message otherwise. ``bench_gla_gpu.py`` imports the GPU helpers below.
+Needs a CUDA GPU with triton; exits with a message otherwise. ``bench_models_gpu.py`` imports the GPU helpers below.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ HEADS, HEAD_DIM, PAIRS, CONV_TAPS = 16, 128, 64, 4
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# GPU helpers (shared with bench_gla_gpu.py)
+# GPU helpers (shared with bench_models_gpu.py)
 # --------------------------------------------------------------------------------------------------------------------
 def require_cuda(script: str) -> None:
     if not torch.cuda.is_available():
@@ -302,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="B=1, T=2048 only, few repeats")
+    parser.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (default 1 8)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=None, help="T (default 2048 8192 32768)")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help=f"JSON path (default {DEFAULT_OUTPUT})")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per variant (default 30, quick 5)")
@@ -318,12 +320,13 @@ def main(argv: list[str] | None = None) -> int:
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)  # one graph per shape
     dtype = getattr(torch, args.dtype)
     batches, lengths = ([1], [2048]) if args.quick else ([1, 8], [2048, 8192, 32768])
+    batches, lengths = args.batches or batches, args.lengths or lengths
     repeats = args.repeats or (5 if args.quick else 30)
     info = gpu_info()
     peak_gbps = args.peak_gbps or info["peak_bandwidth_gbps_table"]
     if peak_gbps is None:
         log(f"unknown peak bandwidth for {info['gpu']!r}: pass --peak-gbps to get fractions of peak")
-    plan = {"batches": batches, "seq_lens": lengths, "decode_batches": batches if args.quick else [1, 8],
+    plan = {"batches": batches, "seq_lens": lengths, "decode_batches": batches,
             "heads": HEADS, "head_dim": HEAD_DIM, "pairs": PAIRS, "conv_taps": CONV_TAPS, "dtype": args.dtype,
             "repeats": repeats, "torch_compile": not args.no_compile, "l2_flush": not args.no_flush_l2}
     results = {"benchmark": "bench_rotary_gpu", "mode": "quick" if args.quick else "full", "device": info,

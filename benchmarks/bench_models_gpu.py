@@ -1,0 +1,281 @@
+"""GPU benchmark of 370M-class models of each family: training throughput (dense and packed) and decoding latency.
+
+The shapes follow flash-linear-attention's 340M recipes at the paper's scale (hidden 1024, 24 layers, vocab 32000,
+MLP ratio 4, untied embeddings; about 370-430M parameters):
+
+- ``gla``: 4 heads, expand_k 0.5, expand_v 1 (fla's GLA 340M);
+- ``gated_deltanet``: 4 heads of 256, expand_v 2, short convolutions, output gate (fla's Gated DeltaNet 340M);
+- ``fox``: 16 heads of 64, SwiGLU width 2816, forget gate (a Llama-shaped FoX).
+
+Each with ``position_embedding`` in {``nope``, ``rope``, ``selective_rope``} (Selective RoPE with its defaults:
+low-rank projection, 4-tap phase convolution, per-head gate), and each backend (``auto``: fla's kernels + our Triton
+rotary kernels; ``torch``: the pure-PyTorch reference on the GPU):
+
+1. training step: forward + backward + fused AdamW step under bf16 autocast (float32 master weights), a dense batch
+   of ``--batch-size`` x ``--seq-len`` tokens; then (``auto`` only, as the torch ops take no packing) the same number
+   of tokens packed into one row of sequences of random lengths (``cu_seqlens``). tokens/s from the median step time
+   (CUDA events), peak memory;
+2. decoding: bf16 weights (the Selective RoPE module kept in float32, as ``from_pretrained(dtype=bfloat16)`` does),
+   prefill ``--context`` tokens with the cache, then greedy single-token steps; ms/token from the median step.
+
+Usage::
+
+    python benchmarks/bench_models_gpu.py                      # all families -> benchmarks/results/models_gpu.json
+    python benchmarks/bench_models_gpu.py --families gla --quick
+    python benchmarks/bench_models_gpu.py --backends auto --seq-len 4096 --context 4096
+
+Needs a CUDA GPU; exits with a message otherwise (and falls back, with a warning, to PyTorch kernels where triton
+or flash-linear-attention are missing: the JSON records which kernels ran).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from bench_rotary_gpu import L2Flush, cuda_timings, gpu_info, require_cuda
+
+from selective_rope.families import FAMILIES
+from selective_rope.bench.machine import source_provenance
+from selective_rope.bench.measure import num_parameters
+from selective_rope.bench.report import log, write_results
+from selective_rope.kernels import dispatch
+from selective_rope.modeling import returned_cache
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+
+DEFAULT_OUTPUT = RESULTS_DIR / "models_gpu.json"
+SOURCES = ["kernels/dispatch.py", "kernels/rotary_triton.py", "kernels/gla.py", "kernels/gated_delta.py",
+           "kernels/forgetting_attention.py", "modeling/rotary.py", "modeling/gla.py", "modeling/gated_deltanet.py",
+           "modeling/fox.py", "benchmarks/bench_models_gpu.py", "benchmarks/bench_rotary_gpu.py"]
+VARIANTS = ("nope", "rope", "selective_rope")
+SEED = 0
+SHARED_CONFIG = {"hidden_size": 1024, "num_hidden_layers": 24, "vocab_size": 32000, "tie_word_embeddings": False}
+MODEL_CONFIGS = {  # flash-linear-attention's 340M recipes; FoX as a Llama of the same width and depth
+    "gla": {**SHARED_CONFIG, "num_heads": 4, "expand_k": 0.5, "expand_v": 1.0, "hidden_ratio": 4},
+    "gated_deltanet": {**SHARED_CONFIG, "num_heads": 4, "head_dim": 256, "expand_v": 2.0, "use_short_conv": True,
+                       "use_gate": True, "hidden_ratio": 4},
+    "fox": {**SHARED_CONFIG, "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 64,
+            "intermediate_size": 2816},
+}
+
+
+def build_model(family: str, position_embedding: str, layers: int) -> torch.nn.Module:
+    torch.manual_seed(SEED)
+    config = FAMILIES[family].config_class(**{**MODEL_CONFIGS[family], "num_hidden_layers": layers},
+                                           position_embedding=position_embedding)
+    return FAMILIES[family].lm_class(config).cuda()
+
+
+def cast_like_from_pretrained(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``model.to(dtype)`` keeping ``_keep_in_fp32_modules_strict`` (the Selective RoPE module) in float32."""
+    keep = set(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    model.to(dtype)
+    for name, param in model.named_parameters():
+        if keep & set(name.split(".")):
+            param.data = param.data.float()
+    return model
+
+
+def kernels_used(backend: str) -> dict:
+    """Which implementation the sequence-mixing op and the rotary op resolve to on this machine for ``backend``."""
+    rotary = dispatch.resolve_backend(backend, "cuda")
+    fla = dispatch.fla_ops(rotary, torch.device("cuda")) is not None
+    return {"rotary": rotary, "mixer": "fla" if fla else "torch"}
+
+
+def packed_lengths(total: int, mean: int, generator: torch.Generator) -> list[int]:
+    """Random sequence lengths in [mean / 2, 3 mean / 2] summing to ``total`` (the last one cut to fit)."""
+    lengths = []
+    while sum(lengths) < total:
+        draw = int(torch.randint(mean // 2, 3 * mean // 2 + 1, (1,), generator=generator))
+        lengths.append(min(draw, total - sum(lengths)))
+    return lengths
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 1. training step
+# --------------------------------------------------------------------------------------------------------------------
+def bench_training(family: str, variant: str, backend: str, layers: int, batch: int, seq_len: int, steps: int,
+                   packed: bool = False) -> dict:
+    """One row; ``packed``: the ``batch * seq_len`` tokens as one row of random-length sequences (``cu_seqlens``)."""
+    model = build_model(family, variant, layers).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    vocab = MODEL_CONFIGS[family]["vocab_size"]
+    extra = {}
+    if packed:
+        lengths = packed_lengths(batch * seq_len, seq_len, torch.Generator().manual_seed(3))
+        offsets = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        extra = {"cu_seqlens": offsets.cuda()}
+        ids = torch.randint(0, vocab, (1, batch * seq_len), device="cuda", generator=generator)
+    else:
+        ids = torch.randint(0, vocab, (batch, seq_len), device="cuda", generator=generator)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(ids, labels=ids, **extra).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    torch.cuda.reset_peak_memory_stats()
+    stats = cuda_timings({"step": step}, repeats=steps, warmup=3)["step"]
+    tokens_per_s = batch * seq_len / stats["median_s"]
+    result = {"family": family, "variant": variant, "backend": backend, "kernels": kernels_used(backend),
+              "layout": "packed" if packed else "dense", "batch": batch, "seq_len": seq_len,
+              "tokens_per_s": round(tokens_per_s), "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+              "num_parameters": num_parameters(model), **stats}
+    if packed:
+        result["num_sequences"] = len(lengths)
+    log(f"  train {family:14s} {variant:15s} {backend:5s} {result['layout']:6s}: {stats['median_s'] * 1e3:8.1f} ms/step"
+        f"  {tokens_per_s:10.0f} tokens/s  peak {result['peak_memory_gib']:.1f} GiB")
+    del model, optimizer
+    return result
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 2. decoding
+# --------------------------------------------------------------------------------------------------------------------
+@torch.inference_mode()
+def bench_decode(family: str, variant: str, backend: str, layers: int, batch: int, context: int, steps: int) -> dict:
+    model = cast_like_from_pretrained(build_model(family, variant, layers), torch.bfloat16).eval()
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    vocab = MODEL_CONFIGS[family]["vocab_size"]
+    ids = torch.randint(0, vocab, (batch, context), device="cuda", generator=generator)
+    out = model(ids, use_cache=True)
+    state = {"cache": returned_cache(out), "next": out.logits[:, -1:].argmax(-1)}
+
+    def step():
+        out = model(state["next"], past_key_values=state["cache"], use_cache=True)
+        state["cache"], state["next"] = returned_cache(out), out.logits[:, -1:].argmax(-1)
+
+    stats = cuda_timings({"step": step}, repeats=steps, warmup=5, flush=L2Flush(False))["step"]
+    result = {"family": family, "variant": variant, "backend": backend, "kernels": kernels_used(backend),
+              "batch": batch, "context": context, "ms_per_token": round(stats["median_s"] * 1e3, 3), **stats}
+    log(f"  decode {family:14s} {variant:15s} {backend:5s} B={batch}: {result['ms_per_token']:7.2f} ms/token")
+    del model, state
+    return result
+
+
+def with_ratios(rows: list[dict], key: str) -> list[dict]:
+    """Adds ``<key>_vs_nope``, the ratio to the dense NoPE row of the same family, backend and batch, to every row;
+    packed rows also get ``<key>_vs_dense``, the ratio to the dense row of the same variant."""
+    def match(row, **fixed):
+        same = ("family", "backend", "batch")
+        return next((r for r in rows if all(r[f] == row[f] for f in same)
+                     and all(r.get(f, "dense") == v for f, v in fixed.items())), None)
+
+    for row in rows:
+        base = match(row, variant="nope", layout="dense")
+        if base is not None:
+            row[f"{key}_vs_nope"] = round(row[key] / base[key], 4)
+        if row.get("layout") == "packed":
+            dense = match(row, variant=row["variant"], layout="dense")
+            if dense is not None:
+                row[f"{key}_vs_dense"] = round(row[key] / dense[key], 4)
+    return rows
+
+
+def print_summary(results: dict) -> None:
+    log("=" * 100)
+    plan = results["plan"]
+    for family, cfg in results["model_config"].items():
+        log(f"{family} on {results['device']['gpu']}: {cfg['num_parameters']:,} parameters "
+            f"({cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']})")
+        log(f"  training (bf16 autocast, {plan['batch_size']} x {plan['seq_len']} tokens, dense or packed):")
+        for row in (r for r in results["training"] if r["family"] == family):
+            vs_dense = f", {row['tokens_per_s_vs_dense']:.3f}x dense" if "tokens_per_s_vs_dense" in row else ""
+            log(f"    {row['variant']:15s} {row['backend']:5s} {row['layout']:6s} ({row['kernels']['mixer']}/"
+                f"{row['kernels']['rotary']}): {row['tokens_per_s']:>9,} tokens/s  "
+                f"({row.get('tokens_per_s_vs_nope', float('nan')):.3f}x NoPE{vs_dense})  "
+                f"peak {row['peak_memory_gib']:.1f} GiB")
+        log(f"  decoding (bf16, context {plan['context']}):")
+        for row in (r for r in results["decode"] if r["family"] == family):
+            log(f"    {row['variant']:15s} {row['backend']:5s} B={row['batch']}: {row['ms_per_token']:7.2f} ms/token  "
+                f"({row.get('ms_per_token_vs_nope', float('nan')):.3f}x NoPE)")
+    log("=" * 100)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--families", nargs="+", choices=list(MODEL_CONFIGS), default=list(MODEL_CONFIGS))
+    parser.add_argument("--quick", action="store_true", help="4 layers, T=512, few steps")
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help=f"JSON path (default {DEFAULT_OUTPUT})")
+    parser.add_argument("--backends", nargs="+", choices=["auto", "torch"], default=["auto", "torch"])
+    parser.add_argument("--batch-size", type=int, default=8, help="training batch (default 8)")
+    parser.add_argument("--seq-len", type=int, default=2048, help="training sequence length (default 2048)")
+    parser.add_argument("--context", type=int, default=2048, help="decoding: prompt length before the timed steps")
+    parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--train-steps", type=int, default=None, help="timed training steps (default 20, quick 3)")
+    parser.add_argument("--decode-steps", type=int, default=None, help="timed decoding steps (default 100, quick 10)")
+    parser.add_argument("--no-packed", action="store_true", help="skip the packed training rows")
+    args = parser.parse_args(argv)
+    require_cuda("bench_models_gpu.py")
+
+    layers = 4 if args.quick else SHARED_CONFIG["num_hidden_layers"]
+    seq_len, context = (512, 256) if args.quick else (args.seq_len, args.context)
+    train_steps = args.train_steps or (3 if args.quick else 20)
+    decode_steps = args.decode_steps or (10 if args.quick else 100)
+    plan = {"families": args.families, "layers": layers, "batch_size": args.batch_size, "seq_len": seq_len,
+            "context": context, "decode_batches": args.decode_batches, "train_steps": train_steps,
+            "decode_steps": decode_steps, "backends": args.backends, "variants": list(VARIANTS),
+            "packed": not args.no_packed, "optimizer": "AdamW(fused=True)",
+            "training_precision": "bf16 autocast, float32 weights", "decode_precision": "bf16 weights"}
+    results = {"benchmark": "bench_models_gpu", "mode": "quick" if args.quick else "full", "command": sys.argv,
+               "device": gpu_info(), "source": source_provenance(REPO_ROOT, SOURCES), "plan": plan,
+               "model_config": {}, "training": [], "decode": []}
+    start = time.perf_counter()
+    for family in args.families:
+        probe = build_model(family, "selective_rope", layers)
+        results["model_config"][family] = {**MODEL_CONFIGS[family], "num_hidden_layers": layers,
+                                           "num_parameters": num_parameters(probe),
+                                           "full_config": probe.config.to_diff_dict()}
+        del probe
+        torch.cuda.empty_cache()
+        log(f"[bench_models_gpu] {family} on {results['device']['gpu']}, "
+            f"{results['model_config'][family]['num_parameters']:,} parameters")
+        training, decoding = [], []
+        for backend in args.backends:
+            with backend_override(backend):
+                for variant in VARIANTS:
+                    layouts = [False] + ([True] if backend == "auto" and not args.no_packed else [])
+                    for packed in layouts:
+                        training.append(bench_training(family, variant, backend, layers, args.batch_size, seq_len,
+                                                       train_steps, packed))
+                        torch.cuda.empty_cache()  # the model and optimizer state of the previous row are gone
+                for batch in args.decode_batches:
+                    for variant in VARIANTS:
+                        decoding.append(bench_decode(family, variant, backend, layers, batch, context, decode_steps))
+                        torch.cuda.empty_cache()
+        results["training"] += with_ratios(training, "tokens_per_s")
+        results["decode"] += with_ratios(decoding, "ms_per_token")
+        results["total_wall_s"] = round(time.perf_counter() - start, 1)
+        write_results(args.output, results)  # after every family: a run cut short keeps what it measured
+    print_summary(results)
+    return 0
+
+
+@contextlib.contextmanager
+def backend_override(backend: str):
+    """Sets ``SELECTIVE_ROPE_BACKEND`` for the duration (it wins over the config's ``backend``)."""
+    previous = os.environ.get(dispatch.ENV_VAR)
+    os.environ[dispatch.ENV_VAR] = backend
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(dispatch.ENV_VAR, None)
+        else:
+            os.environ[dispatch.ENV_VAR] = previous
+
+
+if __name__ == "__main__":
+    sys.exit(main())
