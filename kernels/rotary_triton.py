@@ -39,6 +39,9 @@ Runs on CUDA, and on CPU under ``TRITON_INTERPRET=1`` (how the tests check it ag
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 
 from .backends import interpreting
@@ -106,38 +109,72 @@ def _span(n, cu_ptr, T, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _chunk_range(pid_c, bos, eos, CHUNK):
+    """[start, end) of time chunk ``pid_c`` of the sequence [bos, eos) (empty past its end)."""
+    start = bos + pid_c.to(tl.int64) * CHUNK
+    return start, tl.minimum(start + CHUNK, eos)
+
+
+@triton.jit
+def _chunk_totals_kernel(
+    inc_ptr, cu_ptr, total_ptr,
+    T, Hk, R, NC, CHUNK,
+    si_b, si_t, si_h, si_r,
+    IS_VARLEN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """Pass 1 of the chunked scan: the float64 sum of the increments of every (sequence, key head, chunk), summed
+    tile by tile as pass 2 carries it. A chunk past its sequence's end sums to 0."""
+    pid_nh, pid_r, pid_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n = pid_nh // Hk
+    hk = pid_nh % Hk
+    b, bos, eos = _span(n, cu_ptr, T, IS_VARLEN)
+    start, end = _chunk_range(pid_c, bos, eos, CHUNK)
+    rs = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = rs < R
+    total = tl.full([BLOCK_R], 0.0, tl.float64)
+    inc_base = inc_ptr + b * si_b + hk * si_h
+    for t0 in range(start, end, BLOCK_T):
+        ts = t0 + tl.arange(0, BLOCK_T)
+        mask = (ts < end)[:, None] & mask_r[None, :]
+        total += _sum0(tl.load(inc_base + ts[:, None] * si_t + rs[None, :] * si_r, mask=mask, other=0.0)
+                       .to(tl.float64))
+    tl.store(total_ptr + (pid_nh.to(tl.int64) * NC + pid_c) * R + rs, total, mask=mask_r)
+
+
+@triton.jit
 def _selective_rotary_fwd_kernel(
-    q_ptr, k_ptr, inc_ptr, turns_ptr, init_ptr, oq_ptr, ok_ptr, final_ptr, cu_ptr,
-    T, Hk, G, R, D,
+    q_ptr, k_ptr, inc_ptr, turns_ptr, carry_ptr, oq_ptr, ok_ptr, final_ptr, cu_ptr,
+    T, Hk, G, R, D, NC, CHUNK,
     sq_b, sq_t, sq_h, sq_d,
     sk_b, sk_t, sk_h, sk_d,
     soq_b, soq_t, soq_h, soq_d,
     sok_b, sok_t, sok_h, sok_d,
     si_b, si_t, si_h, si_r,
-    HAS_INIT: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_PASS: tl.constexpr,
+    HAS_CARRY: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_PASS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     pid_nh = tl.program_id(0)
     pid_r = tl.program_id(1)
+    pid_c = tl.program_id(2)
     n = pid_nh // Hk
     hk = pid_nh % Hk
     b, bos, eos = _span(n, cu_ptr, T, IS_VARLEN)
+    start, end = _chunk_range(pid_c, bos, eos, CHUNK)
 
     rs = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = rs < R
     turns = tl.load(turns_ptr + rs, mask=mask_r, other=0.0)  # τ / 2π, float64
-    state_offs = pid_nh.to(tl.int64) * R + rs  # (n, hk, r) in a contiguous (N, Hk, R) tensor
-    if HAS_INIT:
-        carry = tl.load(init_ptr + state_offs, mask=mask_r, other=0.0).to(tl.float64)
+    if HAS_CARRY:  # the phase before this chunk: initial phase + the totals of the chunks before it
+        carry = tl.load(carry_ptr + (pid_nh.to(tl.int64) * NC + pid_c) * R + rs, mask=mask_r, other=0.0)
     else:
         carry = tl.full([BLOCK_R], 0.0, tl.float64)
 
     inc_base = inc_ptr + b * si_b + hk * si_h
     k_base = k_ptr + b * sk_b + hk * sk_h
     ok_base = ok_ptr + b * sok_b + hk * sok_h
-    for t0 in range(bos, eos, BLOCK_T):
+    for t0 in range(start, end, BLOCK_T):
         ts = t0 + tl.arange(0, BLOCK_T)
-        mask_t = ts < eos
+        mask_t = ts < end
         mask = mask_t[:, None] & mask_r[None, :]
         inc = tl.load(inc_base + ts[:, None] * si_t + rs[None, :] * si_r, mask=mask, other=0.0).to(tl.float64)
         phase = _cumsum(inc, False) + carry[None, :]
@@ -178,14 +215,15 @@ def _selective_rotary_fwd_kernel(
                         tl.store(oq_ptr + b * soq_b + hq * soq_h + ts[:, None] * soq_t + ds[None, :] * soq_d,
                                  x.to(oq_ptr.dtype.element_ty), mask=pmask)
 
-    tl.store(final_ptr + state_offs, carry, mask=mask_r)
+    if pid_c == NC - 1:  # the last chunk (of the longest sequence: past a shorter one's end, it carries its total)
+        tl.store(final_ptr + pid_nh.to(tl.int64) * R + rs, carry, mask=mask_r)
 
 
 @triton.jit
 def _selective_rotary_bwd_kernel(
-    q_ptr, k_ptr, dyq_ptr, dyk_ptr, inc_ptr, temp_ptr, turns_ptr, init_ptr, dfinal_ptr, cu_ptr,
-    dq_ptr, dk_ptr, dinc_ptr, dtemp_ptr, dinit_ptr,
-    T, Hk, G, R, D,
+    q_ptr, k_ptr, dyq_ptr, dyk_ptr, inc_ptr, temp_ptr, turns_ptr, carry_ptr, cu_ptr,
+    dq_ptr, dk_ptr, dinc_ptr, dtotal_ptr, dtemp_ptr,
+    T, Hk, G, R, D, NC, CHUNK,
     sq_b, sq_t, sq_h, sq_d,
     sk_b, sk_t, sk_h, sk_d,
     sdyq_b, sdyq_t, sdyq_h, sdyq_d,
@@ -194,23 +232,27 @@ def _selective_rotary_bwd_kernel(
     sdk_b, sdk_t, sdk_h, sdk_d,
     si_b, si_t, si_h, si_r,
     sdi_b, sdi_t, sdi_h,
-    HAS_INIT: tl.constexpr, HAS_DFINAL: tl.constexpr, NEED_DTEMP: tl.constexpr, NEED_DINIT: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_PASS: tl.constexpr,
+    HAS_CARRY: tl.constexpr, NEED_DTEMP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_PASS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
+    """Backward walk 1, forward in time over one chunk: recompute the phase exactly as the forward did, rotate the
+    gradients back, and write dθ_t (summed over the key head and its query heads) into the d(increment) buffer; the
+    chunk's Σ dθ and Σ θ dangle (for d temperature) go to per-chunk partials."""
     pid_nh = tl.program_id(0)
     pid_r = tl.program_id(1)
+    pid_c = tl.program_id(2)
     n = pid_nh // Hk
     hk = pid_nh % Hk
     b, bos, eos = _span(n, cu_ptr, T, IS_VARLEN)
+    start, end = _chunk_range(pid_c, bos, eos, CHUNK)
 
     rs = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = rs < R
     temp = tl.load(temp_ptr + rs, mask=mask_r, other=0.0).to(tl.float32)
     turns = tl.load(turns_ptr + rs, mask=mask_r, other=0.0)  # τ / 2π, float64
-    state_offs = pid_nh.to(tl.int64) * R + rs
-    if HAS_INIT:
-        carry = tl.load(init_ptr + state_offs, mask=mask_r, other=0.0).to(tl.float64)
+    chunk_offs = (pid_nh.to(tl.int64) * NC + pid_c) * R + rs
+    if HAS_CARRY:
+        carry = tl.load(carry_ptr + chunk_offs, mask=mask_r, other=0.0)
     else:
         carry = tl.full([BLOCK_R], 0.0, tl.float64)
     dphase_total = tl.full([BLOCK_R], 0.0, tl.float32)
@@ -218,11 +260,9 @@ def _selective_rotary_bwd_kernel(
 
     inc_base = inc_ptr + b * si_b + hk * si_h
     dinc_base = dinc_ptr + b * sdi_b + hk * sdi_h
-    # Walk 1 (forward in time): recompute the phase exactly as the forward did, rotate the gradients back,
-    # and write dθ_t (summed over the key head and its query heads) into the d(increment) buffer.
-    for t0 in range(bos, eos, BLOCK_T):
+    for t0 in range(start, end, BLOCK_T):
         ts = t0 + tl.arange(0, BLOCK_T)
-        mask_t = ts < eos
+        mask_t = ts < end
         mask = mask_t[:, None] & mask_r[None, :]
         inc = tl.load(inc_base + ts[:, None] * si_t + rs[None, :] * si_r, mask=mask, other=0.0).to(tl.float64)
         phase = _cumsum(inc, False) + carry[None, :]
@@ -277,26 +317,42 @@ def _selective_rotary_bwd_kernel(
                         tl.store(dq_ptr + b * sdq_b + hq * sdq_h + ts[:, None] * sdq_t + ds[None, :] * sdq_d,
                                  dy.to(dq_ptr.dtype.element_ty), mask=pmask)
 
-    # Walk 2 (reverse in time): d(increment)_s = Σ_{t>=s} dθ_t + d(final phase), in place over the dθ buffer.
-    tl.debug_barrier()
-    if HAS_DFINAL:
-        suffix = tl.load(dfinal_ptr + state_offs, mask=mask_r, other=0.0).to(tl.float32)
+    tl.store(dtotal_ptr + chunk_offs, dphase_total, mask=mask_r)
+    if NEED_DTEMP:
+        tl.store(dtemp_ptr + chunk_offs, dtemp_acc.to(tl.float32), mask=mask_r)
+
+
+@triton.jit
+def _suffix_sum_kernel(
+    dinc_ptr, suffix_ptr, cu_ptr,
+    T, Hk, R, NC, CHUNK,
+    sdi_b, sdi_t, sdi_h,
+    HAS_SUFFIX: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """Backward walk 2, reverse in time over one chunk, in place over the dθ buffer:
+    d(increment)_s = Σ_{t>=s in the chunk} dθ_t + (Σ dθ of the later chunks + d final phase)."""
+    pid_nh = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    pid_c = tl.program_id(2)
+    n = pid_nh // Hk
+    hk = pid_nh % Hk
+    b, bos, eos = _span(n, cu_ptr, T, IS_VARLEN)
+    start, end = _chunk_range(pid_c, bos, eos, CHUNK)
+    rs = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = rs < R
+    if HAS_SUFFIX:
+        suffix = tl.load(suffix_ptr + (pid_nh.to(tl.int64) * NC + pid_c) * R + rs, mask=mask_r, other=0.0)
     else:
         suffix = tl.full([BLOCK_R], 0.0, tl.float32)
-    dphase_total += suffix
-    num_tiles = (eos - bos + BLOCK_T - 1) // BLOCK_T
+    dinc_base = dinc_ptr + b * sdi_b + hk * sdi_h
+    num_tiles = tl.maximum(end - start + BLOCK_T - 1, 0) // BLOCK_T
     for i in range(0, num_tiles):
-        ts = bos + (num_tiles - 1 - i) * BLOCK_T + tl.arange(0, BLOCK_T)
-        mask = (ts < eos)[:, None] & mask_r[None, :]
+        ts = start + (num_tiles - 1 - i) * BLOCK_T + tl.arange(0, BLOCK_T)
+        mask = (ts < end)[:, None] & mask_r[None, :]
         ptrs = dinc_base + ts[:, None] * sdi_t + rs[None, :]
         dphase = tl.load(ptrs, mask=mask, other=0.0)
         tl.store(ptrs, _cumsum(dphase, True) + suffix[None, :], mask=mask)
         suffix += _sum0(dphase)
-
-    if NEED_DINIT:
-        tl.store(dinit_ptr + state_offs, dphase_total.to(tl.float64), mask=mask_r)
-    if NEED_DTEMP:
-        tl.store(dtemp_ptr + state_offs, dtemp_acc.to(tl.float32), mask=mask_r)
 
 
 @triton.jit
@@ -405,6 +461,68 @@ def _turns_per_phase(temperature: torch.Tensor) -> torch.Tensor:
     return (temperature.double() / TWO_PI).contiguous()
 
 
+# Programs wanted in flight on a GPU, per multiprocessor: one program per (sequence, key head) would leave most of an
+# H100 idle at batch 1 (16 heads on 132 multiprocessors; measured on an H200: 110 GB/s, a quarter of torch.compile's
+# fused cumsum), so long sequences are cut into time chunks that run in parallel (a two-pass scan).
+_PROGRAMS_PER_SM = 4
+_INTERPRETER_PROGRAMS = 8  # under the interpreter: enough chunks that the CPU tests run the chunked scan
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _chunk_tiles(seq_len: int, num_seqs: int, programs: int, block_t: int, device: torch.device) -> int:
+    """Time tiles per chunk: as many chunks as fill the device with ``programs`` (sequences x key heads x frequency
+    blocks) programs per chunk, sized from the mean sequence length, at least one tile each."""
+    if device.type == "cuda":
+        target = _PROGRAMS_PER_SM * _multiprocessors(device.index if device.index is not None else 0)
+    else:
+        target = _INTERPRETER_PROGRAMS
+    tiles = max(1, triton.cdiv(triton.cdiv(seq_len, max(num_seqs, 1)), block_t))
+    chunks = max(1, min(tiles, triton.cdiv(target, programs)))
+    return triton.cdiv(tiles, chunks)
+
+
+class _Plan(NamedTuple):
+    """Launch plan of the prefill kernels: grid ``(N * Hk, frequency blocks, chunks)``, ``chunk`` tokens each."""
+    cfg: dict
+    grid: tuple[int, int, int]
+    chunk: int
+
+
+def _plan(q: torch.Tensor, num_seqs: int, num_key_heads: int, rotary_pairs: int) -> _Plan:
+    seq_len, head_dim = q.shape[1], q.shape[3]
+    cfg = _config(rotary_pairs, head_dim - 2 * rotary_pairs)
+    blocks_r = triton.cdiv(rotary_pairs, cfg["BLOCK_R"])
+    chunk = cfg["BLOCK_T"] * _chunk_tiles(seq_len, num_seqs, num_seqs * num_key_heads * blocks_r, cfg["BLOCK_T"],
+                                          q.device)
+    return _Plan(cfg, (num_seqs * num_key_heads, blocks_r, triton.cdiv(seq_len, chunk)), chunk)
+
+
+def _chunk_carries(plan: _Plan, increment: torch.Tensor, init: torch.Tensor | None,
+                   cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:
+    """The phase before every chunk, ``(N * Hk, chunks, R)`` float64: the initial phase plus the totals of the
+    chunks before it (pass 1 of the scan). ``None`` for one chunk without an initial phase (zeros)."""
+    rows, _, chunks = plan.grid
+    rotary_pairs = increment.shape[3]
+    if chunks == 1:
+        return None if init is None else init.reshape(rows, 1, rotary_pairs)
+    totals = increment.new_empty(rows, chunks, rotary_pairs, dtype=torch.float64)
+    _chunk_totals_kernel[plan.grid](
+        increment, cu_seqlens if cu_seqlens is not None else totals, totals,
+        increment.shape[1], increment.shape[2], rotary_pairs, chunks, plan.chunk, *increment.stride(),
+        IS_VARLEN=cu_seqlens is not None, BLOCK_T=plan.cfg["BLOCK_T"], BLOCK_R=plan.cfg["BLOCK_R"],
+        num_warps=plan.cfg["num_warps"],
+    )
+    carries = torch.zeros_like(totals)
+    carries[:, 1:] = totals[:, :-1].cumsum(dim=1)
+    if init is not None:
+        carries += init.reshape(rows, 1, rotary_pairs)
+    return carries
+
+
 @torch.library.custom_op("selective_rope::rotary_forward", mutates_args=())
 def _rotary_forward(
     q: torch.Tensor,
@@ -427,15 +545,16 @@ def _rotary_forward(
         out_k.copy_(k)
         final.copy_(init if init is not None else torch.zeros_like(final))
         return out_q, out_k, final
-    cfg = _config(rotary_pairs, head_dim - 2 * rotary_pairs)
-    grid = (num_seqs * num_key_heads, triton.cdiv(rotary_pairs, cfg["BLOCK_R"]))
-    _selective_rotary_fwd_kernel[grid](
-        q, k, increment, _turns_per_phase(temperature), init if init is not None else final, out_q, out_k, final,
-        cu_seqlens if cu_seqlens is not None else final,
-        seq_len, num_key_heads, num_query_heads // num_key_heads, rotary_pairs, head_dim,
+    plan = _plan(q, num_seqs, num_key_heads, rotary_pairs)
+    carries = _chunk_carries(plan, increment, init, cu_seqlens)
+    _selective_rotary_fwd_kernel[plan.grid](
+        q, k, increment, _turns_per_phase(temperature), carries if carries is not None else final, out_q, out_k,
+        final, cu_seqlens if cu_seqlens is not None else final,
+        seq_len, num_key_heads, num_query_heads // num_key_heads, rotary_pairs, head_dim, plan.grid[2], plan.chunk,
         *q.stride(), *k.stride(), *out_q.stride(), *out_k.stride(), *increment.stride(),
-        HAS_INIT=init is not None, IS_VARLEN=cu_seqlens is not None, HAS_PASS=head_dim > 2 * rotary_pairs,
-        BLOCK_T=cfg["BLOCK_T"], BLOCK_R=cfg["BLOCK_R"], BLOCK_P=cfg["BLOCK_P"], num_warps=cfg["num_warps"],
+        HAS_CARRY=carries is not None, IS_VARLEN=cu_seqlens is not None, HAS_PASS=head_dim > 2 * rotary_pairs,
+        BLOCK_T=plan.cfg["BLOCK_T"], BLOCK_R=plan.cfg["BLOCK_R"], BLOCK_P=plan.cfg["BLOCK_P"],
+        num_warps=plan.cfg["num_warps"],
     )
     return out_q, out_k, final
 
@@ -467,29 +586,43 @@ def _rotary_backward(
     init = None if initial_phase is None else initial_phase.contiguous()
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dinc = torch.zeros(batch, seq_len, num_key_heads, rotary_pairs, dtype=torch.float32, device=q.device)
-    dinit = torch.zeros(num_seqs, num_key_heads, rotary_pairs, dtype=torch.float64, device=q.device)
-    dtemp_partial = torch.zeros(num_seqs, num_key_heads, rotary_pairs, dtype=torch.float32, device=q.device)
-    dfinal = None if grad_final is None else grad_final.float().contiguous()
+    dfinal = None if grad_final is None else grad_final.float().reshape(-1, rotary_pairs)
     if seq_len == 0 or num_seqs == 0 or rotary_pairs == 0:
         dq.copy_(grad_q)
         dk.copy_(grad_k)
+        dinit = torch.zeros(num_seqs, num_key_heads, rotary_pairs, dtype=torch.float64, device=q.device)
         if dfinal is not None:
-            dinit += dfinal
-        return dq, dk, dinc, dtemp_partial.sum(dim=(0, 1)), dinit
-    cfg = _config(rotary_pairs, head_dim - 2 * rotary_pairs)
-    grid = (num_seqs * num_key_heads, triton.cdiv(rotary_pairs, cfg["BLOCK_R"]))
-    _selective_rotary_bwd_kernel[grid](
+            dinit += dfinal.view_as(dinit)
+        return dq, dk, dinc, q.new_zeros(rotary_pairs, dtype=torch.float32), dinit
+    plan = _plan(q, num_seqs, num_key_heads, rotary_pairs)
+    rows, _, chunks = plan.grid
+    carries = _chunk_carries(plan, increment, init, cu_seqlens)
+    dtotals = torch.empty(rows, chunks, rotary_pairs, dtype=torch.float32, device=q.device)
+    dtemp_partial = torch.zeros_like(dtotals)
+    placeholder = dtotals  # for pointers a disabled branch never reads
+    cu = cu_seqlens if cu_seqlens is not None else placeholder
+    _selective_rotary_bwd_kernel[plan.grid](
         q, k, grad_q, grad_k, increment, temperature.contiguous(), _turns_per_phase(temperature),
-        init if init is not None else dinit,
-        dfinal if dfinal is not None else dinit, cu_seqlens if cu_seqlens is not None else dinit,
-        dq, dk, dinc, dtemp_partial, dinit,
-        seq_len, num_key_heads, num_query_heads // num_key_heads, rotary_pairs, head_dim,
+        carries if carries is not None else placeholder, cu, dq, dk, dinc, dtotals, dtemp_partial,
+        seq_len, num_key_heads, num_query_heads // num_key_heads, rotary_pairs, head_dim, chunks, plan.chunk,
         *q.stride(), *k.stride(), *grad_q.stride(), *grad_k.stride(), *dq.stride(), *dk.stride(),
         *increment.stride(), *dinc.stride()[:3],
-        HAS_INIT=init is not None, HAS_DFINAL=dfinal is not None, NEED_DTEMP=need_temperature_grad,
-        NEED_DINIT=True, IS_VARLEN=cu_seqlens is not None, HAS_PASS=head_dim > 2 * rotary_pairs,
-        BLOCK_T=cfg["BLOCK_T"], BLOCK_R=cfg["BLOCK_R"], BLOCK_P=cfg["BLOCK_P"], num_warps=cfg["num_warps"],
+        HAS_CARRY=carries is not None, NEED_DTEMP=need_temperature_grad, IS_VARLEN=cu_seqlens is not None,
+        HAS_PASS=head_dim > 2 * rotary_pairs,
+        BLOCK_T=plan.cfg["BLOCK_T"], BLOCK_R=plan.cfg["BLOCK_R"], BLOCK_P=plan.cfg["BLOCK_P"],
+        num_warps=plan.cfg["num_warps"],
     )
+    # What reaches each chunk from later in time: the later chunks' Σ dθ, plus the final phase's gradient.
+    suffixes = torch.zeros_like(dtotals)
+    suffixes[:, :-1] = dtotals.flip(1).cumsum(dim=1).flip(1)[:, 1:]
+    if dfinal is not None:
+        suffixes += dfinal[:, None]
+    _suffix_sum_kernel[plan.grid](
+        dinc, suffixes, cu, seq_len, num_key_heads, rotary_pairs, chunks, plan.chunk, *dinc.stride()[:3],
+        HAS_SUFFIX=chunks > 1 or dfinal is not None, IS_VARLEN=cu_seqlens is not None,
+        BLOCK_T=plan.cfg["BLOCK_T"], BLOCK_R=plan.cfg["BLOCK_R"], num_warps=plan.cfg["num_warps"],
+    )
+    dinit = (suffixes[:, 0] + dtotals[:, 0]).double().view(num_seqs, num_key_heads, rotary_pairs)
     return dq, dk, dinc, dtemp_partial.sum(dim=(0, 1)), dinit
 
 

@@ -152,9 +152,32 @@ def test_empty_sequence():
     torch.testing.assert_close(final, phase0.double())
 
 
+def chunk_tiles(monkeypatch, tiles):
+    """Time tiles per chunk of the prefill kernels' two-pass scan (``None``: the kernels' own choice)."""
+    if tiles is not None:
+        monkeypatch.setattr(rotary_triton, "_chunk_tiles", lambda *args: tiles)
+
+
+@pytest.mark.parametrize("tiles", [1, 2, 4, 1000])
 @pytest.mark.parametrize("init", [True, False], ids=["init", "no_init"])
-def test_packed_sequences(init):
-    """cu_seqlens: the phase restarts at each boundary; equal to running each sequence on its own."""
+def test_time_chunks_scan_in_parallel(tiles, init, monkeypatch):
+    """Long sequences are cut into time chunks that run as separate programs, each starting from the phase the
+    chunks before it sum to (pass 1) and, backward, taking the gradient that later chunks send back: any chunking
+    gives the reference's outputs and gradients, the final phase's gradient included."""
+    chunk_tiles(monkeypatch, tiles)
+    seq_len = 70  # 5 tiles of 16 under the interpreter, 2 of 64 on a GPU
+    plan = rotary_triton._plan(torch.empty(2, seq_len, 4, 12), 2, 2, 4)
+    time_tiles = -(-seq_len // plan.cfg["BLOCK_T"])
+    assert plan.grid[2] == -(-time_tiles // tiles)
+    check(2, seq_len, 4, 2, 12, 4, init=init)
+
+
+@pytest.mark.parametrize("tiles", [None, 1], ids=["default_chunks", "one_tile_chunks"])
+@pytest.mark.parametrize("init", [True, False], ids=["init", "no_init"])
+def test_packed_sequences(init, tiles, monkeypatch):
+    """cu_seqlens: the phase restarts at each boundary; equal to running each sequence on its own, also when the
+    sequences are cut into chunks (chunks past a short sequence's end carry its whole sum to the final phase)."""
+    chunk_tiles(monkeypatch, tiles)
     lengths = [5, 1, 17, 0, 8]
     offsets = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
     total, hq, hk, head_dim, half = sum(lengths), 4, 2, 10, 3
