@@ -40,10 +40,10 @@ from pathlib import Path
 import torch
 from bench_rotary_gpu import L2Flush, cuda_timings, gpu_info, require_cuda
 
-from selective_rope.families import FAMILIES
 from selective_rope.bench.machine import source_provenance
 from selective_rope.bench.measure import num_parameters
 from selective_rope.bench.report import log, write_results
+from selective_rope.families import FAMILIES
 from selective_rope.kernels import dispatch
 from selective_rope.modeling import returned_cache
 
@@ -130,13 +130,13 @@ def bench_training(family: str, variant: str, backend: str, layers: int, batch: 
     tokens_per_s = batch * seq_len / stats["median_s"]
     result = {"family": family, "variant": variant, "backend": backend, "kernels": kernels_used(backend),
               "layout": "packed" if packed else "dense", "batch": batch, "seq_len": seq_len,
-              "tokens_per_s": round(tokens_per_s), "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+              "tokens_per_s": round(tokens_per_s),
+              "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
               "num_parameters": num_parameters(model), **stats}
     if packed:
         result["num_sequences"] = len(lengths)
     log(f"  train {family:14s} {variant:15s} {backend:5s} {result['layout']:6s}: {stats['median_s'] * 1e3:8.1f} ms/step"
         f"  {tokens_per_s:10.0f} tokens/s  peak {result['peak_memory_gib']:.1f} GiB")
-    del model, optimizer
     return result
 
 
@@ -160,7 +160,6 @@ def bench_decode(family: str, variant: str, backend: str, layers: int, batch: in
     result = {"family": family, "variant": variant, "backend": backend, "kernels": kernels_used(backend),
               "batch": batch, "context": context, "ms_per_token": round(stats["median_s"] * 1e3, 3), **stats}
     log(f"  decode {family:14s} {variant:15s} {backend:5s} B={batch}: {result['ms_per_token']:7.2f} ms/token")
-    del model, state
     return result
 
 

@@ -23,8 +23,16 @@ from transformers.utils.generic import can_return_tuple
 from ..kernels.dispatch import keeps_packed, resolve_backend
 from .cache import SelectiveRopeCache
 from .hub import HubMixin, unsharded_class
-from .inputs import (CACHE_FIELD, check_cache, check_kwargs, check_tokens, one_cache, packed_offsets, padding_mask,
-                     returned_cache)
+from .inputs import (
+    CACHE_FIELD,
+    check_cache,
+    check_kwargs,
+    check_tokens,
+    one_cache,
+    packed_offsets,
+    padding_mask,
+    returned_cache,
+)
 from .layers import GatedMLP, RMSNorm
 from .layout import SequenceLayout
 from .mixer import LayerState, Mixer
