@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 17's checks on a CUDA machine, in one call sized for a 15-minute lease (about 9.5 minutes of work):
-#   1. our Triton rotary kernels on CUDA: their tests, then benchmarks/bench_rotary_gpu.py (eager, torch.compile,
-#      Triton; every shape);
+#   1. our Triton rotary kernels on CUDA: their tests, benchmarks/bench_rotary_gpu.py (eager, torch.compile,
+#      Triton; every shape), then benchmarks/profile_rotary_gpu.py (host against device time of one call);
 #   2. the CUDA tests that run flash-linear-attention's kernels (-m cuda) and, beside them, the rest of the default
 #      suite with the GPU visible;
 #   3. 370M-class models of each family (benchmarks/bench_models_gpu.py), with the time that is left.
@@ -47,17 +47,22 @@ pytest_in_tmp 120 "$OUT/pytest_rotary.txt" "$REPO/tests/kernels/test_rotary_trit
 tail -n 30 "$OUT/pytest_rotary.txt"
 
 step "Triton rotary kernels on CUDA: benchmark (eager, torch.compile, Triton)"
-timeout 150 "$PYTHON" benchmarks/bench_rotary_gpu.py --repeats 20 --output "$OUT/rotary_gpu.json" 2>&1 \
+timeout 110 "$PYTHON" benchmarks/bench_rotary_gpu.py --repeats 20 --output "$OUT/rotary_gpu.json" 2>&1 \
     | tee "$OUT/rotary_gpu.log"
 
+step "Triton rotary kernels on CUDA: host against device time per call, and torch.profiler's tables"
+for length in 2048 32768; do
+    timeout 30 "$PYTHON" benchmarks/profile_rotary_gpu.py --seq-len $length 2>&1 | tee -a "$OUT/profile_rotary.txt"
+done
+
 step "tests on fla's kernels (-m cuda), and the rest of the default suite beside them"
-pytest_in_tmp 170 "$OUT/pytest_cuda.txt" -m cuda "$REPO/tests" &
-pytest_in_tmp 170 "$OUT/pytest_suite.txt" -m "not slow and not cuda" -n 12 --timeout 120 "$REPO/tests" &
+pytest_in_tmp 150 "$OUT/pytest_cuda.txt" -m cuda "$REPO/tests" &
+pytest_in_tmp 150 "$OUT/pytest_suite.txt" -m "not slow and not cuda" -n 12 --timeout 120 "$REPO/tests" &
 wait
 grep -h "^FAILED\|exit status\| passed\| failed" "$OUT/pytest_cuda.txt" "$OUT/pytest_suite.txt" | tail -n 60
 
 step "370M-class models: training (dense, packed) and decoding"
-timeout 110 "$PYTHON" benchmarks/bench_models_gpu.py --backends auto --batch-size 4 --seq-len 4096 --context 4096 \
+timeout 90 "$PYTHON" benchmarks/bench_models_gpu.py --backends auto --batch-size 4 --seq-len 4096 --context 4096 \
     --train-steps 10 --decode-steps 50 --output "$OUT/models_gpu.json" 2>&1
 
 step "done"

@@ -1,0 +1,134 @@
+"""Where one call of the Triton Selective RoPE op spends its time: the host (Python, torch glue, kernel launches)
+against the GPU.
+
+The first H200 runs (benchmarks/results/gpu/2026-11-27-h200) timed a decode step at ~360 us and a B=1, T=32k forward
+at 0.97 ms when each call was synchronised, but 0.55 ms when the CPU could run ahead: the host side of a call seems to
+cost hundreds of microseconds. This script measures it directly, per call (median of ``--repeats``):
+
+- ``enqueue``: host time until the call returns (nothing synchronised: what the CPU spends);
+- ``device``: CUDA-event time of the same call run back to back with the others (the GPU's own time, launch gaps
+  hidden when the host keeps ahead);
+- ``synchronised``: call + synchronize, from an idle GPU (what the benchmark measures);
+and prints torch.profiler's table (self CPU time per op, kernels' CUDA time) for a few calls of each.
+
+Usage::
+
+    python benchmarks/profile_rotary_gpu.py                   # B=1, T=2048, bf16, on CUDA
+    python benchmarks/profile_rotary_gpu.py --seq-len 32768
+    TRITON_INTERPRET=1 python benchmarks/profile_rotary_gpu.py --device cpu --seq-len 64   # smoke run, no GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+from bench_rotary_gpu import CONV_TAPS, HEAD_DIM, HEADS, PAIRS
+
+
+def inputs(batch: int, seq_len: int, dtype: torch.dtype, device: str) -> dict:
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape, dt=torch.float32, grad=False):
+        return torch.randn(*shape, device=device, dtype=dt, generator=generator).requires_grad_(grad)
+
+    channels = HEADS * PAIRS
+    temperature = 500000.0 ** (-torch.arange(PAIRS, device=device) / PAIRS)
+    return {
+        "prefill": (randn(batch, seq_len, HEADS, HEAD_DIM, dt=dtype, grad=True),
+                    randn(batch, seq_len, HEADS, HEAD_DIM, dt=dtype, grad=True),
+                    randn(batch, seq_len, HEADS, PAIRS, grad=True), temperature),
+        # q, k, projection, temperature, phase, history, taps, activation, bias, gate logits
+        "decode": (randn(batch, HEADS, HEAD_DIM, dt=dtype), randn(batch, HEADS, HEAD_DIM, dt=dtype),
+                   randn(batch, HEADS, PAIRS, dt=torch.float64), temperature,
+                   randn(batch, HEADS, PAIRS, dt=torch.float64),
+                   randn(batch, CONV_TAPS - 1, channels, dt=torch.float64), randn(channels, CONV_TAPS), "silu",
+                   randn(HEADS, PAIRS), randn(batch, HEADS, 1, dt=torch.float64)),
+    }
+
+
+def calls(data: dict) -> dict:
+    from selective_rope.kernels.rotary_triton import selective_rotary_decode_triton, selective_rotary_triton
+
+    q, k, increment, temperature = data["prefill"]
+    grads = [torch.randn_like(x) for x in (q, k)]
+
+    def forward():
+        with torch.no_grad():
+            return selective_rotary_triton(q, k, increment, temperature)
+
+    def forward_backward():
+        out_q, out_k, _ = selective_rotary_triton(q, k, increment, temperature)
+        return torch.autograd.grad((out_q, out_k), (q, k, increment), grads)
+
+    def decode():
+        return selective_rotary_decode_triton(*data["decode"])
+
+    return {"forward": forward, "forward_backward": forward_backward, "decode": decode}
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(fn, repeats: int, device: str) -> dict:
+    for _ in range(5):
+        fn()
+    sync(device)
+    enqueue, synchronised = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        enqueue.append(time.perf_counter() - start)
+        sync(device)
+        synchronised.append(time.perf_counter() - start)
+    result = {"enqueue_us": 1e6 * statistics.median(enqueue), "synchronised_us": 1e6 * statistics.median(synchronised)}
+    if device == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        result["device_us"] = 1e3 * statistics.median(start.elapsed_time(end) for start, end in events)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--rows", type=int, default=12, help="rows of each profiler table")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("profile_rotary_gpu.py: no CUDA device (use --device cpu with TRITON_INTERPRET=1 for a smoke run)")
+
+    fns = calls(inputs(args.batch, args.seq_len, getattr(torch, args.dtype), args.device))
+    print(f"Selective RoPE op, B={args.batch}, T={args.seq_len}, {args.dtype}, H={HEADS}, D={HEAD_DIM}, R={PAIRS}, "
+          f"{torch.cuda.get_device_name(0) if args.device == 'cuda' else 'cpu'}; median us per call")
+    for name, fn in fns.items():
+        row = measure(fn, args.repeats, args.device)
+        print(f"  {name:17s} " + "  ".join(f"{key[:-3]} {value:9.1f}" for key, value in row.items()), flush=True)
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if args.device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    for name, fn in fns.items():
+        with torch.profiler.profile(activities=activities) as profile:
+            for _ in range(5):
+                fn()
+            sync(args.device)
+        print(f"\n{name}: 5 calls")
+        print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
