@@ -479,16 +479,22 @@ def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _chunk_tiles(seq_len: int, num_seqs: int, programs: int, block_t: int, device: torch.device) -> int:
-    """Time tiles per chunk: as many chunks as fill the device with ``programs`` (sequences x key heads x frequency
-    blocks) programs per chunk, sized from the mean sequence length, at least one tile each."""
+def _chunk_tiles(seq_len: int, num_seqs: int, packed: bool, programs: int, block_t: int,
+                 device: torch.device) -> int:
+    """Time tiles per chunk. One chunk spanning ``seq_len`` where the ``programs`` (sequences x key heads x
+    frequency blocks) fill the device; else as many chunks per sequence as fill it, sized from the mean sequence
+    length (``seq_len`` a row, or a packed row's ``seq_len / num_seqs``: a longer packed sequence gets more chunks,
+    and programs past a sequence's end return at once)."""
     if device.type == "cuda":
         target = _PROGRAMS_PER_SM * _multiprocessors(device.index if device.index is not None else 0)
     else:
         target = _INTERPRETER_PROGRAMS
-    tiles = max(1, triton.cdiv(triton.cdiv(seq_len, max(num_seqs, 1)), block_t))
-    chunks = max(1, min(tiles, triton.cdiv(target, programs)))
-    return triton.cdiv(tiles, chunks)
+    whole = max(1, triton.cdiv(seq_len, block_t))
+    wanted = triton.cdiv(target, max(programs, 1))
+    if wanted <= 1:
+        return whole  # one chunk, also for a packed row of many short sequences (no grid of empty chunks)
+    mean = max(1, triton.cdiv(triton.cdiv(seq_len, max(num_seqs, 1)), block_t)) if packed else whole
+    return triton.cdiv(mean, min(mean, wanted))
 
 
 class _Plan(NamedTuple):
@@ -502,8 +508,9 @@ def _plan(q: torch.Tensor, num_seqs: int, num_key_heads: int, rotary_pairs: int)
     seq_len, head_dim = q.shape[1], q.shape[3]
     cfg = _config(rotary_pairs, head_dim - 2 * rotary_pairs)
     blocks_r = triton.cdiv(rotary_pairs, cfg["BLOCK_R"])
-    chunk = cfg["BLOCK_T"] * _chunk_tiles(seq_len, num_seqs, num_seqs * num_key_heads * blocks_r, cfg["BLOCK_T"],
-                                          q.device)
+    packed = num_seqs != q.shape[0]  # (a packed row of one sequence is planned like a row)
+    chunk = cfg["BLOCK_T"] * _chunk_tiles(seq_len, num_seqs, packed, num_seqs * num_key_heads * blocks_r,
+                                          cfg["BLOCK_T"], q.device)
     return _Plan(cfg, (num_seqs * num_key_heads, blocks_r, triton.cdiv(seq_len, chunk)), chunk)
 
 

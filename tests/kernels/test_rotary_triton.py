@@ -173,6 +173,24 @@ def test_time_chunks_scan_in_parallel(tiles, init, monkeypatch):
     check(2, seq_len, 4, 2, 12, 4, init=init)
 
 
+@pytest.mark.parametrize("batch, seq_len, num_seqs, chunks", [
+    (1, 32768, 1, 32),  # one row: 16 programs, cut into 32 chunks of 1024 tokens
+    (8, 32768, 8, 5),  # 128 programs: 5 chunks of each row
+    (64, 4096, 64, 1),  # 1024 programs fill the device: no chunks
+    (1, 32768, 1000, 1),  # a packed row of 1000 short sequences: one chunk each, not 1000 mostly empty ones
+    (1, 32768, 8, 40),  # 8 packed sequences: chunks from their mean length (4096 / 5, in 32-token tiles)
+])
+def test_chunk_plan_fills_the_device_without_empty_grids(batch, seq_len, num_seqs, chunks, monkeypatch):
+    """The plan a GPU of 132 multiprocessors gets (16 key heads, R = 64, 32-token tiles): enough programs, and the
+    grid stays within a small multiple of the target (4 per multiprocessor) unless the sequences alone exceed it."""
+    monkeypatch.setattr(rotary_triton, "_multiprocessors", lambda index: 132)
+    tiles = rotary_triton._chunk_tiles(seq_len, num_seqs, num_seqs != batch, num_seqs * 16, 32,
+                                       torch.device("cuda", 0))
+    grid_chunks = -(-seq_len // (32 * tiles))
+    assert grid_chunks == chunks
+    assert num_seqs * 16 * grid_chunks <= max(num_seqs * 16, 16 * 4 * 132)
+
+
 @pytest.mark.parametrize("tiles", [None, 1], ids=["default_chunks", "one_tile_chunks"])
 @pytest.mark.parametrize("init", [True, False], ids=["init", "no_init"])
 def test_packed_sequences(init, tiles, monkeypatch):
