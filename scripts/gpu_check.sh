@@ -13,6 +13,10 @@
 #
 # Usage, from the repository root, with selective_rope, triton and flash-linear-attention importable:
 #   OUT=/tmp/gpu-check bash scripts/gpu_check.sh
+# On a machine without a package index (as the lent ones are), bring wheels: here, `pip wheel --no-deps -w .whl .`
+# and `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl
+# fla-core==0.6.0 flash-linear-attention==0.6.0`; there, `pip install --no-index --no-deps --target /tmp/site
+# .whl/*.whl && export PYTHONPATH=/tmp/site` before this script.
 set -u
 REPO=$(pwd)
 OUT=${OUT:-$REPO/benchmarks/results/gpu-check}
