@@ -3,19 +3,23 @@
 Same semantics as the PyTorch reference (:func:`selective_rope.kernels.rotary_torch.selective_rotary` and, for one
 token with a cache, ``SelectiveRotaryEmbedding``'s torch path), plus packed sequences (``cu_seqlens``).
 
-**Prefill / training** (``selective_rotary_triton``). One program per (sequence, key head, block of frequency pairs)
-walks over time in tiles with a running carry of the phase, so the cumulative sum never leaves the program:
+**Prefill / training** (``selective_rotary_triton``). A two-pass scan over time chunks. The grid is (sequence x key
+head, block of frequency pairs, time chunk); the chunks are as long as fills the GPU (``_plan``: one chunk per
+sequence when the sequences alone fill it). Pass 1 sums each chunk's increments (float64); their exclusive prefix
+sums, plus the initial phase, are each chunk's starting phase (a few torch ops). Pass 2 walks its chunk in tiles with
+a running carry of the phase:
 
     θ_t = θ_0 + Σ_{s<=t} c_s,   angle_t = τ · θ_t,   (x_i, x_{i+R}) -> (x_i cos − x_{i+R} sin, x_i sin + x_{i+R} cos)
 
 for the key head and every query head of its group (GPT-NeoX halves; dims ``>= 2R`` pass through). ``R`` is the
 number of frequency pairs, ``rotary_dim // 2``: ``rotary_pairs`` in the Python code, as in the rest of the library,
 and ``R`` in the kernels' arguments, next to their other shape letters (``T``, ``Hk``, ``G``, ``D``).
-Backward, same grid: a forward walk recomputes the phase, writes ``dq``/``dk`` (the inverse rotation of the
-incoming gradients) and the per-position ``dθ_t = τ · Σ_heads (dy_2 · y_1 − dy_1 · y_2)`` (summed over the query
-heads of the group inside the program), then a reverse walk over the same tiles turns ``dθ`` into
-``d(increment)_s = Σ_{t>=s} dθ_t (+ d final phase)``. ``d(initial_phase)`` is the total and ``d(temperature)`` is
-reduced from per-program partials in PyTorch (no atomics).
+Backward, same grid, two kernels: a forward walk over each chunk (from pass 1's starting phases) recomputes the phase,
+writes ``dq``/``dk`` (the inverse rotation of the incoming gradients) and the per-position
+``dθ_t = τ · Σ_heads (dy_2 · y_1 − dy_1 · y_2)`` (summed over the query heads of the group inside the program) and
+the chunk's Σ dθ; then a reverse walk over each chunk turns ``dθ`` into ``d(increment)_s = Σ_{t>=s} dθ_t
+(+ d final phase)``, starting from the later chunks' sums. ``d(initial_phase)`` is the total and ``d(temperature)``
+is reduced from per-chunk partials in PyTorch (no atomics).
 
 **Decode** (``selective_rotary_decode_triton``): one token per row, one program per (row, key head). From the phase
 projection ``a`` (the matmuls stay in PyTorch, so hooks and adapters on those modules keep working) it does SPEC §3
@@ -28,7 +32,9 @@ Precision, as in the torch path (see ``rotary_torch``): the phase is summed in f
 float32 scan over 64 tokens is off by up to ~5e-5 rad, which decoding would not reproduce), every angle is reduced
 modulo 2π in float64 (``_angle``) before sin/cos in float32, and the decode step computes the increment in float64
 and rounds it to float32 as the torch path does. That is ~10 float64 operations per element against ~20 bytes of
-memory traffic, so by estimate (not measured yet) still memory-bound where float64 runs at 1/64 rate.
+memory traffic. Measured on an H200 (where float64 runs at half the float32 rate; benchmarks/results/gpu/): the
+forward reached at most 28 % of the memory bandwidth, so something other than bytes limits it; what (the float64
+work, precise sin/cos, or host time per call) is not yet profiled.
 
 Both are ``torch.library`` custom ops (``selective_rope::rotary_forward`` / ``rotary_backward`` / ``rotary_decode``,
 with fake implementations, the forward with a registered autograd formula), so ``torch.compile`` treats them as
