@@ -12,7 +12,7 @@
 # Logs and JSON go to $OUT.
 #
 # Usage, from the repository root, with selective_rope, triton and flash-linear-attention importable:
-#   OUT=/tmp/gpu-check bash scripts/gpu_check.sh
+#   OUT=/tmp/gpu-check [AUTOTUNE_ARCHIVE=autotune.tgz from an earlier run] bash scripts/gpu_check.sh
 # On a machine without a package index (as the lent ones are), bring wheels: here, `pip wheel --no-deps -w .whl .`
 # and `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl
 # fla-core==0.6.0 flash-linear-attention==0.6.0`; there, `pip install --no-index --no-deps --target /tmp/site
@@ -23,6 +23,17 @@ OUT=${OUT:-$REPO/benchmarks/results/gpu-check}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# Everything printed also goes to $OUT/log.txt; beside it only the pytest logs, the JSON results and the autotuning
+# archive: at most 8 files, as many as a lent machine sends back.
+exec > >(tee -a "$OUT/log.txt") 2>&1
+
+# fla's autotuning results (Triton writes them under its cache dir as *.autotune.json) from an earlier run: with
+# them, fla's kernels compile only their chosen configuration instead of benchmarking every one.
+TRITON_CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+if [ -n "${AUTOTUNE_ARCHIVE:-}" ] && [ -f "$AUTOTUNE_ARCHIVE" ]; then
+    mkdir -p "$TRITON_CACHE" && tar xzf "$AUTOTUNE_ARCHIVE" -C "$TRITON_CACHE" \
+        && echo "autotuning results from $AUTOTUNE_ARCHIVE: $(tar tzf "$AUTOTUNE_ARCHIVE" | grep -c autotune) files"
+fi
 
 PLUGINS=$(mktemp -d)
 printf '%s\n' \
@@ -42,8 +53,8 @@ pytest_in_tmp() {  # from /tmp: inside the checkout, its source tree would shado
 
 step "machine"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw \
-    --format=csv 2>&1 | tee "$OUT/machine.txt"
-(cd /tmp && "$PYTHON" "$REPO/scripts/gpu_machine.py") 2>&1 | tee -a "$OUT/machine.txt"
+    --format=csv
+(cd /tmp && "$PYTHON" "$REPO/scripts/gpu_machine.py")
 
 step "Triton rotary kernels on CUDA: tests"
 pytest_in_tmp 120 "$OUT/pytest_rotary.txt" "$REPO/tests/kernels/test_rotary_triton.py" \
@@ -51,22 +62,27 @@ pytest_in_tmp 120 "$OUT/pytest_rotary.txt" "$REPO/tests/kernels/test_rotary_trit
 tail -n 30 "$OUT/pytest_rotary.txt"
 
 step "Triton rotary kernels on CUDA: benchmark (eager, torch.compile, Triton)"
-timeout 110 "$PYTHON" benchmarks/bench_rotary_gpu.py --repeats 20 --output "$OUT/rotary_gpu.json" 2>&1 \
-    | tee "$OUT/rotary_gpu.log"
+timeout 110 "$PYTHON" benchmarks/bench_rotary_gpu.py --repeats 20 --output "$OUT/rotary_gpu.json"
 
 step "Triton rotary kernels on CUDA: host against device time per call, and torch.profiler's tables"
 for length in 2048 32768; do
-    timeout 30 "$PYTHON" benchmarks/profile_rotary_gpu.py --seq-len $length 2>&1 | tee -a "$OUT/profile_rotary.txt"
+    timeout 30 "$PYTHON" benchmarks/profile_rotary_gpu.py --seq-len $length
 done
 
 step "tests on fla's kernels (-m cuda), and the rest of the default suite beside them"
 pytest_in_tmp 150 "$OUT/pytest_cuda.txt" -m cuda "$REPO/tests" &
+cuda_tests=$!
 pytest_in_tmp 150 "$OUT/pytest_suite.txt" -m "not slow and not cuda" -n 12 --timeout 120 "$REPO/tests" &
-wait
+suite=$!
+wait "$cuda_tests" "$suite"  # (a bare wait would also wait for the log's tee, which never ends first)
 grep -h "^FAILED\|exit status\| passed\| failed" "$OUT/pytest_cuda.txt" "$OUT/pytest_suite.txt" | tail -n 60
 
 step "370M-class models: training (dense, packed) and decoding"
 timeout 90 "$PYTHON" benchmarks/bench_models_gpu.py --backends auto --batch-size 4 --seq-len 4096 --context 4096 \
-    --train-steps 10 --decode-steps 50 --output "$OUT/models_gpu.json" 2>&1
+    --train-steps 10 --decode-steps 50 --output "$OUT/models_gpu.json"
+
+step "fla's autotuning results so far, for the next run (AUTOTUNE_ARCHIVE=...)"
+(cd "$TRITON_CACHE" 2>/dev/null && find . -name '*.autotune.json' | tar czf "$OUT/autotune.tgz" -T - \
+    && echo "$(tar tzf "$OUT/autotune.tgz" | wc -l) files, $(du -h "$OUT/autotune.tgz" | cut -f1)")
 
 step "done"
