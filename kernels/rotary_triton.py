@@ -129,13 +129,15 @@ def _chunk_range(pid_c, bos, eos, CHUNK):
 
 @triton.jit
 def _chunk_totals_kernel(
-    inc_ptr, cu_ptr, total_ptr,
+    inc_ptr, init_ptr, cu_ptr, sums_ptr,
     T, Hk, R, NC, CHUNK,
     si_b, si_t, si_h, si_r,
-    IS_VARLEN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+    HAS_INIT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """Pass 1 of the chunked scan: the float64 sum of the increments of every (sequence, key head, chunk), summed
-    tile by tile as pass 2 carries it. A chunk past its sequence's end sums to 0."""
+    tile by tile as pass 2 carries it, into slot ``chunk + 1`` of a ``(N * Hk, NC + 1, R)`` buffer whose slot 0 gets
+    the initial phase: one cumulative sum over the slots then gives every chunk its starting phase. A chunk past its
+    sequence's end sums to 0."""
     pid_nh, pid_r, pid_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = pid_nh // Hk
     hk = pid_nh % Hk
@@ -150,13 +152,20 @@ def _chunk_totals_kernel(
         mask = (ts < end)[:, None] & mask_r[None, :]
         total += _sum0(tl.load(inc_base + ts[:, None] * si_t + rs[None, :] * si_r, mask=mask, other=0.0)
                        .to(tl.float64))
-    tl.store(total_ptr + (pid_nh.to(tl.int64) * NC + pid_c) * R + rs, total, mask=mask_r)
+    row = pid_nh.to(tl.int64) * (NC + 1)
+    tl.store(sums_ptr + (row + pid_c + 1) * R + rs, total, mask=mask_r)
+    if pid_c == 0:
+        if HAS_INIT:
+            first = tl.load(init_ptr + pid_nh.to(tl.int64) * R + rs, mask=mask_r, other=0.0)
+        else:
+            first = tl.full([BLOCK_R], 0.0, tl.float64)
+        tl.store(sums_ptr + row * R + rs, first, mask=mask_r)
 
 
 @triton.jit
 def _selective_rotary_fwd_kernel(
     q_ptr, k_ptr, inc_ptr, turns_ptr, carry_ptr, oq_ptr, ok_ptr, final_ptr, cu_ptr,
-    T, Hk, G, R, D, NC, CHUNK,
+    T, Hk, G, R, D, NC, CR, CHUNK,
     sq_b, sq_t, sq_h, sq_d,
     sk_b, sk_t, sk_h, sk_d,
     soq_b, soq_t, soq_h, soq_d,
@@ -177,7 +186,7 @@ def _selective_rotary_fwd_kernel(
     mask_r = rs < R
     turns = tl.load(turns_ptr + rs, mask=mask_r, other=0.0)  # τ / 2π, float64
     if HAS_CARRY:  # the phase before this chunk: initial phase + the totals of the chunks before it
-        carry = tl.load(carry_ptr + (pid_nh.to(tl.int64) * NC + pid_c) * R + rs, mask=mask_r, other=0.0)
+        carry = tl.load(carry_ptr + (pid_nh.to(tl.int64) * CR + pid_c) * R + rs, mask=mask_r, other=0.0)
     else:
         carry = tl.full([BLOCK_R], 0.0, tl.float64)
 
@@ -233,9 +242,9 @@ def _selective_rotary_fwd_kernel(
 
 @triton.jit
 def _selective_rotary_bwd_kernel(
-    q_ptr, k_ptr, dyq_ptr, dyk_ptr, inc_ptr, temp_ptr, turns_ptr, carry_ptr, cu_ptr,
-    dq_ptr, dk_ptr, dinc_ptr, dtotal_ptr, dtemp_ptr,
-    T, Hk, G, R, D, NC, CHUNK,
+    q_ptr, k_ptr, dyq_ptr, dyk_ptr, inc_ptr, temp_ptr, turns_ptr, carry_ptr, dfinal_ptr, cu_ptr,
+    dq_ptr, dk_ptr, dinc_ptr, dsums_ptr, dtemp_ptr,
+    T, Hk, G, R, D, NC, CR, CHUNK,
     sq_b, sq_t, sq_h, sq_d,
     sk_b, sk_t, sk_h, sk_d,
     sdyq_b, sdyq_t, sdyq_h, sdyq_d,
@@ -244,12 +253,14 @@ def _selective_rotary_bwd_kernel(
     sdk_b, sdk_t, sdk_h, sdk_d,
     si_b, si_t, si_h, si_r,
     sdi_b, sdi_t, sdi_h,
-    HAS_CARRY: tl.constexpr, NEED_DTEMP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_PASS: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    HAS_CARRY: tl.constexpr, HAS_DFINAL: tl.constexpr, NEED_DTEMP: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HAS_PASS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """Backward walk 1, forward in time over one chunk: recompute the phase exactly as the forward did, rotate the
-    gradients back, and write dθ_t (summed over the key head and its query heads) into the d(increment) buffer; the
-    chunk's Σ dθ and Σ θ dangle (for d temperature) go to per-chunk partials."""
+    gradients back, and write dθ_t (summed over the key head and its query heads) into the d(increment) buffer. The
+    chunk's Σ dθ goes to slot ``NC - chunk`` of a ``(N * Hk, NC + 1, R)`` buffer whose slot 0 gets the final phase's
+    gradient, so that one cumulative sum over the slots gives what reaches each chunk from later in time; its
+    Σ θ dangle (for d temperature) to a per-chunk partial."""
     pid_nh = tl.program_id(0)
     pid_r = tl.program_id(1)
     pid_c = tl.program_id(2)
@@ -264,7 +275,7 @@ def _selective_rotary_bwd_kernel(
     turns = tl.load(turns_ptr + rs, mask=mask_r, other=0.0)  # τ / 2π, float64
     chunk_offs = (pid_nh.to(tl.int64) * NC + pid_c) * R + rs
     if HAS_CARRY:
-        carry = tl.load(carry_ptr + chunk_offs, mask=mask_r, other=0.0)
+        carry = tl.load(carry_ptr + (pid_nh.to(tl.int64) * CR + pid_c) * R + rs, mask=mask_r, other=0.0)
     else:
         carry = tl.full([BLOCK_R], 0.0, tl.float64)
     dphase_total = tl.full([BLOCK_R], 0.0, tl.float32)
@@ -329,9 +340,15 @@ def _selective_rotary_bwd_kernel(
                         tl.store(dq_ptr + b * sdq_b + hq * sdq_h + ts[:, None] * sdq_t + ds[None, :] * sdq_d,
                                  dy.to(dq_ptr.dtype.element_ty), mask=pmask)
 
-    tl.store(dtotal_ptr + chunk_offs, dphase_total, mask=mask_r)
-    if NEED_DTEMP:
-        tl.store(dtemp_ptr + chunk_offs, dtemp_acc.to(tl.float32), mask=mask_r)
+    row = pid_nh.to(tl.int64) * (NC + 1)
+    tl.store(dsums_ptr + (row + NC - pid_c) * R + rs, dphase_total, mask=mask_r)
+    if pid_c == 0:
+        if HAS_DFINAL:
+            last = tl.load(dfinal_ptr + pid_nh.to(tl.int64) * R + rs, mask=mask_r, other=0.0)
+        else:
+            last = tl.full([BLOCK_R], 0.0, tl.float32)
+        tl.store(dsums_ptr + row * R + rs, last, mask=mask_r)
+    tl.store(dtemp_ptr + chunk_offs, dtemp_acc.to(tl.float32), mask=mask_r)  # zeros unless NEED_DTEMP
 
 
 @triton.jit
@@ -339,7 +356,7 @@ def _suffix_sum_kernel(
     dinc_ptr, suffix_ptr, cu_ptr,
     T, Hk, R, NC, CHUNK,
     sdi_b, sdi_t, sdi_h,
-    HAS_SUFFIX: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """Backward walk 2, reverse in time over one chunk, in place over the dθ buffer:
     d(increment)_s = Σ_{t>=s in the chunk} dθ_t + (Σ dθ of the later chunks + d final phase)."""
@@ -352,10 +369,8 @@ def _suffix_sum_kernel(
     start, end = _chunk_range(pid_c, bos, eos, CHUNK)
     rs = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = rs < R
-    if HAS_SUFFIX:
-        suffix = tl.load(suffix_ptr + (pid_nh.to(tl.int64) * NC + pid_c) * R + rs, mask=mask_r, other=0.0)
-    else:
-        suffix = tl.full([BLOCK_R], 0.0, tl.float32)
+    # slot NC - 1 - chunk of the cumulative sums: d final phase + Σ dθ of the chunks after this one
+    suffix = tl.load(suffix_ptr + (pid_nh.to(tl.int64) * (NC + 1) + NC - 1 - pid_c) * R + rs, mask=mask_r, other=0.0)
     dinc_base = dinc_ptr + b * sdi_b + hk * sdi_h
     num_tiles = tl.maximum(end - start + BLOCK_T - 1, 0) // BLOCK_T
     for i in range(0, num_tiles):
@@ -522,24 +537,21 @@ def _plan(q: torch.Tensor, num_seqs: int, num_key_heads: int, rotary_pairs: int)
 
 def _chunk_carries(plan: _Plan, increment: torch.Tensor, init: torch.Tensor | None,
                    cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:
-    """The phase before every chunk, ``(N * Hk, chunks, R)`` float64: the initial phase plus the totals of the
-    chunks before it (pass 1 of the scan). ``None`` for one chunk without an initial phase (zeros)."""
+    """The phase before every chunk, ``(N * Hk, chunks [+ 1], R)`` float64 (slot ``c`` for chunk ``c``): the initial
+    phase plus the totals of the chunks before it (pass 1 of the scan, then one cumulative sum). ``None`` for one
+    chunk without an initial phase (zeros)."""
     rows, _, chunks = plan.grid
     rotary_pairs = increment.shape[3]
     if chunks == 1:
         return None if init is None else init.reshape(rows, 1, rotary_pairs)
-    totals = increment.new_empty(rows, chunks, rotary_pairs, dtype=torch.float64)
+    sums = increment.new_empty(rows, chunks + 1, rotary_pairs, dtype=torch.float64)
     _chunk_totals_kernel[plan.grid](
-        increment, cu_seqlens if cu_seqlens is not None else totals, totals,
+        increment, init if init is not None else sums, cu_seqlens if cu_seqlens is not None else sums, sums,
         increment.shape[1], increment.shape[2], rotary_pairs, chunks, plan.chunk, *increment.stride(),
-        IS_VARLEN=cu_seqlens is not None, BLOCK_T=plan.cfg["BLOCK_T"], BLOCK_R=plan.cfg["BLOCK_R"],
-        num_warps=plan.cfg["num_warps"],
+        HAS_INIT=init is not None, IS_VARLEN=cu_seqlens is not None, BLOCK_T=plan.cfg["BLOCK_T"],
+        BLOCK_R=plan.cfg["BLOCK_R"], num_warps=plan.cfg["num_warps"],
     )
-    carries = torch.zeros_like(totals)
-    carries[:, 1:] = totals[:, :-1].cumsum(dim=1)
-    if init is not None:
-        carries += init.reshape(rows, 1, rotary_pairs)
-    return carries
+    return sums.cumsum_(dim=1)
 
 
 @torch.library.custom_op("selective_rope::rotary_forward", mutates_args=())
@@ -569,7 +581,8 @@ def _rotary_forward(
     _selective_rotary_fwd_kernel[plan.grid](
         q, k, increment, _turns_per_phase(temperature), carries if carries is not None else final, out_q, out_k,
         final, cu_seqlens if cu_seqlens is not None else final,
-        seq_len, num_key_heads, num_query_heads // num_key_heads, rotary_pairs, head_dim, plan.grid[2], plan.chunk,
+        seq_len, num_key_heads, num_query_heads // num_key_heads, rotary_pairs, head_dim, plan.grid[2],
+        carries.shape[1] if carries is not None else 0, plan.chunk,
         *q.stride(), *k.stride(), *out_q.stride(), *out_k.stride(), *increment.stride(),
         HAS_CARRY=carries is not None, IS_VARLEN=cu_seqlens is not None, HAS_PASS=head_dim > 2 * rotary_pairs,
         BLOCK_T=plan.cfg["BLOCK_T"], BLOCK_R=plan.cfg["BLOCK_R"], BLOCK_P=plan.cfg["BLOCK_P"],
@@ -616,32 +629,32 @@ def _rotary_backward(
     plan = _plan(q, num_seqs, num_key_heads, rotary_pairs)
     rows, _, chunks = plan.grid
     carries = _chunk_carries(plan, increment, init, cu_seqlens)
-    dtotals = torch.empty(rows, chunks, rotary_pairs, dtype=torch.float32, device=q.device)
-    dtemp_partial = torch.zeros_like(dtotals)
-    placeholder = dtotals  # for pointers a disabled branch never reads
+    # Slot 0: d final phase; slot NC - c: chunk c's Σ dθ. Their cumulative sum over the slots is, at NC - 1 - c, what
+    # reaches chunk c from later in time, and at NC the gradient of the initial phase.
+    dsums = torch.empty(rows, chunks + 1, rotary_pairs, dtype=torch.float32, device=q.device)
+    dtemp_partial = torch.empty(rows, chunks, rotary_pairs, dtype=torch.float32, device=q.device)
+    placeholder = dsums  # for pointers a disabled branch never reads
     cu = cu_seqlens if cu_seqlens is not None else placeholder
     _selective_rotary_bwd_kernel[plan.grid](
         q, k, grad_q, grad_k, increment, temperature.contiguous(), _turns_per_phase(temperature),
-        carries if carries is not None else placeholder, cu, dq, dk, dinc, dtotals, dtemp_partial,
-        seq_len, num_key_heads, num_query_heads // num_key_heads, rotary_pairs, head_dim, chunks, plan.chunk,
+        carries if carries is not None else placeholder, dfinal if dfinal is not None else placeholder, cu,
+        dq, dk, dinc, dsums, dtemp_partial,
+        seq_len, num_key_heads, num_query_heads // num_key_heads, rotary_pairs, head_dim, chunks,
+        carries.shape[1] if carries is not None else 0, plan.chunk,
         *q.stride(), *k.stride(), *grad_q.stride(), *grad_k.stride(), *dq.stride(), *dk.stride(),
         *increment.stride(), *dinc.stride()[:3],
-        HAS_CARRY=carries is not None, NEED_DTEMP=need_temperature_grad, IS_VARLEN=cu_seqlens is not None,
-        HAS_PASS=head_dim > 2 * rotary_pairs,
+        HAS_CARRY=carries is not None, HAS_DFINAL=dfinal is not None, NEED_DTEMP=need_temperature_grad,
+        IS_VARLEN=cu_seqlens is not None, HAS_PASS=head_dim > 2 * rotary_pairs,
         BLOCK_T=plan.cfg["BLOCK_T"], BLOCK_R=plan.cfg["BLOCK_R"], BLOCK_P=plan.cfg["BLOCK_P"],
         num_warps=plan.cfg["num_warps"],
     )
-    # What reaches each chunk from later in time: the later chunks' Σ dθ, plus the final phase's gradient.
-    suffixes = torch.zeros_like(dtotals)
-    suffixes[:, :-1] = dtotals.flip(1).cumsum(dim=1).flip(1)[:, 1:]
-    if dfinal is not None:
-        suffixes += dfinal[:, None]
+    suffixes = dsums.cumsum_(dim=1)
     _suffix_sum_kernel[plan.grid](
         dinc, suffixes, cu, seq_len, num_key_heads, rotary_pairs, chunks, plan.chunk, *dinc.stride()[:3],
-        HAS_SUFFIX=chunks > 1 or dfinal is not None, IS_VARLEN=cu_seqlens is not None,
+        IS_VARLEN=cu_seqlens is not None,
         BLOCK_T=plan.cfg["BLOCK_T"], BLOCK_R=plan.cfg["BLOCK_R"], num_warps=plan.cfg["num_warps"],
     )
-    dinit = (suffixes[:, 0] + dtotals[:, 0]).double().view(num_seqs, num_key_heads, rotary_pairs)
+    dinit = suffixes[:, chunks].double().view(num_seqs, num_key_heads, rotary_pairs)
     return dq, dk, dinc, dtemp_partial.sum(dim=(0, 1)), dinit
 
 
