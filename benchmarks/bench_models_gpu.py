@@ -90,6 +90,18 @@ def kernels_used(backend: str) -> dict:
     return {"rotary": rotary, "mixer": "fla" if fla else "torch"}
 
 
+def first_call_seconds(fn, what: str) -> float:
+    """Runs ``fn`` once, synchronised, and says how long it took: first calls compile our kernels and autotune
+    fla's, which on a bare machine took minutes (the log then shows where the time went)."""
+    log(f"  {what}: first call (compiles, autotunes)...")
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    log(f"  {what}: first call {seconds:.1f} s")
+    return seconds
+
+
 def packed_lengths(total: int, mean: int, generator: torch.Generator) -> list[int]:
     """Random sequence lengths in [mean / 2, 3 mean / 2] summing to ``total`` (the last one cut to fit)."""
     lengths = []
@@ -126,13 +138,14 @@ def bench_training(family: str, variant: str, backend: str, layers: int, batch: 
         optimizer.zero_grad(set_to_none=True)
 
     torch.cuda.reset_peak_memory_stats()
-    stats = cuda_timings({"step": step}, repeats=steps, warmup=3)["step"]
+    first_s = first_call_seconds(step, f"train {family} {variant} {backend}{' packed' if packed else ''}")
+    stats = cuda_timings({"step": step}, repeats=steps, warmup=2)["step"]
     tokens_per_s = batch * seq_len / stats["median_s"]
     result = {"family": family, "variant": variant, "backend": backend, "kernels": kernels_used(backend),
               "layout": "packed" if packed else "dense", "batch": batch, "seq_len": seq_len,
               "tokens_per_s": round(tokens_per_s),
               "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-              "num_parameters": num_parameters(model), **stats}
+              "num_parameters": num_parameters(model), "first_step_s": round(first_s, 2), **stats}
     if packed:
         result["num_sequences"] = len(lengths)
     log(f"  train {family:14s} {variant:15s} {backend:5s} {result['layout']:6s}: {stats['median_s'] * 1e3:8.1f} ms/step"
@@ -149,16 +162,21 @@ def bench_decode(family: str, variant: str, backend: str, layers: int, batch: in
     generator = torch.Generator(device="cuda").manual_seed(2)
     vocab = MODEL_CONFIGS[family]["vocab_size"]
     ids = torch.randint(0, vocab, (batch, context), device="cuda", generator=generator)
+    start = time.perf_counter()
     out = model(ids, use_cache=True)
+    torch.cuda.synchronize()
+    prefill_s = time.perf_counter() - start
     state = {"cache": returned_cache(out), "next": out.logits[:, -1:].argmax(-1)}
 
     def step():
         out = model(state["next"], past_key_values=state["cache"], use_cache=True)
         state["cache"], state["next"] = returned_cache(out), out.logits[:, -1:].argmax(-1)
 
-    stats = cuda_timings({"step": step}, repeats=steps, warmup=5, flush=L2Flush(False))["step"]
+    first_s = first_call_seconds(step, f"decode {family} {variant} {backend} B={batch}")
+    stats = cuda_timings({"step": step}, repeats=steps, warmup=4, flush=L2Flush(False))["step"]
     result = {"family": family, "variant": variant, "backend": backend, "kernels": kernels_used(backend),
-              "batch": batch, "context": context, "ms_per_token": round(stats["median_s"] * 1e3, 3), **stats}
+              "batch": batch, "context": context, "ms_per_token": round(stats["median_s"] * 1e3, 3),
+              "first_prefill_s": round(prefill_s, 2), "first_step_s": round(first_s, 2), **stats}
     log(f"  decode {family:14s} {variant:15s} {backend:5s} B={batch}: {result['ms_per_token']:7.2f} ms/token")
     return result
 
