@@ -64,6 +64,16 @@ except ImportError as error:
 __all__ = ["selective_rotary_decode_triton", "selective_rotary_triton"]
 
 
+# Host-side arithmetic in plain Python: triton.cdiv and triton.next_power_of_2 go through Triton's constexpr
+# machinery, ~2-4 us a call, and a call of the op made seven of them (measured on CPU with the launches stubbed).
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def _config(rotary_pairs: int, pass_dims: int) -> dict[str, int]:
     """One fixed configuration (no autotuning): small tiles under the interpreter, 32 tokens on a GPU.
 
@@ -73,8 +83,8 @@ def _config(rotary_pairs: int, pass_dims: int) -> dict[str, int]:
     run2's sweep.txt: a float64 tile of 64 x 64 holds too many registers). 8 warps were slower at both sizes.
     """
     block_t = 16 if interpreting() else 32
-    block_r = max(1, min(triton.next_power_of_2(max(rotary_pairs, 1)), 64))
-    block_p = max(1, min(triton.next_power_of_2(max(pass_dims, 1)), 64))
+    block_r = max(1, min(_next_power_of_2(max(rotary_pairs, 1)), 64))
+    block_p = max(1, min(_next_power_of_2(max(pass_dims, 1)), 64))
     return {"BLOCK_T": block_t, "BLOCK_R": block_r, "BLOCK_P": block_p, "num_warps": 4}
 
 
@@ -510,12 +520,12 @@ def _chunk_tiles(seq_len: int, num_seqs: int, packed: bool, programs: int, block
         target = _PROGRAMS_PER_SM * _multiprocessors(device.index if device.index is not None else 0)
     else:
         target = _INTERPRETER_PROGRAMS
-    whole = max(1, triton.cdiv(seq_len, block_t))
-    wanted = triton.cdiv(target, max(programs, 1))
+    whole = max(1, _cdiv(seq_len, block_t))
+    wanted = _cdiv(target, max(programs, 1))
     if wanted <= 1:
         return whole  # one chunk, also for a packed row of many short sequences (no grid of empty chunks)
-    mean = max(1, triton.cdiv(triton.cdiv(seq_len, max(num_seqs, 1)), block_t)) if packed else whole
-    return triton.cdiv(mean, min(mean, wanted))
+    mean = max(1, _cdiv(_cdiv(seq_len, max(num_seqs, 1)), block_t)) if packed else whole
+    return _cdiv(mean, min(mean, wanted))
 
 
 class _Plan(NamedTuple):
@@ -528,11 +538,11 @@ class _Plan(NamedTuple):
 def _plan(q: torch.Tensor, num_seqs: int, num_key_heads: int, rotary_pairs: int) -> _Plan:
     seq_len, head_dim = q.shape[1], q.shape[3]
     cfg = _config(rotary_pairs, head_dim - 2 * rotary_pairs)
-    blocks_r = triton.cdiv(rotary_pairs, cfg["BLOCK_R"])
+    blocks_r = _cdiv(rotary_pairs, cfg["BLOCK_R"])
     packed = num_seqs != q.shape[0]  # (a packed row of one sequence is planned like a row)
     chunk = cfg["BLOCK_T"] * _chunk_tiles(seq_len, num_seqs, packed, num_seqs * num_key_heads * blocks_r,
                                           cfg["BLOCK_T"], q.device)
-    return _Plan(cfg, (num_seqs * num_key_heads, blocks_r, triton.cdiv(seq_len, chunk)), chunk)
+    return _Plan(cfg, (num_seqs * num_key_heads, blocks_r, _cdiv(seq_len, chunk)), chunk)
 
 
 def _chunk_carries(plan: _Plan, increment: torch.Tensor, init: torch.Tensor | None,
@@ -768,7 +778,7 @@ def _rotary_decode(
         return out_q, out_k, new_phase, new_conv
     gate = projection if gate_logits is None else gate_logits.expand(batch, num_key_heads, rotary_pairs)
     cfg = _config(rotary_pairs, head_dim - 2 * rotary_pairs)
-    block_r = triton.next_power_of_2(rotary_pairs)  # one program holds all R pairs of its head
+    block_r = _next_power_of_2(rotary_pairs)  # one program holds all R pairs of its head
     placeholder = new_phase  # for pointers a disabled branch never reads
     _selective_rotary_decode_kernel[(batch * num_key_heads,)](
         q, k, projection, _turns_per_phase(temperature), phase.contiguous(),
