@@ -49,6 +49,7 @@ import functools
 from typing import NamedTuple
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .backends import interpreting
 from .rotary_torch import TWO_PI
@@ -62,6 +63,8 @@ except ImportError as error:
     raise ImportError("the Triton Selective RoPE kernels need `triton` (pip install triton)") from error
 
 __all__ = ["selective_rotary_decode_triton", "selective_rotary_triton"]
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 # Host-side arithmetic in plain Python: triton.cdiv and triton.next_power_of_2 go through Triton's constexpr
@@ -564,8 +567,7 @@ def _chunk_carries(plan: _Plan, increment: torch.Tensor, init: torch.Tensor | No
     return sums.cumsum_(dim=1)
 
 
-@torch.library.custom_op("selective_rope::rotary_forward", mutates_args=())
-def _rotary_forward(
+def _rotary_forward_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     increment: torch.Tensor,
@@ -599,6 +601,11 @@ def _rotary_forward(
         num_warps=plan.cfg["num_warps"],
     )
     return out_q, out_k, final
+
+
+# The custom op wraps the plain function, which eager inference calls directly (``selective_rotary_triton``): the
+# dispatcher's custom-op layers (autograd, no-grad, dynamo-disable wrappers) cost ~10 us of host time a call.
+_rotary_forward = torch.library.custom_op("selective_rope::rotary_forward", _rotary_forward_impl, mutates_args=())
 
 
 @_rotary_forward.register_fake
@@ -695,6 +702,14 @@ def _backward(ctx, grad_q, grad_k, grad_final):
 _rotary_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _plain_eager_call(inputs: tuple) -> bool:
+    """Whether a call may run the op's function itself instead of the custom op: eager (not traced by
+    ``torch.compile``), with no dispatch mode active (``FakeTensorMode``, ``FlopCounterMode``, ...) and plain tensors
+    or parameters (no fake tensors, ``DTensor`` or other subclasses), which the dispatcher must see."""
+    return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+            and all(type(x) in _PLAIN_TENSOR_TYPES for x in inputs if isinstance(x, torch.Tensor)))
+
+
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, temperature: torch.Tensor, cu_seqlens: torch.Tensor | None):
     num_query_heads, head_dim = q.shape[2:]
     num_key_heads, rotary_pairs = k.shape[2], temperature.shape[-1]
@@ -740,14 +755,18 @@ def selective_rotary_triton(
     increment = increment.float().expand(batch, seq_len, num_key_heads, rotary_pairs)
     if initial_phase is not None:
         initial_phase = initial_phase.double().expand(_num_seqs(q, cu_seqlens), num_key_heads, rotary_pairs)
-    return _rotary_forward(q, k, increment, temperature.float(), initial_phase, cu_seqlens)
+    temperature = temperature.float()
+    inputs = (q, k, increment, temperature, initial_phase, cu_seqlens)
+    if _plain_eager_call(inputs) and not (torch.is_grad_enabled() and any(
+            x is not None and x.requires_grad for x in inputs)):
+        return _rotary_forward_impl(*inputs)  # nothing to differentiate: without the custom op's dispatch layers
+    return _rotary_forward(*inputs)
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # custom op: the fused decode step
 # --------------------------------------------------------------------------------------------------------------------
-@torch.library.custom_op("selective_rope::rotary_decode", mutates_args=())
-def _rotary_decode(
+def _rotary_decode_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     projection: torch.Tensor,
@@ -794,6 +813,9 @@ def _rotary_decode(
         BLOCK_R=block_r, BLOCK_P=cfg["BLOCK_P"], num_warps=cfg["num_warps"],
     )
     return out_q, out_k, new_phase, new_conv
+
+
+_rotary_decode = torch.library.custom_op("selective_rope::rotary_decode", _rotary_decode_impl, mutates_args=())
 
 
 @_rotary_decode.register_fake
@@ -849,13 +871,14 @@ def selective_rotary_decode_triton(
         phase = projection.new_zeros(batch, num_key_heads, rotary_pairs)
     if conv_weight is not None and conv_state is None:
         conv_state = projection.new_zeros(batch, conv_weight.shape[-1] - 1, num_key_heads * rotary_pairs)
-    q_out, k_out, new_phase, new_conv = _rotary_decode(
-        q, k, projection, temperature.float(), phase.double(),
-        None if conv_weight is None else conv_state.double(),
-        None if conv_weight is None else conv_weight.float(),
-        None if bias is None else bias.float(),
-        None if gate_logits is None else gate_logits.double(),
-        None if valid is None else valid.to(torch.int32),
-        conv_activation == "silu",
-    )
+    inputs = (q, k, projection, temperature.float(), phase.double(),
+              None if conv_weight is None else conv_state.double(),
+              None if conv_weight is None else conv_weight.float(),
+              None if bias is None else bias.float(),
+              None if gate_logits is None else gate_logits.double(),
+              None if valid is None else valid.to(torch.int32),
+              conv_activation == "silu")
+    # The custom op's dispatch layers cost ~10 us, a good part of a decoding step's budget: plain eager calls skip them.
+    decode = _rotary_decode_impl if _plain_eager_call(inputs) else _rotary_decode
+    q_out, k_out, new_phase, new_conv = decode(*inputs)
     return q_out, k_out, new_phase, (new_conv if conv_weight is not None else None)

@@ -412,6 +412,40 @@ def test_fake_implementations_give_the_real_shapes():
             assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride())
 
 
+def test_eager_inference_calls_the_functions_and_modes_see_the_custom_ops(monkeypatch):
+    """Plain eager calls with nothing to differentiate skip the custom ops' dispatch layers (host time a decoding step
+    pays); under a dispatch mode (here a recorder; fake tensors, flop counters alike) the custom ops run, so the mode
+    sees one opaque call, and the results are the same."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    decode = decode_inputs()
+    prefill = [x.detach() for x in make_inputs(1, 5, 2, 1, 8, 4)]
+    with Recorder() as recorder:
+        seen = (selective_rotary_decode_triton(**decode), selective_rotary_triton(*prefill))
+    assert "selective_rope.rotary_decode.default" in recorder.ops
+    assert "selective_rope.rotary_forward.default" in recorder.ops
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an eager inference call went through the custom op")
+
+    monkeypatch.setattr(rotary_triton, "_rotary_decode", refuse)
+    monkeypatch.setattr(rotary_triton, "_rotary_forward", refuse)
+    direct = (selective_rotary_decode_triton(**decode), selective_rotary_triton(*prefill))
+    for a, b in zip((*seen[0], *seen[1]), (*direct[0], *direct[1])):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(AssertionError, match="went through the custom op"):  # gradients need the op's autograd
+        selective_rotary_triton(prefill[0].requires_grad_(), *prefill[1:])
+
+
 def test_torch_compile_fullgraph():
     """Opaque custom ops: torch.compile traces through them without a graph break, forward, backward and decode."""
     q, k, increment, temperature, phase0 = make_inputs(2, 6, 4, 2, 10, 4)
