@@ -704,10 +704,11 @@ _rotary_forward.register_autograd(_backward, setup_context=_setup_context)
 
 def _plain_eager_call(inputs: tuple) -> bool:
     """Whether a call may run the op's function itself instead of the custom op: eager (not traced by
-    ``torch.compile``), with no dispatch mode active (``FakeTensorMode``, ``FlopCounterMode``, ...) and plain tensors
-    or parameters (no fake tensors, ``DTensor`` or other subclasses), which the dispatcher must see."""
-    return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
-            and all(type(x) in _PLAIN_TENSOR_TYPES for x in inputs if isinstance(x, torch.Tensor)))
+    ``torch.compile`` or ``torch.jit.trace``), with no dispatch mode active (``FakeTensorMode``, ``FlopCounterMode``,
+    ...) and plain tensors or parameters (no fake tensors, ``DTensor``, FX proxies or other subclasses), which the
+    dispatcher or the tracer must see as one call."""
+    return (not torch.compiler.is_compiling() and not torch.jit.is_tracing() and _get_current_dispatch_mode() is None
+            and all(type(x) in _PLAIN_TENSOR_TYPES for x in inputs if x is not None and not isinstance(x, bool)))
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, temperature: torch.Tensor, cu_seqlens: torch.Tensor | None):

@@ -446,6 +446,23 @@ def test_eager_inference_calls_the_functions_and_modes_see_the_custom_ops(monkey
         selective_rotary_triton(prefill[0].requires_grad_(), *prefill[1:])
 
 
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning",
+                            "ignore:.*torch.jit.trace. is deprecated:DeprecationWarning")
+def test_jit_trace_records_the_custom_op():
+    """``torch.jit.trace`` gets the custom op (one recorded call), not the function's Triton launches, so the trace
+    computes the op on new inputs."""
+    q, k, increment, temperature, _ = (x.detach() for x in make_inputs(1, 5, 2, 1, 8, 4))
+
+    def rotate_q(q, k, increment, temperature):
+        return selective_rotary_triton(q, k, increment, temperature)[0]
+
+    with torch.no_grad():
+        traced = torch.jit.trace(rotate_q, (q, k, increment, temperature), check_trace=False)
+        new_q = torch.randn_like(q)
+        torch.testing.assert_close(traced(new_q, k, increment, temperature), rotate_q(new_q, k, increment, temperature))
+    assert "selective_rope::rotary_forward" in str(traced.graph)
+
+
 def test_torch_compile_fullgraph():
     """Opaque custom ops: torch.compile traces through them without a graph break, forward, backward and decode."""
     q, k, increment, temperature, phase0 = make_inputs(2, 6, 4, 2, 10, 4)
