@@ -220,8 +220,11 @@ class PhaseDifference(nn.Module):
         self.channels, self.activation = channels, activation
 
     def taps(self, device: torch.device) -> torch.Tensor:
-        """``(C, 2)``: ``-1`` on the previous input, ``+1`` on the current one (exact in every dtype)."""
-        return torch.tensor([-1.0, 1.0], device=device).expand(self.channels, 2)
+        """``(C, 2)``: ``-1`` on the previous input, ``+1`` on the current one (exact in every dtype).
+
+        Made on the device, not copied from a host list: ``torch.tensor([...], device="cuda")`` waits for the GPU
+        to finish its queued work, on every call of every layer."""
+        return (2 * torch.arange(2, device=device, dtype=torch.float32) - 1).expand(self.channels, 2)
 
     def forward(self, x: torch.Tensor, state: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
                 dtype: torch.dtype | None = None,
