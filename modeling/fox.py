@@ -139,8 +139,12 @@ class ForgettingAttention(nn.Module):
         """Selective RoPE continues its cached state. RoPE's phase is the number of real tokens so far: recomputed
         from the key timeline rather than cached, so that cropping the cache keeps it exact."""
         rotary_state = state.scope("rotary")
-        if self.rotary.position_embedding == "rope" and "valid" in state:
-            seen = state.get("valid").sum(dim=1, dtype=phase_dtype(x.device))  # (B,)
+        if self.rotary.position_embedding == "rope" and "key" in state:
+            if "valid" in state:  # real tokens per row
+                seen = state.get("valid").sum(dim=1, dtype=phase_dtype(x.device))  # (B,)
+            else:  # no padding so far: every cached slot
+                seen = torch.full((x.shape[0],), state.get("key").shape[1], dtype=phase_dtype(x.device),
+                                  device=x.device)
             previous = {"phase": seen[:, None, None].expand(-1, self.num_kv_heads, self.rotary.rotary_pairs)}
         else:
             previous = rotary_state.previous()
@@ -151,15 +155,24 @@ class ForgettingAttention(nn.Module):
 
     @staticmethod
     def _attend(q, k, v, log_fgate, valid, state: LayerState, backend):
-        """Attention over right-padded rows continuing the cached key timeline, which this call's tokens extend."""
+        """Attention over right-padded rows continuing the cached key timeline, which this call's tokens extend.
+
+        Which key slots are real (``valid`` in the cache) is kept only from the first call with padding on: until
+        then every slot is real, which needs no tensor and no check (a check is a device sync on a GPU, in every
+        layer of every decoding step)."""
         batch, seq_len = q.shape[:2]
-        valid = valid if valid is not None else torch.ones(batch, seq_len, dtype=torch.bool, device=q.device)
+        cached = state.get("key")  # (B, T_seen, Hk, D) or None
         # The key timeline: cached slots followed by this call's tokens.
-        k, v, valid = state.extend("key", k), state.extend("value", v), state.extend("valid", valid)
+        k, v = state.extend("key", k), state.extend("value", v)
         if log_fgate is not None:
             log_fgate = state.extend("log_fgate", log_fgate)
-        key_valid = None if bool(valid.all()) else valid
-        return forgetting_attention(q, k, v, log_fgate, key_valid=key_valid, backend=backend)
+        if valid is None and "valid" not in state:
+            return forgetting_attention(q, k, v, log_fgate, backend=backend)
+        if valid is None:
+            valid = torch.ones(batch, seq_len, dtype=torch.bool, device=q.device)
+        if "valid" not in state and cached is not None:  # the first padding: the slots so far were all real
+            valid = torch.cat([torch.ones(batch, cached.shape[1], dtype=torch.bool, device=q.device), valid], dim=1)
+        return forgetting_attention(q, k, v, log_fgate, key_valid=state.extend("valid", valid), backend=backend)
 
     def _attend_packed(self, q, k, v, log_fgate, state: LayerState, backend, cu_seqlens):
         """Attention over sequences packed in ``(1, total, ...)``. fla's kernel takes whole sequences as they are; the

@@ -19,6 +19,7 @@ from transformers import (
 
 from selective_rope import SelectiveRopeFoXConfig, SelectiveRopeFoXForCausalLM
 from selective_rope.conversion.llama import fox_config_from_llama, fox_key_from_llama, llama_rope
+from selective_rope.modeling import returned_cache
 
 from families import FAMILIES
 
@@ -96,3 +97,30 @@ def test_prefill_never_materialises_all_scores(use_forget_gate, length):
     with torch.no_grad(), probe:
         model(torch.randint(3, 61, (1, length)), use_cache=False)
     assert probe.numel <= length * length * heads // 4, probe.numel
+
+
+@pytest.mark.parametrize("position_embedding", ["selective_rope", "rope"])
+def test_key_validity_is_cached_from_the_first_padding_on(position_embedding):
+    """Without padding the cache keeps no per-slot validity (nothing to check, no device sync per layer). The first
+    call with padding starts it, all real before it; then decoding goes on as the full forward over the same mask
+    (RoPE's positions, counted from the cached slots until then, count real tokens from then on)."""
+    torch.manual_seed(0)
+    model = SelectiveRopeFoXForCausalLM(SelectiveRopeFoXConfig(**SHAPE, position_embedding=position_embedding)).eval()
+    ids = torch.randint(1, SHAPE["vocab_size"], (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 6] = 0  # row 1's seventh token is padding
+    with torch.no_grad():
+        out = model(ids[:, :6], use_cache=True)
+        cache = returned_cache(out)
+        assert all("valid" not in layer.states for layer in cache.layers)
+        logits = [out.logits]
+        for t in range(6, 9):
+            out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=cache, use_cache=True)
+            cache = returned_cache(out)
+            logits.append(out.logits)
+        full = model(ids, attention_mask=mask).logits
+    for layer in cache.layers:
+        assert torch.equal(layer.states["valid"], mask.bool())
+    stepped = torch.cat(logits, dim=1)
+    real = mask.bool()
+    torch.testing.assert_close(stepped[real], full[real], atol=1e-4, rtol=1e-4)
