@@ -141,15 +141,15 @@ def peak_memory(fn: Callable[[], object]) -> int:
 # --------------------------------------------------------------------------------------------------------------------
 # the op's inputs and variants
 # --------------------------------------------------------------------------------------------------------------------
-def prefill_inputs(batch: int, seq_len: int, dtype: torch.dtype, requires_grad: bool):
-    generator = torch.Generator(device="cuda").manual_seed(batch * 100003 + seq_len)
+def prefill_inputs(batch: int, seq_len: int, dtype: torch.dtype, requires_grad: bool, device: str = "cuda"):
+    generator = torch.Generator(device=device).manual_seed(batch * 100003 + seq_len)
 
     def randn(*shape, dt=torch.float32, scale=1.0):
-        return (scale * torch.randn(*shape, device="cuda", dtype=dt, generator=generator)).requires_grad_(requires_grad)
+        return (scale * torch.randn(*shape, device=device, dtype=dt, generator=generator)).requires_grad_(requires_grad)
 
     q, k = randn(batch, seq_len, HEADS, HEAD_DIM, dt=dtype), randn(batch, seq_len, HEADS, HEAD_DIM, dt=dtype)
     increment = randn(batch, seq_len, HEADS, PAIRS, scale=0.5)
-    temperature = (500000.0 ** (-torch.arange(PAIRS, device="cuda") / PAIRS)).requires_grad_(requires_grad)
+    temperature = (500000.0 ** (-torch.arange(PAIRS, device=device) / PAIRS)).requires_grad_(requires_grad)
     return q, k, increment, temperature, randn(batch, HEADS, PAIRS)
 
 
@@ -197,15 +197,15 @@ def decode_triton(q, k, projection, temperature, phase, history, weight, bias, g
     return selective_rotary_decode_triton(q, k, projection, temperature, phase, history, weight, None, bias, gate)
 
 
-def decode_inputs(batch: int, dtype: torch.dtype):
-    generator = torch.Generator(device="cuda").manual_seed(batch)
+def decode_inputs(batch: int, dtype: torch.dtype, device: str = "cuda"):
+    generator = torch.Generator(device=device).manual_seed(batch)
 
     def randn(*shape, dt=torch.float32):
-        return torch.randn(*shape, device="cuda", dtype=dt, generator=generator)
+        return torch.randn(*shape, device=device, dtype=dt, generator=generator)
 
     channels = HEADS * PAIRS
     return (randn(batch, HEADS, HEAD_DIM, dt=dtype), randn(batch, HEADS, HEAD_DIM, dt=dtype),
-            randn(batch, HEADS, PAIRS), 500000.0 ** (-torch.arange(PAIRS, device="cuda") / PAIRS),
+            randn(batch, HEADS, PAIRS), 500000.0 ** (-torch.arange(PAIRS, device=device) / PAIRS),
             100 * randn(batch, HEADS, PAIRS), randn(batch, CONV_TAPS - 1, channels), randn(channels, CONV_TAPS),
             0.1 * randn(HEADS, PAIRS), randn(batch, HEADS, 1))
 

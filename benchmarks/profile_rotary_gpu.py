@@ -26,35 +26,16 @@ import sys
 import time
 
 import torch
-from bench_rotary_gpu import CONV_TAPS, HEAD_DIM, HEADS, PAIRS
+from bench_rotary_gpu import HEAD_DIM, HEADS, PAIRS, decode_inputs, decode_triton, prefill_inputs
 
 
-def inputs(batch: int, seq_len: int, dtype: torch.dtype, device: str) -> dict:
-    generator = torch.Generator(device=device).manual_seed(0)
+def calls(batch: int, seq_len: int, dtype: torch.dtype, device: str) -> dict:
+    """The three calls, on ``bench_rotary_gpu.py``'s inputs (so the profile explains its numbers)."""
+    from selective_rope.kernels.rotary_triton import selective_rotary_triton
 
-    def randn(*shape, dt=torch.float32, grad=False):
-        return torch.randn(*shape, device=device, dtype=dt, generator=generator).requires_grad_(grad)
-
-    channels = HEADS * PAIRS
-    temperature = 500000.0 ** (-torch.arange(PAIRS, device=device) / PAIRS)
-    return {
-        "prefill": (randn(batch, seq_len, HEADS, HEAD_DIM, dt=dtype, grad=True),
-                    randn(batch, seq_len, HEADS, HEAD_DIM, dt=dtype, grad=True),
-                    randn(batch, seq_len, HEADS, PAIRS, grad=True), temperature),
-        # q, k, projection, temperature, phase, history, taps, activation, bias, gate logits
-        "decode": (randn(batch, HEADS, HEAD_DIM, dt=dtype), randn(batch, HEADS, HEAD_DIM, dt=dtype),
-                   randn(batch, HEADS, PAIRS, dt=torch.float64), temperature,
-                   randn(batch, HEADS, PAIRS, dt=torch.float64),
-                   randn(batch, CONV_TAPS - 1, channels, dt=torch.float64), randn(channels, CONV_TAPS), "silu",
-                   randn(HEADS, PAIRS), randn(batch, HEADS, 1, dt=torch.float64)),
-    }
-
-
-def calls(data: dict) -> dict:
-    from selective_rope.kernels.rotary_triton import selective_rotary_decode_triton, selective_rotary_triton
-
-    q, k, increment, temperature = data["prefill"]
+    q, k, increment, temperature, _ = prefill_inputs(batch, seq_len, dtype, requires_grad=True, device=device)
     grads = [torch.randn_like(x) for x in (q, k)]
+    decode = decode_inputs(batch, dtype, device)
 
     def forward():
         with torch.no_grad():
@@ -64,10 +45,7 @@ def calls(data: dict) -> dict:
         out_q, out_k, _ = selective_rotary_triton(q, k, increment, temperature)
         return torch.autograd.grad((out_q, out_k), (q, k, increment), grads)
 
-    def decode():
-        return selective_rotary_decode_triton(*data["decode"])
-
-    return {"forward": forward, "forward_backward": forward_backward, "decode": decode}
+    return {"forward": forward, "forward_backward": forward_backward, "decode": lambda: decode_triton(*decode)}
 
 
 def sync(device: str) -> None:
@@ -110,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("profile_rotary_gpu.py: no CUDA device (use --device cpu with TRITON_INTERPRET=1 for a smoke run)")
 
-    fns = calls(inputs(args.batch, args.seq_len, getattr(torch, args.dtype), args.device))
+    fns = calls(args.batch, args.seq_len, getattr(torch, args.dtype), args.device)
     print(f"Selective RoPE op, B={args.batch}, T={args.seq_len}, {args.dtype}, H={HEADS}, D={HEAD_DIM}, R={PAIRS}, "
           f"{torch.cuda.get_device_name(0) if args.device == 'cuda' else 'cpu'}; median us per call")
     for name, fn in fns.items():

@@ -5,9 +5,9 @@ token with a cache, ``SelectiveRotaryEmbedding``'s torch path), plus packed sequ
 
 **Prefill / training** (``selective_rotary_triton``). A two-pass scan over time chunks. The grid is (sequence x key
 head, block of frequency pairs, time chunk); the chunks are as long as fills the GPU (``_plan``: one chunk per
-sequence when the sequences alone fill it). Pass 1 sums each chunk's increments (float64); their exclusive prefix
-sums, plus the initial phase, are each chunk's starting phase (a few torch ops). Pass 2 walks its chunk in tiles with
-a running carry of the phase:
+sequence when the sequences alone fill it). Pass 1 sums each chunk's increments (float64); one cumulative sum over
+the initial phase and those sums gives each chunk's starting phase. Pass 2 walks its chunk in tiles with a running
+carry of the phase:
 
     θ_t = θ_0 + Σ_{s<=t} c_s,   angle_t = τ · θ_t,   (x_i, x_{i+R}) -> (x_i cos − x_{i+R} sin, x_i sin + x_{i+R} cos)
 
@@ -134,10 +134,16 @@ def _span(n, cu_ptr, T, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _chunk_range(pid_c, bos, eos, CHUNK):
-    """[start, end) of time chunk ``pid_c`` of the sequence [bos, eos) (empty past its end)."""
+def _chunk_program(cu_ptr, T, Hk, R, CHUNK, IS_VARLEN: tl.constexpr, BLOCK_R: tl.constexpr):
+    """What a program of the prefill grid (sequence x key head, block of frequency pairs, time chunk) works on: its
+    program ids, key head, batch row, the tokens [start, end) of its chunk (empty past its sequence's end) and its
+    frequency pairs ``rs`` with their mask."""
+    pid_nh, pid_r, pid_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    hk = pid_nh % Hk
+    b, bos, eos = _span(pid_nh // Hk, cu_ptr, T, IS_VARLEN)
     start = bos + pid_c.to(tl.int64) * CHUNK
-    return start, tl.minimum(start + CHUNK, eos)
+    rs = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    return pid_nh, pid_r, pid_c, hk, b, start, tl.minimum(start + CHUNK, eos), rs, rs < R
 
 
 @triton.jit
@@ -151,13 +157,7 @@ def _chunk_totals_kernel(
     tile by tile as pass 2 carries it, into slot ``chunk + 1`` of a ``(N * Hk, NC + 1, R)`` buffer whose slot 0 gets
     the initial phase: one cumulative sum over the slots then gives every chunk its starting phase. A chunk past its
     sequence's end sums to 0."""
-    pid_nh, pid_r, pid_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    n = pid_nh // Hk
-    hk = pid_nh % Hk
-    b, bos, eos = _span(n, cu_ptr, T, IS_VARLEN)
-    start, end = _chunk_range(pid_c, bos, eos, CHUNK)
-    rs = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    mask_r = rs < R
+    pid_nh, pid_r, pid_c, hk, b, start, end, rs, mask_r = _chunk_program(cu_ptr, T, Hk, R, CHUNK, IS_VARLEN, BLOCK_R)
     total = tl.full([BLOCK_R], 0.0, tl.float64)
     inc_base = inc_ptr + b * si_b + hk * si_h
     for t0 in range(start, end, BLOCK_T):
@@ -187,16 +187,7 @@ def _selective_rotary_fwd_kernel(
     HAS_CARRY: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_PASS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    pid_nh = tl.program_id(0)
-    pid_r = tl.program_id(1)
-    pid_c = tl.program_id(2)
-    n = pid_nh // Hk
-    hk = pid_nh % Hk
-    b, bos, eos = _span(n, cu_ptr, T, IS_VARLEN)
-    start, end = _chunk_range(pid_c, bos, eos, CHUNK)
-
-    rs = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    mask_r = rs < R
+    pid_nh, pid_r, pid_c, hk, b, start, end, rs, mask_r = _chunk_program(cu_ptr, T, Hk, R, CHUNK, IS_VARLEN, BLOCK_R)
     turns = tl.load(turns_ptr + rs, mask=mask_r, other=0.0)  # τ / 2π, float64
     if HAS_CARRY:  # the phase before this chunk: initial phase + the totals of the chunks before it
         carry = tl.load(carry_ptr + (pid_nh.to(tl.int64) * CR + pid_c) * R + rs, mask=mask_r, other=0.0)
@@ -274,16 +265,7 @@ def _selective_rotary_bwd_kernel(
     chunk's Σ dθ goes to slot ``NC - chunk`` of a ``(N * Hk, NC + 1, R)`` buffer whose slot 0 gets the final phase's
     gradient, so that one cumulative sum over the slots gives what reaches each chunk from later in time; its
     Σ θ dangle (for d temperature) to a per-chunk partial."""
-    pid_nh = tl.program_id(0)
-    pid_r = tl.program_id(1)
-    pid_c = tl.program_id(2)
-    n = pid_nh // Hk
-    hk = pid_nh % Hk
-    b, bos, eos = _span(n, cu_ptr, T, IS_VARLEN)
-    start, end = _chunk_range(pid_c, bos, eos, CHUNK)
-
-    rs = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    mask_r = rs < R
+    pid_nh, pid_r, pid_c, hk, b, start, end, rs, mask_r = _chunk_program(cu_ptr, T, Hk, R, CHUNK, IS_VARLEN, BLOCK_R)
     temp = tl.load(temp_ptr + rs, mask=mask_r, other=0.0).to(tl.float32)
     turns = tl.load(turns_ptr + rs, mask=mask_r, other=0.0)  # τ / 2π, float64
     chunk_offs = (pid_nh.to(tl.int64) * NC + pid_c) * R + rs
@@ -373,15 +355,7 @@ def _suffix_sum_kernel(
 ):
     """Backward walk 2, reverse in time over one chunk, in place over the dθ buffer:
     d(increment)_s = Σ_{t>=s in the chunk} dθ_t + (Σ dθ of the later chunks + d final phase)."""
-    pid_nh = tl.program_id(0)
-    pid_r = tl.program_id(1)
-    pid_c = tl.program_id(2)
-    n = pid_nh // Hk
-    hk = pid_nh % Hk
-    b, bos, eos = _span(n, cu_ptr, T, IS_VARLEN)
-    start, end = _chunk_range(pid_c, bos, eos, CHUNK)
-    rs = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    mask_r = rs < R
+    pid_nh, pid_r, pid_c, hk, b, start, end, rs, mask_r = _chunk_program(cu_ptr, T, Hk, R, CHUNK, IS_VARLEN, BLOCK_R)
     # slot NC - 1 - chunk of the cumulative sums: d final phase + Σ dθ of the chunks after this one
     suffix = tl.load(suffix_ptr + (pid_nh.to(tl.int64) * (NC + 1) + NC - 1 - pid_c) * R + rs, mask=mask_r, other=0.0)
     dinc_base = dinc_ptr + b * sdi_b + hk * sdi_h

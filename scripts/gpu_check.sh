@@ -35,7 +35,8 @@ if [ -n "${AUTOTUNE_ARCHIVE:-}" ] && [ -f "$AUTOTUNE_ARCHIVE" ]; then
         && echo "autotuning results from $AUTOTUNE_ARCHIVE: $(tar tzf "$AUTOTUNE_ARCHIVE" | grep -c autotune) files"
 fi
 
-PLUGINS=$(mktemp -d)
+PLUGINS=$(mktemp -d) || exit 1
+trap 'rm -rf -- "$PLUGINS"' EXIT  # the one folder this script made outside $OUT
 printf '%s\n' \
     'def pytest_runtest_logreport(report):' \
     '    if report.failed:' \
