@@ -6,6 +6,10 @@ selection act on every tensor alike, so a new family only chooses names. Entries
 ``LayerState.extend`` (FoX's keys, values, log forget gates) are per-token histories ``(B, T_seen, ...)``, appended to
 by :func:`append_tokens`: ``crop`` shortens them. Any other entry is a running state (a recurrence, a convolution
 history, a phase) that cannot be rolled back, so ``crop`` refuses layers that hold one.
+
+Every forward that keeps its state mutates the cache: it replaces entries, appends to histories in place, and may
+overwrite a running state's tensor with the next value (the compiled CPU rotary step does, ``overwrite_state``).
+Branch from a ``copy.deepcopy`` of a cache; clone a tensor read from it that must outlive the next call.
 """
 
 from __future__ import annotations

@@ -148,7 +148,8 @@ class ForgettingAttention(nn.Module):
             previous = {"phase": seen[:, None, None].expand(-1, self.num_kv_heads, self.rotary.rotary_pairs)}
         else:
             previous = rotary_state.previous()
-        q, k, new_rotary_state = self.rotary(x, q, k, previous, lengths, cu_seqlens, backend=backend)
+        q, k, new_rotary_state = self.rotary(x, q, k, previous, lengths, cu_seqlens, backend=backend,
+                                             overwrite_state=state.keep)
         if self.rotary.position_embedding == "selective_rope":
             rotary_state.update(new_rotary_state)
         return q, k

@@ -95,7 +95,8 @@ class GatedDeltaNet(QKVShortConvolutions):
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())  # (B, T, HV)
 
         rotary_state = state.scope("rotary")
-        q, k, new_rotary_state = self.rotary(x, q, k, rotary_state.previous(), lengths, cu_seqlens, backend=backend)
+        q, k, new_rotary_state = self.rotary(x, q, k, rotary_state.previous(), lengths, cu_seqlens, backend=backend,
+                                             overwrite_state=state.keep)  # the cache's tensors: ours
         rotary_state.update(new_rotary_state)
 
         if lengths is not None:  # β = 0 and g = 0: pads leave the state exactly as it was

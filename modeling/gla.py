@@ -67,7 +67,8 @@ class GatedLinearAttention(QKVShortConvolutions):
         gk = gk.view(batch, seq_len, self.num_kv_heads, self.head_k_dim)
 
         rotary_state = state.scope("rotary")
-        q, k, new_rotary_state = self.rotary(x, q, k, rotary_state.previous(), lengths, cu_seqlens, backend=backend)
+        q, k, new_rotary_state = self.rotary(x, q, k, rotary_state.previous(), lengths, cu_seqlens, backend=backend,
+                                             overwrite_state=state.keep)  # the cache's tensors: ours
         rotary_state.update(new_rotary_state)
 
         if lengths is not None:  # pads neither write to nor decay the recurrent state

@@ -246,10 +246,10 @@ class SelectiveRotaryEmbedding(nn.Module):
         num_query_heads / num_key_heads: ``Hq`` and ``Hk`` (phases are per key head; ``Hq % Hk == 0``).
         head_dim: ``Dh`` of q and k.
 
-    ``forward(x, q, k, state=None, lengths=None, cu_seqlens=None) -> (q, k, state)`` where ``x`` is the mixer input
-    ``(B, T, D)``, ``q`` is ``(B, T, Hq, Dh)``, ``k`` is ``(B, T, Hk, Dh)`` and ``state`` is a dict with the cached
-    ``phase`` ``(B, Hk, R)`` (``R = rotary_pairs``) and ``phase_conv`` history ``(B, K-1, Hk*R)`` (``K = 2`` for the
-    difference), both float64 (``rotary_torch.phase_dtype``).
+    ``forward(x, q, k, state=None, lengths=None, cu_seqlens=None, backend=None, overwrite_state=False) -> (q, k,
+    state)`` where ``x`` is the mixer input ``(B, T, D)``, ``q`` is ``(B, T, Hq, Dh)``, ``k`` is ``(B, T, Hk, Dh)``
+    and ``state`` is a dict with the cached ``phase`` ``(B, Hk, R)`` (``R = rotary_pairs``) and ``phase_conv``
+    history ``(B, K-1, Hk*R)`` (``K = 2`` for the difference), both float64 (``rotary_torch.phase_dtype``).
 
     Its parameters stay float32 when the model is cast to a lower precision (``model.to(torch.bfloat16)``,
     ``.half()``): see ``_apply``.
@@ -380,9 +380,15 @@ class SelectiveRotaryEmbedding(nn.Module):
         lengths: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         backend: str | None = None,
+        overwrite_state: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """``backend``: ``"torch"`` or ``"triton"`` as the model resolved it for this call; ``None``: resolved here
-        from the config's ``backend`` (and ``SELECTIVE_ROPE_BACKEND``)."""
+        from the config's ``backend`` (and ``SELECTIVE_ROPE_BACKEND``).
+
+        ``overwrite_state``: the caller owns ``state`` and keeps only the new one (the model's cache, when it keeps
+        states): the new phase and history may then be written into ``state``'s tensors instead of new ones (the
+        compiled CPU path does; the returned state is the one to keep either way). Otherwise ``state`` is never
+        modified."""
         if self.position_embedding == "nope":
             return q, k, {}
         if backend is None:
@@ -392,7 +398,7 @@ class SelectiveRotaryEmbedding(nn.Module):
         state = state or {}
         seq_len = x.shape[1]
         if backend == "torch" and seq_len > 0 and not torch.is_grad_enabled() and self._cpu_kernel_allowed(x):
-            compiled = self._forward_cpu_kernel(x, q, k, state, lengths)  # a prefill or a decoding step
+            compiled = self._forward_cpu_kernel(x, q, k, state, lengths, overwrite_state)  # a prefill or a step
             if compiled is not None:
                 return compiled
         if single_token_step_applies(seq_len, cu_seqlens):
@@ -435,7 +441,7 @@ class SelectiveRotaryEmbedding(nn.Module):
         the reference (SPEC §5); ``"auto"`` (the default) gets the compiled kernel."""
         return x.is_cpu and cpu_kernel_enabled() and requested_backend(self.backend) != "torch"
 
-    def _forward_cpu_kernel(self, x, q, k, state, lengths):
+    def _forward_cpu_kernel(self, x, q, k, state, lengths, overwrite_state=False):
         """The inference forward (a prefill, or ``_decode_step_torch``'s single token) as one compiled call
         (``kernels/rotary_cpu.py``: the same math and precisions as the torch path), or ``None`` where the torch path
         must run instead (see ``_kernel_plan`` and ``RotaryPlan.try_call``)."""
@@ -451,12 +457,12 @@ class SelectiveRotaryEmbedding(nn.Module):
             history = history.to(torch.float64).contiguous()
         if lengths is not None and (lengths.dtype != torch.int64 or not lengths.is_contiguous()):
             lengths = lengths.to(torch.int64).contiguous()
-        result = plan.try_call(x, q, k, phase, history, lengths)
+        result = plan.try_call(x, q, k, phase, history, lengths, overwrite_state=overwrite_state)
         if result is None:
             if plan.current():  # inputs the C kernel does not take
                 return None
             del self.__dict__["_cpu_plan"]  # a parameter's storage was replaced: plan again
-            return self._forward_cpu_kernel(x, q, k, state, lengths)
+            return self._forward_cpu_kernel(x, q, k, state, lengths, overwrite_state)
         return result[0], result[1], self._state(result[2], result[3])
 
     def _kernel_plan(self, sizes: tuple[int, int, int]) -> RotaryPlan | None:
@@ -588,25 +594,31 @@ class _CachedPlan:
     its place, and ``SelectiveRotaryEmbedding._apply`` drops it (a device move or cast replaces the storages)."""
 
     def __init__(self, plan: RotaryPlan | None, owner: nn.Module, modules: list[nn.Module], sizes: tuple):
-        self.plan, self.modules, self.sizes = plan, modules, sizes
+        self.plan, self.modules, self.sizes = plan, tuple(modules), sizes
         containers = [c for module in (owner, *modules) for c in (module._parameters, module._modules)]
-        self.counts = [(container, len(container)) for container in containers]
-        self.bindings = [(container, key, item) for container in containers for key, item in container.items()]
+        self.bindings = tuple((container, key, item) for container in containers for key, item in container.items())
+        # Our modules' forwards read named entries only (the bindings); a Sequential's runs every child it has, so
+        # there a child added later matters too.
+        self.counts = tuple((m._modules, len(m._modules)) for m in modules if type(m) is nn.Sequential)
 
+    # Both checks run per layer and decoding step, where each costs microseconds (issue 21): plain loops, since
+    # any()/all() over generators cost more than the checks themselves here.
     def valid(self, sizes: tuple) -> bool:
-        # plain loops: any()/all() over generators cost more than the checks themselves here
         if sizes != self.sizes:
             return False
-        for container, count in self.counts:
-            if len(container) != count:
-                return False
         for container, key, item in self.bindings:
             if container.get(key) is not item:
+                return False
+        for container, count in self.counts:
+            if len(container) != count:
                 return False
         return True
 
     def plan_if_unhooked(self) -> RotaryPlan | None:
-        return None if any(m._forward_hooks or m._forward_pre_hooks for m in self.modules) else self.plan
+        for module in self.modules:
+            if module._forward_hooks or module._forward_pre_hooks:
+                return None
+        return self.plan
 
     def __reduce__(self):
         return type(None), ()  # a copy or pickle of the module holds no plan

@@ -102,6 +102,38 @@ def test_compiled_step_equals_torch_step(options, heads, param_dtype, monkeypatc
     assert compiled_steps.count == 3
 
 
+@pytest.mark.parametrize("options", ROTATING_GRID,
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+@torch.no_grad()
+def test_an_overwritten_state_equals_a_new_one(options, monkeypatch, compiled_steps):
+    """``overwrite_state=True`` (the model's cache) writes the new phase and history into the given tensors, with the
+    very values a new state gets, for a decoding step, a padded row and a prefill long enough for threads; without
+    it the given state is never touched, and a state the C code cannot write (not contiguous) is not overwritten."""
+    module = make_rotary(4, 2, dtype=torch.float32, **options)
+    state, step = step_inputs(module)
+    long_x, long_q, long_k = torch.randn(2, 2100, HIDDEN), torch.randn(2, 2100, 4, 8), torch.randn(2, 2100, 2, 8)
+    calls = [(step, torch.tensor([1, 0])), (step, None), ((long_x, long_q, long_k), torch.tensor([2100, 1500]))]
+    for inputs, lengths in calls:
+        given = {name: t.clone() for name, t in state.items()}
+        q, k, new = module(*inputs, state=given, lengths=lengths)
+        for name in state:  # not asked to: untouched
+            assert torch.equal(given[name], state[name]) and new[name] is not given[name], name
+        q_over, k_over, overwritten = module(*inputs, state=given, lengths=lengths, overwrite_state=True)
+        assert torch.equal(q_over, q) and torch.equal(k_over, k)
+        for name in state:
+            assert overwritten[name] is given[name] and torch.equal(given[name], new[name]), name
+    assert compiled_steps.count == 4 and compiled_steps.prefills == 3  # (one made the state)
+
+    strided = {name: t.clone() for name, t in state.items()}
+    strided["phase"] = state["phase"].transpose(0, -1).contiguous().transpose(0, -1)  # (2, Hk, R), not contiguous
+    assert not strided["phase"].is_contiguous()
+    before = {name: t.clone() for name, t in strided.items()}
+    q_over, k_over, overwritten = module(*step, state=strided, overwrite_state=True)
+    q, k, new = module(*step, state=state)
+    assert torch.equal(q_over, q) and torch.equal(overwritten["phase"], new["phase"])
+    assert overwritten["phase"] is not strided["phase"] and torch.equal(strided["phase"], before["phase"])
+
+
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"hq{h[0]}-hk{h[1]}")
 @pytest.mark.parametrize("options", ROTATING_GRID,
@@ -408,6 +440,20 @@ def test_swapped_replaced_and_cast_parameters_are_seen(monkeypatch, compiled_ste
     module.phase_proj.down.data = module.phase_proj.down.data.float()  # mixed dtypes: the torch step
     assert_same_step(*both_steps(module, step, state, monkeypatch))
     assert compiled_steps.count == 6
+
+
+def test_a_layer_added_to_a_sequential_gate_is_seen(monkeypatch, compiled_steps):
+    """A two-layer gate is an ``nn.Sequential``, whose forward runs every child it has: one appended after planning
+    changes the phase, and the step follows it (the C code knows no such gate: the torch step runs)."""
+    module = make_rotary(4, 2, dtype=torch.float32, phase_gate_type="low_rank")
+    state, step = step_inputs(module)
+    plain, _ = both_steps(module, step, state, monkeypatch)
+    assert compiled_steps.count == 1 and isinstance(module.phase_gate_proj, torch.nn.Sequential)
+    module.phase_gate_proj.append(torch.nn.Tanh())
+    compiled, reference = both_steps(module, step, state, monkeypatch)
+    assert compiled_steps.count == 1
+    assert_same_step(compiled, reference)
+    assert not torch.allclose(compiled[1], plain[1])
 
 
 def test_copies_and_pickles_hold_no_plan(monkeypatch, compiled_steps):

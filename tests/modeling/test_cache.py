@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
 import torch
 
 from selective_rope import SelectiveRopeCache, SelectiveRopeFoXConfig, SelectiveRopeFoXForCausalLM
+from selective_rope.kernels import rotary_cpu
 from selective_rope.modeling import returned_cache
 from selective_rope.modeling.cache import SelectiveRopeCacheLayer, append_tokens
 from selective_rope.modeling.mixer import LayerState
@@ -79,6 +81,35 @@ def test_cache_has_one_layer_per_model_layer_and_reads_the_first_layers_length(f
     assert returned is cache and cache.is_initialized and cache.get_seq_length() == 4
     with pytest.raises(NotImplementedError, match="named states"):
         cache.layers[0].update(torch.zeros(1), torch.zeros(1))
+
+
+@torch.no_grad()
+def test_a_call_mutates_only_a_cache_that_keeps_its_state(family):
+    """The compiled CPU rotary step overwrites the cached Selective RoPE state in place (``overwrite_state``), but
+    only for a call that keeps its state: ``use_cache=False`` leaves a given cache exactly as it was, and a
+    ``copy.deepcopy`` taken before a call (how to branch) keeps the old state."""
+    model = family.lm_class(family.config_class(**family.tiny)).eval()
+    ids = torch.randint(3, 61, (2, 6))
+    cache = returned_cache(model(ids[:, :5], use_cache=True))
+    branch = copy.deepcopy(cache)
+    before = copy.deepcopy(cache)
+    phase = cache.layers[0].states["rotary.phase"]
+
+    untouched = model(ids[:, 5:], past_key_values=cache, use_cache=False).logits
+    for layer, old in zip(cache.layers, before.layers):
+        assert layer.states.keys() == old.states.keys() and layer.seen_tokens == old.seen_tokens
+        for name, tensor in old.states.items():
+            assert torch.equal(layer.states[name], tensor), name
+
+    kept = model(ids[:, 5:], past_key_values=cache, use_cache=True).logits
+    assert torch.equal(kept, untouched)
+    if rotary_cpu.available():  # overwritten in place (with the next phase), not replaced
+        assert cache.layers[0].states["rotary.phase"] is phase
+        assert not torch.equal(phase, before.layers[0].states["rotary.phase"])
+    for layer, old in zip(branch.layers, before.layers):  # the deep copy did not move
+        for name, tensor in old.states.items():
+            assert torch.equal(layer.states[name], tensor), name
+    assert torch.equal(model(ids[:, 5:], past_key_values=branch, use_cache=True).logits, kept)
 
 
 # -- crop through a whole model ------------------------------------------------------------------------------------
