@@ -3,7 +3,9 @@ record every CPU benchmark writes, with the shared sections after the family's o
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,3 +126,24 @@ def test_timed_rounds_interleave_and_pair_the_calls():
     assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]  # the first function rotates each round
     assert stats["a"]["repeats"] == stats["b"]["repeats"] == 4
     assert paired_ratio({"x": {"times_s": [2, 4]}, "y": {"times_s": [1, 1]}}, "x", "y") == 3
+
+
+def test_the_width_script_compares_each_family_at_each_width(tmp_path, capsys):
+    """``benchmarks/bench_decode_width_cpu.py`` (a script, loaded from its file): one interleaved decode comparison
+    per family and width, NoPE first, ratios paired by round; the caller's thread count is restored."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_decode_width_cpu.py"
+    spec = importlib.util.spec_from_file_location("bench_decode_width_cpu", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    threads = torch.get_num_threads()
+    output = tmp_path / "width.json"
+    assert script.main(["--quick", "--widths", "256", "--output", str(output), "--threads", "1",
+                        "--max-wait", "0"]) == 0
+    assert torch.get_num_threads() == threads
+    results = json.loads(output.read_text())
+    assert [(row["family"], row["hidden_size"]) for row in results["rows"]] == [("gla", 256), ("gated_deltanet", 256)]
+    for row in results["rows"]:
+        assert row["num_parameters"]["selective_rope"] > row["num_parameters"]["nope"]
+        (decode,) = row["decode"]["rows"]
+        assert decode["context"] == 16 and decode["models"]["selective_rope"]["ratio_to_nope"]["pairs"] == 4
+    assert "gated_deltanet |    256" in capsys.readouterr().out
