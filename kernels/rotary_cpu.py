@@ -129,15 +129,16 @@ static inline double silu(double z) { return z / (1.0 + exp(-z)); }
 #define LAST_ROWS(q) (first + ((q) < live ? (q) : live - 1) * in)  /* a last group of fewer rows: the last repeated */
 
 /* y[o] = w[o] . x (+ b[o]) for the first n lanes (the others are 0 or unused): x (in, LANES), y (out, LANES), the
-   rows of w (out, in) from element `offset`. Each lane's sum runs over the inputs in order, so a token gets the same
-   numbers whichever tokens share its call (a decoding step and a prefill agree exactly). */
-HOT static void matvec(const void *w, int wd, int64_t offset, const lanes_t *x, int64_t in, int64_t out,
-                       const void *b, lanes_t *y, int64_t n) {
+   rows of w (out, in) from element `offset`. One token (n == 1) reads x1 instead, its `in` values in a row (see
+   `single`). Each lane's sum runs over the inputs in order, so a token gets the same numbers whichever tokens share
+   its call (a decoding step and a prefill agree exactly). */
+HOT static void matvec(const void *w, int wd, int64_t offset, const lanes_t *x, const double *x1, int64_t in,
+                       int64_t out, const void *b, lanes_t *y, int64_t n) {
     for (int64_t o = 0; o < out; o += ROWS) {
         const int64_t live = out - o < ROWS ? out - o : ROWS, first = offset + o * in;
         if (n == 1) {  /* one token (a decoding step): the same sums in scalars, without seven idle lanes */
             double sum[ROWS] = {0};
-            if (live == ROWS) { GROUP_SUMS(sum, x[j][0], EVERY_ROW) } else { GROUP_SUMS(sum, x[j][0], LAST_ROWS) }
+            if (live == ROWS) { GROUP_SUMS(sum, x1[j], EVERY_ROW) } else { GROUP_SUMS(sum, x1[j], LAST_ROWS) }
             for (int q = 0; q < live; q++) {
                 const lanes_t lanes = {b ? sum[q] + load(b, wd, o + q) : sum[q]};
                 y[o + q] = lanes;
@@ -207,8 +208,18 @@ typedef struct {
     double *conv_windows;  /* (Hk*R, K-1+LANES) */
     double *turns, *exp_bias, *conv_taps;  /* τ_i / 2π (R); exp(b) (Hk*R); the taps (Hk*R, K), float64 */
     double *theta, *history;  /* (LANES, Hk*R) phases; (K-1, Hk*R) a convolution history */
+    double *u1, *low1;  /* a single token's u (Hk*Dc) and low ((max(rank, gate rank))) in a row */
     float *angle, *cos, *sin, *block;  /* (LANES, Hk*R): angles, their cos and sin; one block's increments */
 } Scratch;
+
+/* Lane 0 of `count` vectors as `count` values in a row (into `out`) for a single token's matvec, which then reads
+   1/LANES of the memory (a decoding step at hidden 1024 reads its normalised input 4 times per head: 256 KB as
+   lanes); NULL for several tokens, which read the lanes. */
+static const double *single(const lanes_t *lanes, int64_t count, double *out, int64_t n) {
+    if (n != 1) return NULL;
+    for (int64_t i = 0; i < count; i++) out[i] = lanes[i][0];
+    return out;
+}
 
 /* c_t for up to LANES consecutive tokens of one row (rounded to float32, 0 for pads), from x; advances the
    convolution history `window` ((K-1) values per channel, oldest first, in place). */
@@ -217,6 +228,7 @@ HOT static void increments(const Parameters *p, const Tensors *a, const Scratch 
     const int64_t hk = p->num_key_heads, r = p->rotary_pairs, dc = p->chunk_dim, channels = hk * r;
     const int wd = (int)p->param_dtype;
     lanes_t *u = s->u, *c = s->c, *low = s->low, *gate = s->gate;
+    double *u1 = s->u1;  /* a single token's normalised input, in a row */
     lanes_t keep = {0};
     for (int64_t l = 0; l < valid; l++) keep[l] = 1.0;
     if (p->projection == PROJ_ONE) {  /* RoPE: c = 1 for a real token */
@@ -224,16 +236,16 @@ HOT static void increments(const Parameters *p, const Tensors *a, const Scratch 
         return;
     }
     /* u_h = x_h / max(|x_h|, 1e-12) (F.normalize), one lane per token; each norm summed in order */
-    if (n == 1) {  /* a decoding step: lane 0 only, in scalars (every reader of u takes lane 0 alone then) */
+    if (n == 1) {  /* a decoding step: into u1, in scalars (every reader of u takes u1 instead then) */
         const int64_t row = b * a->x_stride_b + t0 * a->x_stride_t;
         for (int64_t h = 0; h < hk; h++) {
             double norm = 0.0;
             for (int64_t j = h * dc; j < (h + 1) * dc; j++) {
-                u[j][0] = load(a->x, (int)a->x_dtype, row + j);
-                norm += u[j][0] * u[j][0];
+                u1[j] = load(a->x, (int)a->x_dtype, row + j);
+                norm += u1[j] * u1[j];
             }
             const double denominator = sqrt(norm) > 1e-12 ? sqrt(norm) : 1e-12;
-            for (int64_t j = h * dc; j < (h + 1) * dc; j++) u[j][0] /= denominator;
+            for (int64_t j = h * dc; j < (h + 1) * dc; j++) u1[j] /= denominator;
         }
     } else {
         for (int64_t l = 0; l < LANES; l++) {  /* unused lanes 0 */
@@ -254,15 +266,16 @@ HOT static void increments(const Parameters *p, const Tensors *a, const Scratch 
     }
     if (p->projection == PROJ_LOW_RANK) {  /* per head: up_h (R, rank) @ down_h (rank, Dc) @ u_h */
         for (int64_t h = 0; h < hk; h++) {
-            matvec(p->proj_a, wd, h * p->proj_rank * dc, u + h * dc, dc, p->proj_rank, NULL, low, n);
-            matvec(p->proj_b, wd, h * r * p->proj_rank, low, p->proj_rank, r, NULL, c + h * r, n);
+            matvec(p->proj_a, wd, h * p->proj_rank * dc, u + h * dc, u1 + h * dc, dc, p->proj_rank, NULL, low, n);
+            matvec(p->proj_b, wd, h * r * p->proj_rank, low, single(low, p->proj_rank, s->low1, n), p->proj_rank, r,
+                   NULL, c + h * r, n);
         }
     } else if (p->projection == PROJ_DENSE_LOW_RANK) {  /* up (Hk*R, rank) @ down (rank, Hk*Dc) @ u */
-        matvec(p->proj_a, wd, 0, u, hk * dc, p->proj_rank, NULL, low, n);
-        matvec(p->proj_b, wd, 0, low, p->proj_rank, channels, NULL, c, n);
+        matvec(p->proj_a, wd, 0, u, u1, hk * dc, p->proj_rank, NULL, low, n);
+        matvec(p->proj_b, wd, 0, low, single(low, p->proj_rank, s->low1, n), p->proj_rank, channels, NULL, c, n);
     } else if (p->projection == PROJ_FULL_RANK) {  /* per row: scale * (w . u_h) / max(|w|, 1e-12) */
         for (int64_t h = 0; h < hk; h++) {
-            matvec(p->proj_a, wd, h * r * dc, u + h * dc, dc, r, NULL, c + h * r, n);
+            matvec(p->proj_a, wd, h * r * dc, u + h * dc, u1 + h * dc, dc, r, NULL, c + h * r, n);
             for (int64_t i = 0; i < r; i++) {
                 double norm = 0.0;
                 for (int64_t j = 0; j < dc; j++) {
@@ -275,7 +288,7 @@ HOT static void increments(const Parameters *p, const Tensors *a, const Scratch 
         }
     } else {  /* scalar: one value per head, shared by every frequency */
         for (int64_t h = 0; h < hk; h++) {
-            matvec(p->proj_a, wd, h * dc, u + h * dc, dc, 1, NULL, low, n);
+            matvec(p->proj_a, wd, h * dc, u + h * dc, u1 + h * dc, dc, 1, NULL, low, n);
             for (int64_t i = 0; i < r; i++) c[h * r + i] = low[0];
         }
     }
@@ -307,10 +320,11 @@ HOT static void increments(const Parameters *p, const Tensors *a, const Scratch 
         for (int64_t i = 0; i < channels; i++) c[i] += s->exp_bias[i];
     if (p->gate_layers > 0) {
         if (p->gate_layers == 1) {
-            matvec(p->gate_w1, wd, 0, u, hk * dc, p->gate_width, p->gate_b1, gate, n);
+            matvec(p->gate_w1, wd, 0, u, u1, hk * dc, p->gate_width, p->gate_b1, gate, n);
         } else {
-            matvec(p->gate_w1, wd, 0, u, hk * dc, p->gate_rank, NULL, low, n);
-            matvec(p->gate_w2, wd, 0, low, p->gate_rank, p->gate_width, p->gate_b2, gate, n);
+            matvec(p->gate_w1, wd, 0, u, u1, hk * dc, p->gate_rank, NULL, low, n);
+            matvec(p->gate_w2, wd, 0, low, single(low, p->gate_rank, s->low1, n), p->gate_rank, p->gate_width,
+                   p->gate_b2, gate, n);
         }
         const int64_t per_gate = p->gate_width == hk ? r : 1;  /* one gate per head, or per channel */
         for (int64_t g = 0; g < p->gate_width; g++)
@@ -422,7 +436,7 @@ static int scratch_alloc(const Parameters *p, Scratch *s) {
     inner = inner > 1 ? inner : 1;
     const int64_t n_lanes = hidden + channels + inner + (p->gate_width > 0 ? p->gate_width : 1);
     const int64_t n_doubles = channels * (past + LANES) + r + channels + channels * p->conv_size + channels * LANES
-                              + past * channels;
+                              + past * channels + hidden + inner;
     lanes_t *lanes = aligned_alloc(sizeof(lanes_t), sizeof(lanes_t) * (size_t)n_lanes);
     double *doubles = malloc(sizeof(double) * (size_t)n_doubles);
     float *floats = malloc(sizeof(float) * 4 * (size_t)(LANES * channels));
@@ -433,6 +447,8 @@ static int scratch_alloc(const Parameters *p, Scratch *s) {
     s->conv_taps = s->exp_bias + channels;
     s->theta = s->conv_taps + channels * p->conv_size;
     s->history = s->theta + channels * LANES;
+    s->u1 = s->history + past * channels;
+    s->low1 = s->u1 + hidden;
     s->angle = floats;
     s->cos = floats + LANES * channels;
     s->sin = floats + 2 * LANES * channels;
