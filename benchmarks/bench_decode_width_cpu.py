@@ -16,6 +16,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -77,10 +78,13 @@ def main(argv: list[str] | None = None) -> int:
             for width in args.widths:
                 models = {name: build(family, width, name) for name in ("nope", "selective_rope")}
                 log(f"{family}, hidden {width}: {num_parameters(models['selective_rope']):,} parameters")
+                quiet.wait()  # for other processes to go quiet, as the harness does before each section
+                load_before = os.getloadavg()
                 decode = decode_comparison(models, plan["contexts"], SHARED["vocab_size"], plan["rounds"],
                                            plan["steps_per_round"], plan["warmup"], "nope", quiet)
                 rows.append({"family": family, "hidden_size": width, "config": FAMILIES[family][2][width],
-                             "num_parameters": {n: num_parameters(m) for n, m in models.items()}, "decode": decode})
+                             "num_parameters": {n: num_parameters(m) for n, m in models.items()}, "decode": decode,
+                             "load_average_before": load_before, "load_average_after": os.getloadavg()})
         results.update(rows=rows, contention={"quiet": quiet.summary()}, total_wall_s=time.perf_counter() - start)
         print_table(rows)
         write_results(args.output, results)
