@@ -5,6 +5,9 @@ import os
 
 #: ``config.backend`` / ``SELECTIVE_ROPE_BACKEND`` values: who runs the kernels (see ``dispatch.resolve_backend``).
 BACKENDS = ("auto", "torch", "triton")
+#: What ``dispatch.resolve_backend`` returns, once per model call: PyTorch only (the reference); PyTorch with the
+#: rotary module's inference calls compiled (``rotary_cpu``: ``"auto"`` on the CPU); our Triton kernels (and fla's).
+RESOLVED = ("torch", "torch+c", "triton")
 ENV_VAR = "SELECTIVE_ROPE_BACKEND"
 
 

@@ -8,8 +8,9 @@ The request comes from the environment variable ``SELECTIVE_ROPE_BACKEND`` if it
 deployed model without touching its config), else from the config's ``backend`` field:
 
 - ``"auto"`` (default): on CUDA, our Triton Selective RoPE kernels and fla's mixer kernels; elsewhere PyTorch, with
-  the rotary module's decoding step compiled on the CPU (``rotary_cpu``).
-- ``"torch"``: PyTorch everywhere (the reference; the rotary module's decoding step too).
+  the rotary module's inference calls compiled on the CPU (``rotary_cpu``; resolved as ``"torch+c"``, unless
+  ``SELECTIVE_ROPE_CPU_KERNEL=0``).
+- ``"torch"``: PyTorch everywhere (the reference; the rotary module too).
 - ``"triton"``: as ``auto`` on CUDA. On CPU, our Triton rotary kernels run only under ``TRITON_INTERPRET=1`` (how the
   tests compare the Triton path with the torch one on a machine without GPU); the mixers stay PyTorch: fla is only
   ever called for CUDA tensors (``fla_ops``; the tests replace it to run fla's kernels under the interpreter too).
@@ -34,6 +35,7 @@ from types import SimpleNamespace
 import torch
 
 from .backends import BACKENDS, ENV_VAR, interpreting
+from .rotary_cpu import enabled as cpu_kernel_enabled
 
 # The devices fla's kernels run on. Only CUDA: tests add "cpu" to run them under Triton's interpreter.
 FLA_DEVICES = ("cuda",)
@@ -61,9 +63,13 @@ def requested_backend(config_value: str | None = None) -> str:
 
 
 def resolve_backend(config_value: str | None, device: torch.device | str) -> str:
-    """``"torch"`` or ``"triton"``: who runs our own ops (Selective RoPE) for tensors on ``device``.
+    """``"torch"``, ``"torch+c"`` or ``"triton"`` (``backends.RESOLVED``): who runs our own ops (Selective RoPE) for
+    tensors on ``device``. ``"torch+c"`` is PyTorch with the rotary module's inference calls (no autograd) compiled
+    (``rotary_cpu``): on the CPU, unless ``"torch"`` was asked for by name or ``SELECTIVE_ROPE_CPU_KERNEL=0``. Both
+    environment variables are read here, once per model call.
 
-    The mixers use fla's kernels only where this says ``"triton"`` *and* the tensors are on CUDA (see ``fla_ops``).
+    The mixers use fla's kernels only where this says ``"triton"`` *and* the tensors are on CUDA (see ``fla_ops``);
+    every other value runs their PyTorch ops.
     """
     requested = requested_backend(config_value)
     if requested == "torch":
@@ -80,7 +86,7 @@ def resolve_backend(config_value: str | None, device: torch.device | str) -> str
             return "triton"
         warn_once(f"selective-rope: backend 'triton' was requested for tensors on {device_type}, where the Triton "
                   "kernels only run under TRITON_INTERPRET=1 (with triton installed); using PyTorch")
-    return "torch"
+    return "torch+c" if device_type == "cpu" and cpu_kernel_enabled() else "torch"
 
 
 # Imports tried once per process: {"triton": module or None, "fla": namespace or None}. A plain dict rather than

@@ -672,7 +672,8 @@ _kernel = None  # the loaded C function, False once loading failed, None before 
 
 
 def enabled() -> bool:
-    """Whether the C kernel may run: not switched off by ``SELECTIVE_ROPE_CPU_KERNEL=0`` (read at every call)."""
+    """Whether the C kernel may run: not switched off by ``SELECTIVE_ROPE_CPU_KERNEL=0`` (read when the backend is
+    resolved: once per model call, ``dispatch.resolve_backend``)."""
     value = os.environ.get(ENV_SWITCH)
     return value is None or value.strip().lower() not in ("0", "false", "no", "off")
 

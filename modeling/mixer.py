@@ -80,8 +80,8 @@ class Mixer(Protocol):
     ``hidden_states`` are right-padded rows ``(N, L, D)`` with ``lengths`` ``(N,)`` real tokens each (``None``: every
     row is full; see :mod:`.layout`), or, where the kernels take packed sequences (``dispatch.keeps_packed``), one row
     ``(1, total, D)`` with ``cu_seqlens`` ``(N + 1,)``: states are then still one row per sequence. ``backend`` is
-    ``"torch"`` or ``"triton"``, resolved once per model call (``dispatch.resolve_backend``). Returns ``(N, L, D)``
-    (or ``(1, total, D)``); the new state goes into ``state``.
+    ``"torch"``, ``"torch+c"`` or ``"triton"``, resolved once per model call (``dispatch.resolve_backend``). Returns
+    ``(N, L, D)`` (or ``(1, total, D)``); the new state goes into ``state``.
     """
 
     rotary: torch.nn.Module

@@ -38,11 +38,10 @@ from transformers import initialization as init
 
 from ..configuration.position_embedding import SelectiveRopeConfigBase
 from ..kernels.conv_torch import causal_conv1d
-from ..kernels.dispatch import requested_backend, resolve_backend
+from ..kernels.dispatch import resolve_backend
 from ..kernels.rotary import selective_rotary, selective_rotary_decode, single_token_step_applies
 from ..kernels.rotary_cpu import RotaryPlan
 from ..kernels.rotary_cpu import available as cpu_kernel_available
-from ..kernels.rotary_cpu import enabled as cpu_kernel_enabled
 from ..kernels.rotary_torch import phase_dtype, rotary_angles, rotate_query_and_key
 from .layers import ShortConvolution
 from .layout import SequenceLayout, valid_mask
@@ -382,8 +381,8 @@ class SelectiveRotaryEmbedding(nn.Module):
         backend: str | None = None,
         overwrite_state: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """``backend``: ``"torch"`` or ``"triton"`` as the model resolved it for this call; ``None``: resolved here
-        from the config's ``backend`` (and ``SELECTIVE_ROPE_BACKEND``).
+        """``backend``: ``"torch"``, ``"torch+c"`` or ``"triton"`` as the model resolved it for this call
+        (``dispatch.resolve_backend``); ``None``: resolved here from the config's ``backend`` (and the environment).
 
         ``overwrite_state``: the caller owns ``state`` and keeps only the new one (the model's cache, when it keeps
         states): the new phase and history may then be written into ``state``'s tensors instead of new ones (the
@@ -397,12 +396,12 @@ class SelectiveRotaryEmbedding(nn.Module):
             return self._forward_packed(x, q, k, state, cu_seqlens, backend)
         state = state or {}
         seq_len = x.shape[1]
-        if backend == "torch" and seq_len > 0 and not torch.is_grad_enabled() and self._cpu_kernel_allowed(x):
+        if backend == "torch+c" and seq_len > 0 and not torch.is_grad_enabled():
             compiled = self._forward_cpu_kernel(x, q, k, state, lengths, overwrite_state)  # a prefill or a step
             if compiled is not None:
                 return compiled
         if single_token_step_applies(seq_len, cu_seqlens):
-            if backend == "torch":
+            if backend != "triton":
                 return self._decode_step_torch(x, q, k, state, lengths)
             if self.position_embedding == "selective_rope":
                 return self._decode_step(x, q, k, state, lengths)  # the fused Triton step
@@ -435,16 +434,11 @@ class SelectiveRotaryEmbedding(nn.Module):
         )
         return q_out.unsqueeze(1), k_out.unsqueeze(1), self._state(phase, conv_state)
 
-    def _cpu_kernel_allowed(self, x: torch.Tensor) -> bool:
-        """The compiled CPU kernel serves CPU tensors unless it is switched off (``SELECTIVE_ROPE_CPU_KERNEL=0``) or
-        the torch backend was asked for by name (config or ``SELECTIVE_ROPE_BACKEND``): that one stays pure PyTorch,
-        the reference (SPEC §5); ``"auto"`` (the default) gets the compiled kernel."""
-        return x.is_cpu and cpu_kernel_enabled() and requested_backend(self.backend) != "torch"
-
     def _forward_cpu_kernel(self, x, q, k, state, lengths, overwrite_state=False):
         """The inference forward (a prefill, or ``_decode_step_torch``'s single token) as one compiled call
         (``kernels/rotary_cpu.py``: the same math and precisions as the torch path), or ``None`` where the torch path
-        must run instead (see ``_kernel_plan`` and ``RotaryPlan.try_call``)."""
+        must run instead (see ``_kernel_plan`` and ``RotaryPlan.try_call``). The backend ``"torch+c"`` asks for it
+        (``"auto"`` on the CPU); ``"torch"`` asked for by name stays pure PyTorch, the reference (SPEC §5)."""
         if torch.compiler.is_compiling() or torch.jit.is_tracing():  # a tracer would not see the C call's writes
             return None
         plan = self._kernel_plan((x.shape[-1], q.shape[2], q.shape[3]))

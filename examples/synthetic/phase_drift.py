@@ -110,12 +110,12 @@ def phase_zeroed(model, head: int, frequency: int | None = None):
     # A diagnostic patch on the instances (not the class), undone on exit.
     for rotary in rotaries:
         rotary.phase_increment = without(rotary.phase_increment)
-        rotary._cpu_kernel_allowed = lambda x: False
+        rotary._forward_cpu_kernel = lambda *args: None  # "not here": the general path runs
     try:
         yield
     finally:
         for rotary in rotaries:
-            del rotary.phase_increment, rotary._cpu_kernel_allowed
+            del rotary.phase_increment, rotary._forward_cpu_kernel
 
 
 def parse_head(text: str) -> tuple[int, int | None]:

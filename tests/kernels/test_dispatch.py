@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from selective_rope.kernels import dispatch
+from selective_rope.kernels import dispatch, rotary_cpu
+from selective_rope.kernels.backends import RESOLVED
 from selective_rope.kernels.forgetting_attention import forgetting_attention
 from selective_rope.kernels.gated_delta import gated_delta_rule
 from selective_rope.kernels.gla import gated_linear_attention
@@ -54,10 +55,17 @@ def test_config_backend_default_and_round_trip(family):
     assert family.config_class.from_dict(config.to_dict()).backend == "torch"
 
 
-def test_auto_and_torch_use_torch_on_cpu():
-    assert dispatch.resolve_backend("auto", "cpu") == "torch"
-    assert dispatch.resolve_backend(None, torch.device("cpu")) == "torch"
+def test_auto_and_torch_use_torch_on_cpu(monkeypatch):
+    """"auto" is PyTorch with the compiled rotary kernel ("torch+c") unless the kernel is switched off; "torch" by
+    name is PyTorch alone, the reference."""
+    monkeypatch.delenv(rotary_cpu.ENV_SWITCH, raising=False)
+    assert dispatch.resolve_backend("auto", "cpu") == "torch+c"
+    assert dispatch.resolve_backend(None, torch.device("cpu")) == "torch+c"
     assert dispatch.resolve_backend("torch", "cpu") == "torch"
+    assert dispatch.resolve_backend("auto", "meta") == "torch"  # the C kernel takes CPU tensors only
+    monkeypatch.setenv(rotary_cpu.ENV_SWITCH, "0")
+    assert dispatch.resolve_backend("auto", "cpu") == "torch"
+    assert set(RESOLVED) == {"torch", "torch+c", "triton"}
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
@@ -65,9 +73,9 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
     assert dispatch.resolve_backend("triton", "cpu") == "triton"
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.warns(RuntimeWarning, match="TRITON_INTERPRET"):
-        assert dispatch.resolve_backend("triton", "cpu") == "torch"
+        assert dispatch.resolve_backend("triton", "cpu") == "torch+c"
     with warnings_as_errors():  # once
-        assert dispatch.resolve_backend("triton", "cpu") == "torch"
+        assert dispatch.resolve_backend("triton", "cpu") == "torch+c"
 
 
 def test_environment_overrides_config(monkeypatch):
@@ -147,7 +155,8 @@ import os, warnings
 os.environ['TRITON_INTERPRET'] = '1'
 import torch
 from selective_rope import SelectiveRopeGLAConfig, SelectiveRopeGLAForCausalLM
-from selective_rope.kernels import dispatch
+from selective_rope.kernels import dispatch, rotary_cpu
+from selective_rope.kernels.backends import RESOLVED
 model = SelectiveRopeGLAForCausalLM(SelectiveRopeGLAConfig(vocab_size=11, hidden_size=16, num_hidden_layers=1,
                                                            num_heads=2, backend='triton'))
 with warnings.catch_warnings(record=True) as caught:

@@ -66,7 +66,7 @@ def both_steps(module, step, state, monkeypatch, lengths=None):
     """(compiled, torch) results of one decoding step from the same state."""
     with torch.no_grad():
         monkeypatch.setenv(rotary_cpu.ENV_SWITCH, "1")
-        compiled = module(*step, state=state, lengths=lengths, backend="torch")
+        compiled = module(*step, state=state, lengths=lengths)  # "auto" resolves to "torch+c" on the CPU
         monkeypatch.setenv(rotary_cpu.ENV_SWITCH, "0")
         reference = module(*step, state=state, lengths=lengths, backend="torch")
     monkeypatch.setenv(rotary_cpu.ENV_SWITCH, "1")
@@ -381,7 +381,7 @@ def test_hooks_adapters_and_unknown_tensors_take_the_torch_step(monkeypatch, com
 
     half = tuple(t.half() for t in step)
     with torch.no_grad():
-        q, k, _ = module(*half, state=state, backend="torch")
+        q, k, _ = module(*half, state=state, backend="torch+c")
     assert q.dtype == torch.float16 and compiled_steps.count == 1
 
     plain, _ = both_steps(module, step, state, monkeypatch)
