@@ -591,9 +591,12 @@ class _CachedPlan:
         self.plan, self.modules, self.sizes = plan, tuple(modules), sizes
         containers = [c for module in (owner, *modules) for c in (module._parameters, module._modules)]
         self.bindings = tuple((container, key, item) for container in containers for key, item in container.items())
-        # Our modules' forwards read named entries only (the bindings); a Sequential's runs every child it has, so
-        # there a child added later matters too.
-        self.counts = tuple((m._modules, len(m._modules)) for m in modules if type(m) is nn.Sequential)
+        # An entry added later matters where a forward reads more than the bound entries: the rotary module's own
+        # (an absent gate, bias or convolution is a plain None attribute, in neither dict, until one is set) and a
+        # Sequential's children (it runs every child it has). The phase modules read only their bound entries.
+        self.counts = tuple((container, len(container)) for module in (owner, *modules)
+                            if module is owner or type(module) is nn.Sequential
+                            for container in (module._parameters, module._modules))
 
     # Both checks run per layer and decoding step, where each costs microseconds (issue 21): plain loops, since
     # any()/all() over generators cost more than the checks themselves here.

@@ -24,6 +24,7 @@ from peft import LoraConfig, inject_adapter_in_model
 from rotary_reference import HEADS, HIDDEN, ROTATING_GRID, make_rotary, rotate_exactly
 
 from selective_rope.kernels import rotary_cpu
+from selective_rope.modeling.rotary import PhaseLinear
 
 pytestmark = pytest.mark.skipif(rotary_cpu.find_compiler() is None, reason="no C compiler")
 
@@ -440,6 +441,23 @@ def test_swapped_replaced_and_cast_parameters_are_seen(monkeypatch, compiled_ste
     module.phase_proj.down.data = module.phase_proj.down.data.float()  # mixed dtypes: the torch step
     assert_same_step(*both_steps(module, step, state, monkeypatch))
     assert compiled_steps.count == 6
+
+
+def test_a_bias_or_gate_added_after_planning_is_seen(monkeypatch, compiled_steps):
+    """A module made without phase bias and gate holds them as plain ``None`` attributes (in no parameter or child
+    dict); one set later (a parameter, a module) changes the phase, and the next step uses it."""
+    module = make_rotary(4, 2, dtype=torch.float32, phase_bias=False, phase_gate=False)
+    state, step = step_inputs(module)
+    plain, _ = both_steps(module, step, state, monkeypatch)
+    module.phase_bias = torch.nn.Parameter(torch.randn(2, module.rotary_pairs))
+    with_bias, reference = both_steps(module, step, state, monkeypatch)
+    assert_same_step(with_bias, reference)
+    assert not torch.allclose(with_bias[1], plain[1])
+    module.phase_gate_proj = PhaseLinear(HIDDEN, 2, bias=True)
+    with_gate, reference = both_steps(module, step, state, monkeypatch)
+    assert_same_step(with_gate, reference)
+    assert not torch.allclose(with_gate[1], with_bias[1])
+    assert compiled_steps.count == 3
 
 
 def test_a_layer_added_to_a_sequential_gate_is_seen(monkeypatch, compiled_steps):
