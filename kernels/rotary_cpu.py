@@ -372,25 +372,34 @@ HOT static void rotate_head(const void *src, void *dst, int dtype, int64_t r, in
 /* float64 copies of float32 parameters, in one block returned for the caller to free (NULL if there is no memory),
    and `wide` pointing at them. In a long call the products then read every weight as a float64 operand, where they
    would otherwise widen each weight again for every 8 tokens (the numbers are the same: a float32 widens exactly). */
-static double *widen_parameters(const Parameters *p, Parameters *wide) {
+/* Every parameter tensor of `p`: its field (NULL inside where the options have none) and its number of elements. */
+#define PARAMETER_BLOCKS 9
+typedef struct { const void **field; int64_t count; } Block;
+static void parameter_blocks(Parameters *p, Block blocks[PARAMETER_BLOCKS]) {
     const int64_t hk = p->num_key_heads, r = p->rotary_pairs, dc = p->chunk_dim, channels = hk * r;
     const int64_t rank = p->proj_rank, hidden = hk * dc, width = p->gate_width, kind = p->projection;
     const int two_layers = p->gate_layers == 2;
-    struct { const void **field; int64_t count; } parts[] = {
-        {&wide->temperature, r},
-        {&wide->proj_a, kind == PROJ_LOW_RANK ? hk * rank * dc : kind == PROJ_DENSE_LOW_RANK ? rank * hidden
-                        : kind == PROJ_FULL_RANK ? channels * dc : kind == PROJ_SCALAR ? hk * dc : 0},
-        {&wide->proj_b, kind == PROJ_LOW_RANK || kind == PROJ_DENSE_LOW_RANK ? channels * rank
-                        : kind == PROJ_FULL_RANK ? channels : 0},
-        {&wide->conv_taps, p->convolution == CONV_LEARNED ? channels * p->conv_size : 0},
-        {&wide->bias, channels},
-        {&wide->gate_w1, (two_layers ? p->gate_rank : width) * hidden},
-        {&wide->gate_b1, two_layers ? 0 : width},
-        {&wide->gate_w2, two_layers ? width * p->gate_rank : 0},
-        {&wide->gate_b2, two_layers ? width : 0},
+    const Block all[PARAMETER_BLOCKS] = {
+        {&p->temperature, r},
+        {&p->proj_a, kind == PROJ_LOW_RANK ? hk * rank * dc : kind == PROJ_DENSE_LOW_RANK ? rank * hidden
+                     : kind == PROJ_FULL_RANK ? channels * dc : kind == PROJ_SCALAR ? hk * dc : 0},
+        {&p->proj_b, kind == PROJ_LOW_RANK || kind == PROJ_DENSE_LOW_RANK ? channels * rank
+                     : kind == PROJ_FULL_RANK ? channels : 0},
+        {&p->conv_taps, p->convolution == CONV_LEARNED ? channels * p->conv_size : 0},
+        {&p->bias, channels},
+        {&p->gate_w1, (two_layers ? p->gate_rank : width) * hidden},
+        {&p->gate_b1, two_layers ? 0 : width},
+        {&p->gate_w2, two_layers ? width * p->gate_rank : 0},
+        {&p->gate_b2, two_layers ? width : 0},
     };
-    const int count = sizeof parts / sizeof parts[0];
+    memcpy(blocks, all, sizeof all);
+}
+
+static double *widen_parameters(const Parameters *p, Parameters *wide) {
+    Block parts[PARAMETER_BLOCKS];
+    const int count = PARAMETER_BLOCKS;
     *wide = *p;
+    parameter_blocks(wide, parts);
     int64_t total = 0;
     for (int i = 0; i < count; i++) total += *parts[i].field ? parts[i].count : 0;
     double *block = malloc(sizeof(double) * (size_t)(total > 0 ? total : 1)), *next = block;
@@ -405,24 +414,20 @@ static double *widen_parameters(const Parameters *p, Parameters *wide) {
     return block;
 }
 
-/* Asks for the projection's and the gate's weights all at once: a hint, with no effect on any result. A decoding
+/* Asks for every parameter all at once: a hint, with no effect on any result. A decoding
    step reads each weight once, right after the rest of its layer streamed its own weights through the caches;
    requested together, their loads overlap instead of waiting one after another (measured in a GLA model's decoding
    steps: the projection's ~10-16k cycles per call went to ~6-8k). */
 static void prefetch_weights(const Parameters *p) {
 #if defined(__GNUC__)
-    const int64_t hk = p->num_key_heads, channels = hk * p->rotary_pairs, hidden = hk * p->chunk_dim;
-    const int64_t rank = p->proj_rank, kind = p->projection, size = p->param_dtype == F64 ? 8 : 4;
-    const struct { const void *tensor; int64_t count; } weights[] = {
-        {p->proj_a, kind == PROJ_LOW_RANK || kind == PROJ_DENSE_LOW_RANK ? rank * hidden
-                    : kind == PROJ_FULL_RANK ? channels * p->chunk_dim : hidden},
-        {p->proj_b, kind == PROJ_LOW_RANK || kind == PROJ_DENSE_LOW_RANK ? channels * rank : 0},
-        {p->gate_w1, (p->gate_layers == 2 ? p->gate_rank : p->gate_width) * hidden},
-    };
-    for (int i = 0; i < 3; i++)
-        if (weights[i].tensor)
-            for (int64_t offset = 0; offset < weights[i].count * size; offset += 64)
-                __builtin_prefetch((const char *)weights[i].tensor + offset);
+    Parameters copy = *p;  /* parameter_blocks hands out its fields */
+    Block blocks[PARAMETER_BLOCKS];
+    parameter_blocks(&copy, blocks);
+    const int64_t size = p->param_dtype == F64 ? 8 : 4;
+    for (int i = 0; i < PARAMETER_BLOCKS; i++)
+        if (*blocks[i].field)
+            for (int64_t offset = 0; offset < blocks[i].count * size; offset += 64)
+                __builtin_prefetch((const char *)*blocks[i].field + offset);
 #else
     (void)p;
 #endif
@@ -915,10 +920,11 @@ class RotaryPlan:
         q_out = torch.empty((batch, seq_len, num_query_heads, head_dim), dtype=q.dtype)
         k_out = torch.empty((batch, seq_len, num_key_heads, head_dim), dtype=q.dtype)
         # The C code reads each row's old state before writing its new one, so the two may be the same memory.
-        new_phase = (phase if overwrite_state and phase is not None and phase.is_contiguous() else
-                     torch.empty(phase_shape, dtype=torch.float64))
-        new_history = (None if not self.has_conv else conv_state if overwrite_state and conv_state is not None else
-                       torch.empty(history_shape, dtype=torch.float64))
+        new_phase, new_history = phase, conv_state  # (conv_state is contiguous, checked above)
+        if not overwrite_state or phase is None or not phase.is_contiguous():
+            new_phase = torch.empty(phase_shape, dtype=torch.float64)
+        if self.has_conv and (not overwrite_state or conv_state is None):
+            new_history = torch.empty(history_shape, dtype=torch.float64)
         call = array.array("q", (batch, seq_len, x.data_ptr(), x_dtype, *x_strides[:2], q.data_ptr(), k.data_ptr(),
                                  qk_dtype, *q_strides[:3], *k_strides[:3], q_out.data_ptr(), k_out.data_ptr(),
                                  *((0, 0, 0, 0) if phase is None else (phase.data_ptr(), *phase.stride())),

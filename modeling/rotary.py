@@ -594,9 +594,8 @@ class _CachedPlan:
         # An entry added later matters where a forward reads more than the bound entries: the rotary module's own
         # (an absent gate, bias or convolution is a plain None attribute, in neither dict, until one is set) and a
         # Sequential's children (it runs every child it has). The phase modules read only their bound entries.
-        self.counts = tuple((container, len(container)) for module in (owner, *modules)
-                            if module is owner or type(module) is nn.Sequential
-                            for container in (module._parameters, module._modules))
+        counted = [owner] + [module for module in modules if type(module) is nn.Sequential]
+        self.counts = tuple((c, len(c)) for module in counted for c in (module._parameters, module._modules))
 
     # Both checks run per layer and decoding step, where each costs microseconds (issue 21): plain loops, since
     # any()/all() over generators cost more than the checks themselves here.
