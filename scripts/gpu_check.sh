@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Issue 17's checks on a CUDA machine, in one call sized for a 15-minute lease (about 9.5 minutes of work):
-#   1. our Triton rotary kernels on CUDA: their tests, benchmarks/bench_rotary_gpu.py (eager, torch.compile,
-#      Triton; every shape), then benchmarks/profile_rotary_gpu.py (host against device time of one call);
-#   2. the CUDA tests that run flash-linear-attention's kernels (-m cuda) and, beside them, the rest of the default
-#      suite with the GPU visible;
-#   3. 370M-class models of each family (benchmarks/bench_models_gpu.py), with the time that is left.
+#   1. correctness, three pytest runs side by side (their timing does not matter): our Triton rotary kernels' tests
+#      on CUDA, the CUDA tests that run flash-linear-attention's kernels (-m cuda), and the rest of the default suite
+#      with the GPU visible;
+#   2. benchmarks/bench_rotary_gpu.py (eager, torch.compile, Triton; every shape), alone on the machine, then
+#      benchmarks/profile_rotary_gpu.py (host against device time of one call);
+#   3. 370M-class models of each family (benchmarks/bench_models_gpu.py), alone, with the time that is left: FoX
+#      first (fla's attention kernel does not autotune), then GLA and Gated DeltaNet.
 # Every section has its own time limit, so one that hangs or runs long cannot take the others with it, and a test
 # failure is printed when it happens (pytest prints failures at the end, which a time limit cuts off). On a bare
 # machine fla's kernels autotune on their first calls: on an H200 (27 Nov 2026) the first GLA training step did not
-# finish within 230 s, nor one Gated DeltaNet test within 140 s, so sections 2 and 3 may end at their limits.
+# finish within 230 s, nor one Gated DeltaNet test within 140 s, so sections 1 and 3 may end at their limits.
 # Logs and JSON go to $OUT.
 #
 # Usage, from the repository root, with selective_rope, triton and flash-linear-attention importable:
@@ -57,10 +59,21 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem,tem
     --format=csv
 (cd /tmp && "$PYTHON" "$REPO/scripts/gpu_machine.py")
 
-step "Triton rotary kernels on CUDA: tests"
-pytest_in_tmp 120 "$OUT/pytest_rotary.txt" "$REPO/tests/kernels/test_rotary_triton.py" \
-    "$REPO/tests/kernels/test_backend_parity.py" -k "rotary_triton or rotary_op or rotary_decode"
-tail -n 30 "$OUT/pytest_rotary.txt"
+step "correctness: our Triton rotary kernels, fla-backed tests (-m cuda) and the rest of the suite, side by side"
+ROTARY_TESTS="$REPO/tests/kernels/test_rotary_triton.py"
+pytest_in_tmp 150 "$OUT/pytest_rotary.txt" -n 4 "$ROTARY_TESTS" "$REPO/tests/kernels/test_backend_parity.py" \
+    -k "test_rotary_triton or rotary_triton or rotary_op or rotary_decode" &
+rotary_tests=$!
+pytest_in_tmp 150 "$OUT/pytest_cuda.txt" -m cuda "$REPO/tests" &
+cuda_tests=$!
+pytest_in_tmp 150 "$OUT/pytest_suite.txt" -m "not slow and not cuda" -n 8 --timeout 120 --ignore "$ROTARY_TESTS" \
+    "$REPO/tests" &
+suite=$!
+wait "$rotary_tests" "$cuda_tests" "$suite"  # (a bare wait would also wait for the log's tee, which never ends first)
+for log in "$OUT/pytest_rotary.txt" "$OUT/pytest_cuda.txt" "$OUT/pytest_suite.txt"; do
+    echo "--- $(basename "$log")"
+    grep -h "^FAILED\|exit status\| passed\| failed" "$log" | tail -n 40
+done
 
 step "Triton rotary kernels on CUDA: benchmark (eager, torch.compile, Triton)"
 timeout 110 "$PYTHON" benchmarks/bench_rotary_gpu.py --repeats 20 --output "$OUT/rotary_gpu.json"
@@ -70,17 +83,10 @@ for length in 2048 32768; do
     timeout 30 "$PYTHON" benchmarks/profile_rotary_gpu.py --seq-len $length
 done
 
-step "tests on fla's kernels (-m cuda), and the rest of the default suite beside them"
-pytest_in_tmp 150 "$OUT/pytest_cuda.txt" -m cuda "$REPO/tests" &
-cuda_tests=$!
-pytest_in_tmp 150 "$OUT/pytest_suite.txt" -m "not slow and not cuda" -n 12 --timeout 120 "$REPO/tests" &
-suite=$!
-wait "$cuda_tests" "$suite"  # (a bare wait would also wait for the log's tee, which never ends first)
-grep -h "^FAILED\|exit status\| passed\| failed" "$OUT/pytest_cuda.txt" "$OUT/pytest_suite.txt" | tail -n 60
-
 step "370M-class models: training (dense, packed) and decoding"
-timeout 90 "$PYTHON" benchmarks/bench_models_gpu.py --backends auto --batch-size 4 --seq-len 4096 --context 4096 \
-    --train-steps 10 --decode-steps 50 --output "$OUT/models_gpu.json"
+timeout "${MODELS_LIMIT:-200}" "$PYTHON" benchmarks/bench_models_gpu.py --families fox gla gated_deltanet \
+    --backends auto --batch-size 4 --seq-len 4096 --context 4096 --decode-batches 1 --train-steps 10 \
+    --decode-steps 50 --output "$OUT/models_gpu.json"
 
 step "fla's autotuning results so far, for the next run (AUTOTUNE_ARCHIVE=...)"
 (cd "$TRITON_CACHE" 2>/dev/null && find . -name '*.autotune.json' | tar czf "$OUT/autotune.tgz" -T - \
