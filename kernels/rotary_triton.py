@@ -550,11 +550,13 @@ def _rotary_forward_impl(
     cu_seqlens: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``increment`` ``(B, T, Hk, R)`` float32 (may be an expanded view), ``temperature`` ``(R,)`` float32,
-    ``initial_phase`` ``(N, Hk, R)`` float64 -> rotated q, k and the final phase ``(N, Hk, R)`` float64."""
+    ``initial_phase`` ``(N, Hk, R)`` (float64; a float32 one is widened) -> rotated q, k and the final phase
+    ``(N, Hk, R)`` float64."""
     batch, seq_len, num_query_heads, head_dim = q.shape
     num_key_heads, rotary_pairs = k.shape[2], temperature.shape[0]
     num_seqs = _num_seqs(q, cu_seqlens)
-    init = None if initial_phase is None else initial_phase.contiguous()
+    # The kernels carry the phase in float64: a float32 initial phase (the op called directly) is widened here.
+    init = None if initial_phase is None else initial_phase.to(torch.float64).contiguous()
     out_q, out_k = torch.empty_like(q), torch.empty_like(k)
     final = torch.empty(num_seqs, num_key_heads, rotary_pairs, dtype=torch.float64, device=q.device)
     if seq_len == 0 or num_seqs == 0 or rotary_pairs == 0:
@@ -606,7 +608,7 @@ def _rotary_backward(
     batch, seq_len, num_query_heads, head_dim = q.shape
     num_key_heads, rotary_pairs = k.shape[2], temperature.shape[0]
     num_seqs = _num_seqs(q, cu_seqlens)
-    init = None if initial_phase is None else initial_phase.contiguous()
+    init = None if initial_phase is None else initial_phase.to(torch.float64).contiguous()
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dinc = torch.zeros(batch, seq_len, num_key_heads, rotary_pairs, dtype=torch.float32, device=q.device)
     dfinal = None if grad_final is None else grad_final.float().reshape(-1, rotary_pairs)

@@ -385,6 +385,49 @@ def test_opcheck_forward_and_backward():
                            None, True))
 
 
+class _LaunchRecorder:
+    """Stands in for a Triton kernel: records the dtype of one argument of each launch (when ``flag`` is set), then
+    launches the kernel."""
+
+    def __init__(self, kernel, name, index, flag, seen):
+        self.kernel, self.name, self.index, self.flag, self.seen = kernel, name, index, flag, seen
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            if kwargs[self.flag]:
+                self.seen.append((self.name, args[self.index].dtype))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.mark.parametrize("several_chunks", [False, True])
+def test_the_op_widens_a_float32_initial_phase(monkeypatch, several_chunks):
+    """The op called directly with a float32 initial phase (as opcheck calls it): every kernel reads the phase as
+    float64 (on a GPU Triton refuses to compile a float32 carry in the float64 scan, which the interpreter does not
+    check; seen on an H200) and the outputs and gradients equal those from the same phase in float64."""
+    # 40 tokens: in one chunk (the carry is the initial phase itself), or in chunks of one 16-token tile (3 chunks:
+    # pass 1 reads the initial phase)
+    base = rotary_triton._config
+    monkeypatch.setattr(rotary_triton, "_config", lambda r, p: {**base(r, p), "BLOCK_T": 16})
+    monkeypatch.setattr(rotary_triton, "_chunk_tiles", lambda *args: 1 if several_chunks else 3)
+    seen = []
+    for name, index, flag in (("_chunk_totals_kernel", 1, "HAS_INIT"), ("_selective_rotary_fwd_kernel", 4, "HAS_CARRY"),
+                              ("_selective_rotary_bwd_kernel", 7, "HAS_CARRY")):
+        monkeypatch.setattr(rotary_triton, name, _LaunchRecorder(getattr(rotary_triton, name), name, index, flag, seen))
+    q, k, increment, temperature, phase0 = make_inputs(1, 40, 2, 1, 8, 3)
+    weights = [torch.randn(q.shape), torch.randn(k.shape), torch.randn(phase0.shape)]
+    results = []
+    for initial_phase in (phase0, phase0.double()):
+        outputs = torch.ops.selective_rope.rotary_forward(q, k, increment, temperature, initial_phase, None)
+        results.append((outputs, grads(outputs, weights, (q, k, increment, temperature, phase0))))
+    for actual, expected in zip(*(torch.utils._pytree.tree_leaves(r) for r in results)):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    launched = {name for name, _ in seen}
+    assert launched == ({"_chunk_totals_kernel"} if several_chunks else set()) | {
+        "_selective_rotary_fwd_kernel", "_selective_rotary_bwd_kernel"}
+    assert all(dtype == torch.float64 for _, dtype in seen), seen
+
+
 def test_opcheck_decode():
     inputs = decode_inputs()
     args = (inputs["q"], inputs["k"], inputs["projection"], inputs["temperature"], inputs["phase"],
