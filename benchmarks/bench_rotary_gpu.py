@@ -158,7 +158,7 @@ def traffic_bytes(kind: str, batch: int, seq_len: int, dtype: torch.dtype) -> in
 
     forward: read q, k and the float32 increments, write q, k. forward + backward: the forward, then read q, k, the
     gradients of q and k and the increments, write dq, dk and d(increment). decode: read and write q, k, the phase and
-    the convolution history, read the projection, taps, bias and gate.
+    the convolution history (float64), read the projection (float64), taps, bias and gate logits (float64).
     """
     size = torch.tensor([], dtype=dtype).element_size()
     qk = batch * seq_len * 2 * HEADS * HEAD_DIM * size  # q and k, once
@@ -168,8 +168,8 @@ def traffic_bytes(kind: str, batch: int, seq_len: int, dtype: torch.dtype) -> in
     if kind == "forward_backward":
         return (2 * qk + increments) + (3 * qk + 2 * increments)
     channels = HEADS * PAIRS
-    state = batch * channels * 4 * (1 + (CONV_TAPS - 1))  # phase + history
-    return 2 * qk + 2 * state + batch * channels * 4 + channels * CONV_TAPS * 4 + channels * 4 + batch * HEADS * 4
+    state = batch * channels * 8 * (1 + (CONV_TAPS - 1))  # phase + history
+    return 2 * qk + 2 * state + batch * channels * 8 + channels * CONV_TAPS * 4 + channels * 4 + batch * HEADS * 8
 
 
 def forward_variants(compile_: bool) -> dict[str, Callable]:
@@ -186,7 +186,7 @@ def decode_torch(q, k, projection, temperature, phase, history, weight, bias, ga
     """The model's torch path for one token per row, after the projections (as ``SelectiveRotaryEmbedding``)."""
     batch, heads, pairs = projection.shape
     conv, new_history = causal_conv1d(projection.reshape(batch, 1, -1), weight, history)
-    increment = (conv.view(batch, 1, heads, pairs) + bias.exp()) * torch.sigmoid(gate)[:, None]
+    increment = ((conv.view(batch, 1, heads, pairs) + bias.exp()) * torch.sigmoid(gate)[:, None]).float()  # once
     q_out, k_out, new_phase = selective_rotary(q[:, None], k[:, None], increment, temperature, phase)
     return q_out[:, 0], k_out[:, 0], new_phase, new_history
 
@@ -203,11 +203,13 @@ def decode_inputs(batch: int, dtype: torch.dtype, device: str = "cuda"):
     def randn(*shape, dt=torch.float32):
         return torch.randn(*shape, device=device, dtype=dt, generator=generator)
 
-    channels = HEADS * PAIRS
+    # The projection, phase, history and gate logits in float64, as the model passes them (float32 ones would each
+    # cost the op a conversion the model never pays); the taps, bias and temperature are float32 parameters.
+    f64, channels = torch.float64, HEADS * PAIRS
     return (randn(batch, HEADS, HEAD_DIM, dt=dtype), randn(batch, HEADS, HEAD_DIM, dt=dtype),
-            randn(batch, HEADS, PAIRS), 500000.0 ** (-torch.arange(PAIRS, device=device) / PAIRS),
-            100 * randn(batch, HEADS, PAIRS), randn(batch, CONV_TAPS - 1, channels), randn(channels, CONV_TAPS),
-            0.1 * randn(HEADS, PAIRS), randn(batch, HEADS, 1))
+            randn(batch, HEADS, PAIRS, dt=f64), 500000.0 ** (-torch.arange(PAIRS, device=device) / PAIRS),
+            100 * randn(batch, HEADS, PAIRS, dt=f64), randn(batch, CONV_TAPS - 1, channels, dt=f64),
+            randn(channels, CONV_TAPS), 0.1 * randn(HEADS, PAIRS), randn(batch, HEADS, 1, dt=f64))
 
 
 # --------------------------------------------------------------------------------------------------------------------

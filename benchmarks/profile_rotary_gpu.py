@@ -9,7 +9,10 @@ cost hundreds of microseconds. This script measures it directly, per call (media
 - ``device``: CUDA-event time of the same call run back to back with the others (the GPU's own time, launch gaps
   hidden when the host keeps ahead);
 - ``synchronised``: call + synchronize, from an idle GPU (what the benchmark measures);
-and prints torch.profiler's table (self CPU time per op, kernels' CUDA time) for a few calls of each.
+then, per call, the host time of each Triton launch (Triton's launcher: argument binding, specialisation, cache
+lookup, the driver call) and what is left for Python and torch around them, with the backward op also called
+alone (``backward_op``: no autograd engine around it); and prints torch.profiler's table (self CPU time per op,
+kernels' CUDA time) for a few calls of each.
 
 Usage::
 
@@ -45,7 +48,15 @@ def calls(batch: int, seq_len: int, dtype: torch.dtype, device: str) -> dict:
         out_q, out_k, _ = selective_rotary_triton(q, k, increment, temperature)
         return torch.autograd.grad((out_q, out_k), (q, k, increment), grads)
 
-    return {"forward": forward, "forward_backward": forward_backward, "decode": lambda: decode_triton(*decode)}
+    plain = [x.detach() for x in (q, k, *grads, increment, temperature)]
+
+    def backward_op():  # what the autograd node calls, without the engine and the node around it
+        q_, k_, grad_q, grad_k, increment_, temperature_ = plain
+        return torch.ops.selective_rope.rotary_backward(q_, k_, grad_q, grad_k, None, increment_, temperature_, None,
+                                                        None, True)
+
+    return {"forward": forward, "forward_backward": forward_backward, "backward_op": backward_op,
+            "decode": lambda: decode_triton(*decode)}
 
 
 def sync(device: str) -> None:
@@ -76,6 +87,62 @@ def measure(fn, repeats: int, device: str) -> dict:
     return result
 
 
+class _TimedLaunches:
+    """Stands in for the Triton kernels of ``rotary_triton`` (the module-level names ending in ``_kernel``, looked up
+    at each call) and records the host time of each launch, by kernel."""
+
+    def __init__(self):
+        from selective_rope.kernels import rotary_triton
+
+        self.module = rotary_triton
+        self.kernels = {name: kernel for name, kernel in vars(rotary_triton).items() if name.endswith("_kernel")}
+        self.times: dict[str, list[float]] = {}
+
+    def _timed(self, name: str, kernel):
+        times = self.times.setdefault(name, [])
+
+        class Timed:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    start = time.perf_counter()
+                    kernel[grid](*args, **kwargs)
+                    times.append(time.perf_counter() - start)
+                return launch
+        return Timed()
+
+    def __enter__(self):
+        for name, kernel in self.kernels.items():
+            setattr(self.module, name, self._timed(name, kernel))
+        return self
+
+    def __exit__(self, *exc):
+        for name, kernel in self.kernels.items():
+            setattr(self.module, name, kernel)
+
+
+def launch_breakdown(fn, repeats: int, device: str) -> str:
+    """One line: each kernel's launches per call and median host time per launch, the call's median host time
+    (enqueue) and what is left of it for Python and torch (enqueue minus the launches)."""
+    for _ in range(3):
+        fn()
+    sync(device)
+    with _TimedLaunches() as timed:
+        enqueue = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            enqueue.append(time.perf_counter() - start)
+            sync(device)
+    total = 1e6 * statistics.median(enqueue)
+    parts, launches = [], 0.0
+    for name, times in timed.times.items():
+        if times:
+            per_call = len(times) / repeats
+            launches += per_call * 1e6 * statistics.median(times)
+            parts.append(f"{name} {per_call:g} x {1e6 * statistics.median(times):.1f}")
+    return f"enqueue {total:.1f} = launches {launches:.1f} ({', '.join(parts)}) + the rest {total - launches:.1f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=1)
@@ -94,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, fn in fns.items():
         row = measure(fn, args.repeats, args.device)
         print(f"  {name:17s} " + "  ".join(f"{key[:-3]} {value:9.1f}" for key, value in row.items()), flush=True)
+    print("host time of the Triton launches in each call (median us; launches per call x us per launch):")
+    for name, fn in fns.items():
+        print(f"  {name:17s} {launch_breakdown(fn, args.repeats, args.device)}", flush=True)
 
     activities = [torch.profiler.ProfilerActivity.CPU]
     if args.device == "cuda":
