@@ -4,8 +4,9 @@
 #      on CUDA, the CUDA tests that run flash-linear-attention's kernels (-m cuda), and the rest of the default suite
 #      with the GPU visible;
 #   2. benchmarks/bench_rotary_gpu.py (eager, torch.compile, Triton; every shape), alone on the machine, then
-#      benchmarks/profile_rotary_gpu.py (host against device time of one call);
-#   3. 370M-class models of each family (benchmarks/bench_models_gpu.py), alone, with the time that is left (200 s,
+#      benchmarks/profile_rotary_gpu.py (host against device time of one call, host time per Triton launch) and
+#      benchmarks/profile_rotary_module_gpu.py (a FoX layer's module in training: phase path against rotary op);
+#   3. 370M-class models of each family (benchmarks/bench_models_gpu.py), alone, with the time that is left (150 s,
 #      MODELS_LIMIT): GLA and Gated DeltaNet first (not yet measured: fla's autotuning of their training kernels
 #      filled every earlier slot), then FoX (measured in run 3; fla's attention kernel does not autotune); the
 #      order is MODEL_FAMILIES.
@@ -91,9 +92,12 @@ for length in 2048 32768; do
     timeout 30 "$PYTHON" benchmarks/profile_rotary_gpu.py --seq-len $length
 done
 
+step "one 370M FoX layer's Selective RoPE module in training: the float64 phase path against the rotary op"
+timeout 60 "$PYTHON" benchmarks/profile_rotary_module_gpu.py --family fox
+
 step "370M-class models: training (dense, packed) and decoding"
 # shellcheck disable=SC2086  # MODEL_FAMILIES is a list
-timeout "${MODELS_LIMIT:-200}" "$PYTHON" benchmarks/bench_models_gpu.py --families ${MODEL_FAMILIES:-gla gated_deltanet fox} \
+timeout "${MODELS_LIMIT:-150}" "$PYTHON" benchmarks/bench_models_gpu.py --families ${MODEL_FAMILIES:-gla gated_deltanet fox} \
     --backends auto --batch-size 4 --seq-len 4096 --context 4096 --decode-batches 1 --train-steps 10 \
     --decode-steps 50 --output "$OUT/models_gpu.json"
 
