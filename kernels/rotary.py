@@ -30,3 +30,9 @@ def single_token_step_applies(seq_len: int, cu_seqlens: torch.Tensor | None) -> 
 def selective_rotary_decode(*args, **kwargs):
     """The fused single-token step (Triton only): see ``rotary_triton.selective_rotary_decode_triton``."""
     return triton_rotary().selective_rotary_decode_triton(*args, **kwargs)
+
+
+def phase_inputs_decode(*args, **kwargs):
+    """The decode step's phase projection and gate logits in one launch (Triton only; ``None`` where the call is not
+    plain eager): see ``rotary_triton.phase_inputs_decode_triton``."""
+    return triton_rotary().phase_inputs_decode_triton(*args, **kwargs)

@@ -22,11 +22,14 @@ the chunk's Σ dθ; then a reverse walk over each chunk turns ``dθ`` into ``d(i
 is reduced from per-chunk partials in PyTorch (no atomics).
 
 **Decode** (``selective_rotary_decode_triton``): one token per row, one program per (row, key head). From the phase
-projection ``a`` (the matmuls stay in PyTorch, so hooks and adapters on those modules keep working) it does SPEC §3
-steps 3-8 in training order: the causal convolution over the cached history (then its activation), ``+ exp(b)``,
-``* sigmoid(gate)``, the phase update (float64) and the rotation of q and k, and writes the new phase and convolution
-history.
+projection ``a`` it does SPEC §3 steps 3-8 in training order: the causal convolution over the cached history (then
+its activation), ``+ exp(b)``, ``* sigmoid(gate)``, the phase update (float64) and the rotation of q and k, and
+writes the new phase and convolution history.
 A row whose token is padding adds 0 to its phase and keeps its convolution history, as the torch path does.
+Steps 1-2 (the input chunks' normalisation, the projection and the gate's logits) are the model's modules, called
+as such where hooks or adapters observe them; for the default phase path with nothing observing,
+``phase_inputs_decode_triton`` computes them in one more launch (on a GPU each small op costs a launch and host time
+in every layer of every step).
 
 Precision, as in the torch path (see ``rotary_torch``): the phase is summed in float64 (the scan inside a tile too: a
 float32 scan over 64 tokens is off by up to ~5e-5 rad, which decoding would not reproduce), every angle is reduced
@@ -62,7 +65,7 @@ try:
 except ImportError as error:
     raise ImportError("the Triton Selective RoPE kernels need `triton` (pip install triton)") from error
 
-__all__ = ["selective_rotary_decode_triton", "selective_rotary_triton"]
+__all__ = ["phase_inputs_decode_triton", "selective_rotary_decode_triton", "selective_rotary_triton"]
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
@@ -463,6 +466,64 @@ def _selective_rotary_decode_kernel(
                      sq_d, soq_d, HAS_PASS, BLOCK_P)
 
 
+@triton.jit
+def _chunk_norm(row_ptr, Dc, BLOCK_D: tl.constexpr):
+    """``max(‖x‖, 1e-12)`` of one input chunk, in float64 (``F.normalize``'s denominator)."""
+    squares = tl.full([BLOCK_D], 0.0, tl.float64)
+    for d0 in range(0, Dc, BLOCK_D):
+        ds = d0 + tl.arange(0, BLOCK_D)
+        x = tl.load(row_ptr + ds, mask=ds < Dc, other=0.0).to(tl.float64)
+        squares += x * x
+    # (float64 square roots are correctly rounded on GPUs: PTX has no approximate one, unlike float32's)
+    return tl.maximum(tl.sqrt(tl.sum(squares, axis=0)), 1e-12)
+
+
+@triton.jit
+def _phase_inputs_decode_kernel(
+    x_ptr, down_ptr, up_ptr, gw_ptr, gb_ptr, proj_ptr, gate_ptr,
+    Hk, Dc, RANK, R, sx_b,
+    HAS_GATE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """SPEC §3 steps 1-2 for one token, one program per (row, key head), in float64 as the torch path: the head's
+    input chunk L2-normalised (``u = x / max(‖x‖, 1e-12)``), the low-rank projection ``a = up_h @ (down_h @ u_h)``
+    and the per-head gate's logit ``w_h · u + b_h`` over every chunk (each normalised by its own norm)."""
+    pid = tl.program_id(0).to(tl.int64)  # (row b, key head hk) of a contiguous (B, Hk, R) projection
+    b = pid // Hk
+    hk = pid % Hk
+    row = x_ptr + b * sx_b
+    ks = tl.arange(0, BLOCK_RANK)
+    rs = tl.arange(0, BLOCK_R)
+    mask_k = ks < RANK
+    mask_r = rs < R
+
+    chunk = row + hk * Dc
+    norm = _chunk_norm(chunk, Dc, BLOCK_D)
+    low = tl.full([BLOCK_RANK], 0.0, tl.float64)  # down_h @ u_h
+    for d0 in range(0, Dc, BLOCK_D):
+        ds = d0 + tl.arange(0, BLOCK_D)
+        mask_d = ds < Dc
+        u = tl.load(chunk + ds, mask=mask_d, other=0.0).to(tl.float64) / norm
+        down = tl.load(down_ptr + (hk * RANK + ks[:, None]) * Dc + ds[None, :], mask=mask_k[:, None] & mask_d[None, :],
+                       other=0.0).to(tl.float64)
+        low += tl.sum(down * u[None, :], axis=1)
+    up = tl.load(up_ptr + (hk * R + rs[:, None]) * RANK + ks[None, :], mask=mask_r[:, None] & mask_k[None, :],
+                 other=0.0).to(tl.float64)
+    tl.store(proj_ptr + pid * R + rs, tl.sum(up * low[None, :], axis=1), mask=mask_r)
+
+    if HAS_GATE:
+        hidden = Hk * Dc
+        acc = tl.full([BLOCK_D], 0.0, tl.float64)
+        for c in range(Hk):
+            chunk_c = row + c * Dc
+            norm_c = _chunk_norm(chunk_c, Dc, BLOCK_D)
+            for d0 in range(0, Dc, BLOCK_D):
+                ds = d0 + tl.arange(0, BLOCK_D)
+                mask_d = ds < Dc
+                u = tl.load(chunk_c + ds, mask=mask_d, other=0.0).to(tl.float64) / norm_c
+                acc += tl.load(gw_ptr + hk * hidden + c * Dc + ds, mask=mask_d, other=0.0).to(tl.float64) * u
+        tl.store(gate_ptr + pid, tl.sum(acc, axis=0) + tl.load(gb_ptr + hk).to(tl.float64))
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # custom ops: prefill forward and backward
 # --------------------------------------------------------------------------------------------------------------------
@@ -802,6 +863,56 @@ def _(q, k, projection, temperature, phase, conv_state, conv_weight, bias, gate_
     new_conv = q.new_empty(batch, max(conv_k - 1, 0), num_key_heads * rotary_pairs, dtype=torch.float64)
     new_phase = q.new_empty(batch, num_key_heads, rotary_pairs, dtype=torch.float64)
     return torch.empty_like(q), torch.empty_like(k), new_phase, new_conv
+
+
+def phase_inputs_decode_triton(
+    x: torch.Tensor,
+    down: torch.Tensor,
+    up: torch.Tensor,
+    gate_weight: torch.Tensor | None = None,
+    gate_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The decode step's phase inputs in one launch, for the default phase path (a ``"low_rank"`` projection and a
+    per-head gate or none): what ``PhaseProjection(u)`` and ``PhaseLinear(u)`` compute in float64 from the
+    L2-normalised input chunks ``u``, which ``selective_rotary_decode_triton`` takes as ``projection`` and
+    ``gate_logits``. (The same results, summed in another order: equal to the torch path's within float64 rounding,
+    which the increment's rounding to float32 absorbs.)
+
+    Args:
+        x: ``(B, Hk * Dc)`` this step's input (any float dtype; rows may be strided).
+        down: ``(Hk, rank, Dc)``; up: ``(Hk, R, rank)``: the projection's weights (any float dtype).
+        gate_weight: ``(Hk, Hk * Dc)``; gate_bias: ``(Hk,)``: the per-head gate, or ``None`` for no gate.
+
+    Returns:
+        ``projection`` ``(B, Hk, R)`` and ``gate_logits`` ``(B, Hk, 1)`` (``None`` without a gate), float64; or
+        ``None`` where the call is not plain eager (traced, under a dispatch mode, tensor subclasses: this kernel has
+        no custom op, so the caller computes the inputs with its modules' own ops there).
+    """
+    if not _plain_eager_call((x, down, up, gate_weight, gate_bias)):
+        return None
+    batch, hidden = x.shape
+    num_key_heads, rank, chunk_dim = down.shape
+    rotary_pairs = up.shape[1]
+    if (up.shape != (num_key_heads, rotary_pairs, rank) or hidden != num_key_heads * chunk_dim
+            or (gate_weight is not None and gate_weight.shape != (num_key_heads, hidden))):
+        raise ValueError(f"x {tuple(x.shape)}, down {tuple(down.shape)}, up {tuple(up.shape)} and gate weight "
+                         f"{None if gate_weight is None else tuple(gate_weight.shape)} disagree")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    projection = x.new_empty(batch, num_key_heads, rotary_pairs, dtype=torch.float64)
+    gate_logits = None if gate_weight is None else x.new_empty(batch, num_key_heads, 1, dtype=torch.float64)
+    if batch == 0 or rotary_pairs == 0:
+        return projection, gate_logits
+    down, up = down.contiguous(), up.contiguous()
+    gate_args = (projection, projection) if gate_weight is None else (gate_weight.contiguous(), gate_bias.contiguous())
+    block_d = min(_next_power_of_2(chunk_dim), 64)  # chunks of up to 64 values: a (rank, 64) float64 tile at most
+    _phase_inputs_decode_kernel[(batch * num_key_heads,)](
+        x, down, up, *gate_args, projection, projection if gate_logits is None else gate_logits,
+        num_key_heads, chunk_dim, rank, rotary_pairs, x.stride(0),
+        HAS_GATE=gate_weight is not None, BLOCK_D=block_d, BLOCK_RANK=_next_power_of_2(rank),
+        BLOCK_R=_next_power_of_2(rotary_pairs), num_warps=4,
+    )
+    return projection, gate_logits
 
 
 def selective_rotary_decode_triton(

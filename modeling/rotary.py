@@ -39,7 +39,7 @@ from transformers import initialization as init
 from ..configuration.position_embedding import SelectiveRopeConfigBase
 from ..kernels.conv_torch import causal_conv1d
 from ..kernels.dispatch import resolve_backend
-from ..kernels.rotary import selective_rotary, selective_rotary_decode, single_token_step_applies
+from ..kernels.rotary import phase_inputs_decode, selective_rotary, selective_rotary_decode, single_token_step_applies
 from ..kernels.rotary_cpu import RotaryPlan
 from ..kernels.rotary_cpu import available as cpu_kernel_available
 from ..kernels.rotary_torch import phase_dtype, rotary_angles, rotate_query_and_key
@@ -414,13 +414,9 @@ class SelectiveRotaryEmbedding(nn.Module):
 
     def _decode_step(self, x, q, k, state, lengths):
         """One token per row (decoding) with the fused Triton step: what ``phase_increment`` followed by
-        ``selective_rotary`` compute, in one kernel after the projections. The projection and gate modules are
-        called (hooks and adapters apply); the convolution's taps (learned, or the fixed difference) are read
-        directly."""
-        with no_autocast(x):
-            u = self._normalized_chunks(x)  # (B, 1, Hk, Dc) float64
-            projection = self.phase_proj(u)[:, 0]  # (B, Hk, R) float64
-            gate_logits = None if self.phase_gate_proj is None else self._gate(u)[:, 0]  # (B, Hk, 1 or R)
+        ``selective_rotary`` compute, in one kernel after the phase inputs (``_decode_phase_inputs``). The
+        convolution's taps (learned, or the fixed difference) are read directly."""
+        projection, gate_logits = self._decode_phase_inputs(x)
         conv = self.phase_conv
         q_out, k_out, phase, conv_state = selective_rotary_decode(
             q[:, 0], k[:, 0], projection, self.temperature,
@@ -433,6 +429,31 @@ class SelectiveRotaryEmbedding(nn.Module):
             valid=None if lengths is None else lengths > 0,
         )
         return q_out.unsqueeze(1), k_out.unsqueeze(1), self._state(phase, conv_state)
+
+    def _decode_phase_inputs(self, x):
+        """Steps 1-2 for one token per row, float64: the projection ``(B, Hk, R)`` and the gate logits
+        ``(B, Hk, 1 or R)`` (``None`` without a gate).
+
+        The default phase path (a ``"low_rank"`` projection, a per-head gate or none) runs as one Triton launch
+        where nothing observes its modules (no hooks on them, no global ones: they would not see the modules run)
+        and they are ours (a PEFT adapter replaces one): on a GPU each of the dozen small ops otherwise run here
+        costs a launch and ~10 us of host time, in every layer of every decoding step (issue 17). Everything else
+        calls the modules."""
+        proj, gate = self.phase_proj, self.phase_gate_proj
+        if (type(proj) is PhaseProjection and proj.kind == "low_rank"
+                and (gate is None or (type(gate) is PhaseLinear and gate.bias is not None))
+                and not (proj._forward_hooks or proj._forward_pre_hooks)
+                and not (gate is not None and (gate._forward_hooks or gate._forward_pre_hooks))
+                and not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)):
+            fused = phase_inputs_decode(x[:, 0], proj.down, proj.up, None if gate is None else gate.weight,
+                                        None if gate is None else gate.bias)
+            if fused is not None:
+                return fused
+        with no_autocast(x):
+            u = self._normalized_chunks(x)  # (B, 1, Hk, Dc) float64
+            projection = self.phase_proj(u)[:, 0]  # (B, Hk, R) float64
+            gate_logits = None if gate is None else self._gate(u)[:, 0]  # (B, Hk, 1 or R)
+        return projection, gate_logits
 
     def _forward_cpu_kernel(self, x, q, k, state, lengths, overwrite_state=False):
         """The inference forward (a prefill, or ``_decode_step_torch``'s single token) as one compiled call

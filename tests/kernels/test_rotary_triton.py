@@ -650,3 +650,92 @@ def test_rotary_module_compiles_without_graph_break(backend):
     actual = torch.compile(module, fullgraph=True, backend="aot_eager")(x, q, k)
     for a, e in zip(actual[:2], expected[:2]):
         assert_close(a, e, "compiled", rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the decode step's phase inputs in one launch (the default phase path)
+# --------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("heads,chunk_dim,rank,pairs,gate,dtype", [
+    (2, 8, 32, 4, True, torch.float32),
+    (4, 100, 5, 7, True, torch.bfloat16),  # a chunk in two blocks of 64 (the second partial), odd rank and pairs
+    (3, 16, 4, 8, False, torch.float32),
+], ids=["default", "two-blocks-bf16", "no-gate"])
+def test_phase_inputs_match_the_modules(heads, chunk_dim, rank, pairs, gate, dtype):
+    """The fused kernel against ``PhaseProjection`` and the per-head ``PhaseLinear`` on the L2-normalised chunks, in
+    float64: equal within float64 rounding, and equal once rounded to float32 (what the step adds to the phase).
+    Rows of ``x`` are strided (a slice of a wider tensor)."""
+    from selective_rope.modeling.rotary import PhaseLinear, PhaseProjection
+
+    projection = PhaseProjection("low_rank", heads, chunk_dim, pairs, rank)
+    gate_module = PhaseLinear(heads * chunk_dim, heads, bias=True) if gate else None
+    wide = torch.randn(3, heads * chunk_dim + 5, dtype=dtype)
+    x = wide[:, 5:]
+    u = torch.nn.functional.normalize(x.double().view(3, 1, heads, chunk_dim), dim=-1)
+    with torch.no_grad():
+        expected = projection(u)[:, 0], None if gate_module is None else gate_module(u.flatten(2))[:, 0, :, None]
+    actual = rotary_triton.phase_inputs_decode_triton(x, projection.down, projection.up,
+                                                      *((gate_module.weight, gate_module.bias) if gate else ()))
+    for name, a, e in zip(("projection", "gate logits"), actual, expected):
+        if e is None:
+            assert a is None, name
+            continue
+        assert a.dtype == torch.float64 and a.shape == e.shape, name
+        torch.testing.assert_close(a, e, rtol=1e-13, atol=1e-13, msg=lambda m, name=name: f"{name}: {m}")
+        assert torch.equal(a.float(), e.float()), name
+
+
+@pytest.mark.parametrize("options,observer,fused", [
+    (dict(), None, True),
+    (dict(phase_gate=False), None, True),
+    (dict(phase_gate_type="channel"), None, False),
+    (dict(phase_proj="full_rank"), None, False),
+    (dict(), "projection hook", False),
+    (dict(), "gate hook", False),
+    (dict(), "global hook", False),
+], ids=["default", "no-gate", "channel-gate", "full-rank", "projection-hook", "gate-hook", "global-hook"])
+def test_decode_step_fuses_its_phase_inputs_where_nothing_observes(options, observer, fused, monkeypatch):
+    """Decoding steps on the Triton path compute the projection and gate in one launch for the default phase path,
+    and call the modules (their hooks run) for other kinds or where a hook observes them; the steps give the same
+    q, k and state either way (the path with a pass-through hook on the projection is the reference)."""
+    calls = []
+    kernel = rotary_triton.phase_inputs_decode_triton
+    monkeypatch.setattr(rotary_triton, "phase_inputs_decode_triton",
+                        lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    module = make_rotary(dtype=torch.float32, device=DEVICE, **options)
+    seen = []
+    observe = lambda *args: seen.append(1)  # noqa: E731
+    handle = {"projection hook": lambda: module.phase_proj.register_forward_hook(observe),
+              "gate hook": lambda: module.phase_gate_proj.register_forward_pre_hook(observe),
+              "global hook": lambda: torch.nn.modules.module.register_module_forward_hook(observe),
+              None: lambda: None}[observer]()
+    x, q, k = torch.randn(3, 4, HIDDEN), torch.randn(3, 4, 4, 8), torch.randn(3, 4, 2, 8)
+    try:
+        with torch.no_grad():
+            _, _, state = run_module(module, "triton", x[:, :1], q[:, :1], k[:, :1])
+            steps = []
+            for t in range(1, 4):
+                q_t, k_t, state = run_module(module, "triton", x[:, t:t + 1], q[:, t:t + 1], k[:, t:t + 1], state,
+                                             torch.tensor([1, 0, 1]) if t == 2 else None)
+                steps.append((q_t, k_t, state))
+    finally:
+        if handle is not None:
+            handle.remove()
+    assert len(calls) == (4 if fused else 0)  # four single-token calls (the first starts the state)
+    assert (len(seen) > 0) == (observer is not None)
+
+    reference = module.phase_proj.register_forward_hook(lambda *args: None)  # forces the modules' path
+    try:
+        with torch.no_grad():
+            _, _, state = run_module(module, "triton", x[:, :1], q[:, :1], k[:, :1])
+            for t, (q_t, k_t, step_state) in zip(range(1, 4), steps):
+                q_r, k_r, state = run_module(module, "triton", x[:, t:t + 1], q[:, t:t + 1], k[:, t:t + 1], state,
+                                             torch.tensor([1, 0, 1]) if t == 2 else None)
+                # q, k and the phase equal (the increment is rounded to float32 alike); the convolution's history
+                # holds the float64 projection, summed in another order: equal within float64 rounding
+                assert torch.equal(q_t, q_r) and torch.equal(k_t, k_r) and torch.equal(step_state["phase"],
+                                                                                     state["phase"])
+                assert step_state.keys() == state.keys()
+                torch.testing.assert_close(step_state["phase_conv"], state["phase_conv"], rtol=1e-13, atol=1e-13)
+    finally:
+        reference.remove()
+    assert len(calls) == (4 if fused else 0)  # the reference steps did not fuse
