@@ -1,0 +1,206 @@
+"""Our Triton kernels compiled for a Hopper GPU without one: registers, spills and stack of every kernel variant the
+wrappers launch, read from ptxas (the compiler's resource report; device METHOD: read what costs no device time).
+
+Triton compiles for any target given its name, down to machine code with the ``ptxas`` its wheel carries, so a CPU
+machine can check what the interpreter cannot: that each kernel compiles for a GPU at all (Triton's type rules, e.g.
+a loop-carried variable keeping its dtype, are enforced only there: see test_the_op_widens_a_float32_initial_phase),
+and how many registers it needs (255 per thread with spills leaves a multiprocessor two programs of 4 warps, too few
+loads in flight for a memory-bound kernel).
+
+The launches are the real ones: the wrappers (prefill forward and backward, decode step, decode phase inputs) run on
+CPU tensors with the kernels replaced by recorders, so every argument, dtype and constexpr is what a GPU call with
+the same shapes would pass, with the chunk plan of a 132-multiprocessor GPU. Shapes: ``bench_rotary_gpu.py``'s
+(bf16, 16 heads of 128, R = 64), B=1, T=2048 (several chunks a row) and B=40, T=64 (one), with an initial phase in
+float64 or float32 (as ``torch.library.opcheck`` passes it), and two packed sequences rotating half the head.
+
+Usage (not under ``TRITON_INTERPRET=1``: the kernels must be Triton's compiled functions)::
+
+    python benchmarks/triton_resources.py                   # the configuration the code uses
+    python benchmarks/triton_resources.py --sweep           # and other tile sizes / warps for the prefill kernels
+    python benchmarks/triton_resources.py --json out.json   # also as JSON
+
+Exit status 1 if a kernel fails to compile (the error is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ARCH = "sm_90a"  # what Triton targets for compute capability 9.0 (H100, H200)
+TORCH_TO_TRITON = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
+                   torch.int32: "i32", torch.int64: "i64", torch.int8: "i8", torch.bool: "i1"}
+SWEEP = [(block_t, block_r, warps) for block_t in (16, 32) for block_r in (32, 64) for warps in (4, 8)]
+
+
+def record_launches(config: dict | None = None) -> list[tuple[str, object, tuple, dict]]:
+    """(kernel name, kernel, args, kwargs) of every launch of one prefill forward + backward, one decode step and
+    one decode phase-input call, with ``config`` (BLOCK_T, BLOCK_R, num_warps) replacing the prefill's tiles."""
+    from selective_rope.kernels import rotary_triton
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.name, self.kernel, args, kwargs))
+
+    kernels = [name for name in vars(rotary_triton) if name.endswith("_kernel")]
+    saved = {name: getattr(rotary_triton, name) for name in (*kernels, "_config", "_chunk_tiles", "_multiprocessors")}
+    try:
+        for name in kernels:
+            setattr(rotary_triton, name, Recorder(name, saved[name]))
+        if config is not None:
+            rotary_triton._config = lambda pairs, passes: {**saved["_config"](pairs, passes), **config}
+        # chunks planned as on an H100 / H200 (132 multiprocessors), so the chunked scan's kernels launch too
+        rotary_triton._chunk_tiles = lambda *args: saved["_chunk_tiles"](*args[:-1], torch.device("cuda", 0))
+        rotary_triton._multiprocessors = lambda index: 132
+        run_every_wrapper(rotary_triton)
+    finally:
+        for name, value in saved.items():
+            setattr(rotary_triton, name, value)
+    return launches
+
+
+def run_every_wrapper(rotary_triton) -> None:
+    heads, head_dim, pairs, batch, seq_len, hidden = 16, 128, 64, 1, 2048, 1024
+    generator = torch.Generator().manual_seed(0)
+
+    def randn(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=generator, dtype=dtype)
+
+    q, k = randn(batch, seq_len, heads, head_dim, dtype=torch.bfloat16), randn(batch, seq_len, heads, head_dim,
+                                                                                dtype=torch.bfloat16)
+    increment, temperature = randn(batch, seq_len, heads, pairs).abs(), randn(pairs).abs()
+    phase = randn(batch, heads, pairs, dtype=torch.float64)
+    rotary_triton._rotary_forward_impl(q, k, increment, temperature, phase, None)
+    # a float32 initial phase, as torch.library.opcheck passes it, in both plans: several chunks a row (the scan's
+    # first pass reads it) and one (the kernel's carry is the initial phase itself: 40 rows x 16 heads fill the GPU)
+    rotary_triton._rotary_forward_impl(q, k, increment, temperature, phase.float(), None)
+    rows = (randn(40, 64, heads, head_dim, dtype=torch.bfloat16), randn(40, 64, heads, head_dim, dtype=torch.bfloat16),
+            randn(40, 64, heads, pairs).abs(), temperature, randn(40, heads, pairs))
+    rotary_triton._rotary_forward_impl(*rows, None)
+    torch.ops.selective_rope.rotary_backward(*rows[:2], *rows[:2], None, *rows[2:], None, True)
+    torch.ops.selective_rope.rotary_backward(q, k, q, k, phase, increment, temperature, phase, None, True)
+    offsets = torch.tensor([0, 700, seq_len], dtype=torch.int32)  # two packed sequences, partial rotation
+    half = increment[..., :pairs // 2].contiguous()
+    rotary_triton._rotary_forward_impl(q, k, half, temperature[:pairs // 2], None, offsets)
+    torch.ops.selective_rope.rotary_backward(q, k, q, k, None, half, temperature[:pairs // 2], None, offsets, False)
+    decode = dict(q=randn(2, heads, head_dim, dtype=torch.bfloat16), k=randn(2, heads, head_dim, dtype=torch.bfloat16),
+                  projection=randn(2, heads, pairs, dtype=torch.float64), temperature=temperature,
+                  phase=randn(2, heads, pairs, dtype=torch.float64),
+                  conv_state=randn(2, 3, heads * pairs, dtype=torch.float64), conv_weight=randn(heads * pairs, 4),
+                  bias=randn(heads, pairs), gate_logits=randn(2, heads, 1, dtype=torch.float64),
+                  valid=torch.tensor([True, False]))
+    rotary_triton._rotary_decode_impl(*decode.values(), True)
+    chunk = hidden // heads
+    rotary_triton.phase_inputs_decode_triton(randn(2, hidden, dtype=torch.bfloat16), randn(heads, 32, chunk),
+                                             randn(heads, pairs, 32), randn(heads, hidden), randn(heads))
+
+
+def signature(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict]:
+    """Triton's signature (``*bf16``, ``i32``, ``constexpr``, ...) and constexpr values of one recorded launch."""
+    types, constants = {}, {}
+    for index, param in enumerate(kernel.params):
+        value = kwargs[param.name] if param.name in kwargs else args[index]
+        if param.is_constexpr:
+            types[param.name], constants[param.name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            types[param.name] = "*" + TORCH_TO_TRITON[value.dtype]
+        elif isinstance(value, bool):
+            types[param.name] = "i1"
+        elif isinstance(value, int):
+            types[param.name] = "i32" if -2**31 <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            types[param.name] = "fp32"
+        else:
+            raise TypeError(f"{param.name}: cannot type {value!r}")
+    return types, constants
+
+
+def ptxas_report(cubin_ptx: str) -> dict:
+    """Registers, spill bytes and stack frame from ``ptxas -v`` (Triton's newest bundled ptxas)."""
+    import triton
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    ptxas = next(p for p in (bin_dir / "ptxas-blackwell", bin_dir / "ptxas") if p.exists())
+    with tempfile.TemporaryDirectory() as folder:
+        source = Path(folder) / "kernel.ptx"
+        source.write_text(cubin_ptx)
+        result = subprocess.run([str(ptxas), f"-arch={ARCH}", "-v", str(source), "-o", os.devnull],
+                                capture_output=True, text=True, check=True)
+    numbers = {key: int(match.group(1)) if (match := re.search(pattern, result.stderr)) else 0
+               for key, pattern in (("registers", r"Used (\d+) registers"), ("spill_stores", r"(\d+) bytes spill st"),
+                                    ("spill_loads", r"(\d+) bytes spill lo"), ("stack", r"(\d+) bytes stack frame"))}
+    return numbers
+
+
+def compile_report(launches) -> list[dict]:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    rows, seen = [], set()
+    for name, kernel, args, kwargs in launches:
+        types, constants = signature(kernel, args, kwargs)
+        warps = kwargs.get("num_warps", 4)
+        key = (name, tuple(types.items()), repr(sorted(constants.items())), warps)
+        if key in seen:
+            continue
+        seen.add(key)
+        row = {"kernel": name, "num_warps": warps,
+               "constexprs": {k: v for k, v in constants.items() if v is not None and not k.startswith("s")}}
+        try:
+            compiled = triton.compile(ASTSource(kernel, types, constants), target=GPUTarget("cuda", 90, 32),
+                                      options={"num_warps": warps})
+            row.update(ptxas_report(compiled.asm["ptx"]))
+        except Exception as error:  # noqa: BLE001 - reported, and the exit status says it
+            row["error"] = f"{type(error).__name__}: {str(error)[-2000:]}"
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sweep", action="store_true", help="also other prefill tiles and warps")
+    parser.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("triton_resources.py: unset TRITON_INTERPRET (the kernels must be compiled, not interpreted)")
+
+    configs = [None] + ([{"BLOCK_T": t, "BLOCK_R": r, "num_warps": w} for t, r, w in SWEEP] if args.sweep else [])
+    rows = []
+    for config in configs:
+        with contextlib.redirect_stderr(open(os.devnull, "w")):  # Triton's knob warnings
+            report = compile_report(record_launches(config))
+        for row in report:
+            row["config"] = "code" if config is None else config
+        rows += [row for row in report if config is None or row["kernel"] in (
+            "_selective_rotary_fwd_kernel", "_selective_rotary_bwd_kernel")]
+    print(f"Triton kernels compiled for {ARCH} (registers per thread of 255; spills and stack in bytes)")
+    for row in rows:
+        shown = {k: v for k, v in row["constexprs"].items() if k.startswith(("BLOCK", "HAS", "CONV", "IS_"))}
+        where = "code" if row["config"] == "code" else "sweep"
+        if "error" in row:
+            print(f"  {where:5s} {row['kernel']:32s} warps {row['num_warps']} {shown}: FAILED {row['error']}")
+        else:
+            print(f"  {where:5s} {row['kernel']:32s} warps {row['num_warps']} regs {row['registers']:3d} spills "
+                  f"{row['spill_stores']}/{row['spill_loads']} stack {row['stack']:4d}  {shown}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=1, default=str) + "\n")
+    return 1 if any("error" in row for row in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""Every Triton kernel compiles for a Hopper GPU (sm_90a), checked without one: ``benchmarks/triton_resources.py``
+records the launches our wrappers make (prefill forward and backward, dense and packed, with a float64, float32 or
+no initial phase; the decode step and its phase inputs) and compiles each with Triton's own compiler and ptxas.
+
+The interpreter, which runs the kernels in the rest of the CPU tests, does not apply Triton's type rules: a float32
+carry in the float64 scan passed every CPU test and failed to compile on an H200 (27 Nov 2026). This test fails on
+that bug (checked by reverting its fix)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton", reason="triton is not installed")
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "triton_resources.py"
+KERNELS = {"_chunk_totals_kernel", "_selective_rotary_fwd_kernel", "_selective_rotary_bwd_kernel", "_suffix_sum_kernel",
+           "_selective_rotary_decode_kernel", "_phase_inputs_decode_kernel"}
+
+
+def test_every_kernel_compiles_for_hopper(tmp_path):
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not any((bin_dir / name).exists() for name in ("ptxas-blackwell", "ptxas")):
+        pytest.skip("this triton carries no ptxas (no NVIDIA backend)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    report = tmp_path / "resources.json"
+    result = subprocess.run([sys.executable, str(SCRIPT), "--json", str(report)], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    rows = json.loads(report.read_text())
+    assert {row["kernel"] for row in rows} == KERNELS
+    for row in rows:
+        assert "error" not in row and 0 < row["registers"] <= 255, row
