@@ -5,8 +5,9 @@
 #      with the GPU visible;
 #   2. benchmarks/bench_rotary_gpu.py (eager, torch.compile, Triton; every shape), alone on the machine, then
 #      benchmarks/profile_rotary_gpu.py (host against device time of one call, host time per Triton launch) and
-#      benchmarks/profile_rotary_module_gpu.py (a FoX layer's module in training: phase path against rotary op);
-#   3. 370M-class models of each family (benchmarks/bench_models_gpu.py), alone, with the time that is left (150 s,
+#      benchmarks/profile_rotary_module_gpu.py (a FoX layer's module in training: phase path against rotary op) and
+#      benchmarks/sweep_rotary_gpu.py (the prefill kernels' tiles and warps);
+#   3. 370M-class models of each family (benchmarks/bench_models_gpu.py), alone, with the time that is left (120 s,
 #      MODELS_LIMIT): GLA and Gated DeltaNet first (not yet measured: fla's autotuning of their training kernels
 #      filled every earlier slot), then FoX (measured in run 3; fla's attention kernel does not autotune); the
 #      order is MODEL_FAMILIES.
@@ -70,12 +71,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem,tem
 
 step "correctness: our Triton rotary kernels, fla-backed tests (-m cuda) and the rest of the suite, side by side"
 ROTARY_TESTS="$REPO/tests/kernels/test_rotary_triton.py"
-pytest_in_tmp 150 "$OUT/pytest_rotary.txt" -n 4 "$ROTARY_TESTS" "$REPO/tests/kernels/test_backend_parity.py" \
+pytest_in_tmp 120 "$OUT/pytest_rotary.txt" -n 4 "$ROTARY_TESTS" "$REPO/tests/kernels/test_backend_parity.py" \
     -k "test_rotary_triton or rotary_triton or rotary_op or rotary_decode" &
 rotary_tests=$!
-pytest_in_tmp 150 "$OUT/pytest_cuda.txt" -m cuda "$REPO/tests" &
+pytest_in_tmp 120 "$OUT/pytest_cuda.txt" -m cuda "$REPO/tests" &
 cuda_tests=$!
-pytest_in_tmp 150 "$OUT/pytest_suite.txt" -m "not slow and not cuda" -n 8 --timeout 120 --ignore "$ROTARY_TESTS" \
+pytest_in_tmp 120 "$OUT/pytest_suite.txt" -m "not slow and not cuda" -n 8 --timeout 100 --ignore "$ROTARY_TESTS" \
     "$REPO/tests" &
 suite=$!
 wait "$rotary_tests" "$cuda_tests" "$suite"  # (a bare wait would also wait for the log's tee, which never ends first)
@@ -95,9 +96,12 @@ done
 step "one 370M FoX layer's Selective RoPE module in training: the float64 phase path against the rotary op"
 timeout 60 "$PYTHON" benchmarks/profile_rotary_module_gpu.py --family fox
 
+step "prefill kernels' tiles and warps (the code's configuration spills: benchmarks/triton_resources.py)"
+timeout 90 "$PYTHON" benchmarks/sweep_rotary_gpu.py
+
 step "370M-class models: training (dense, packed) and decoding"
 # shellcheck disable=SC2086  # MODEL_FAMILIES is a list
-timeout "${MODELS_LIMIT:-150}" "$PYTHON" benchmarks/bench_models_gpu.py --families ${MODEL_FAMILIES:-gla gated_deltanet fox} \
+timeout "${MODELS_LIMIT:-120}" "$PYTHON" benchmarks/bench_models_gpu.py --families ${MODEL_FAMILIES:-gla gated_deltanet fox} \
     --backends auto --batch-size 4 --seq-len 4096 --context 4096 --decode-batches 1 --train-steps 10 \
     --decode-steps 50 --output "$OUT/models_gpu.json"
 
