@@ -1,12 +1,12 @@
 """Tile sizes and warps of the Triton Selective RoPE prefill kernels, timed on a GPU: which configuration
 ``rotary_triton._config`` should hold.
 
-``benchmarks/triton_resources.py`` (no GPU needed) shows the code's configuration (32 tokens x 64 pairs, 4 warps)
-at 255 registers per thread, the backward with spills, where 16 x 32 tiles need 72 (forward) and 96 (backward):
-more programs in flight per multiprocessor for a memory-bound kernel, but more loop steps and programs. Prediction
-(not yet measured): the smaller tiles faster at T >= 8k. This script measures each configuration of
-``triton_resources.SWEEP`` and the code's, forward and forward + backward, with ``triton.testing.do_bench`` medians
-(launches pipelined, as in a training step), on bf16 q and k (16 heads of 128, R = 64).
+``benchmarks/triton_resources.py`` (no GPU needed, Triton 3.6) showed the first configuration (32 tokens x 64 pairs,
+4 warps: ``SWEEP``'s (32, 64, 4)) at 255 registers per thread with spills (2148 bytes in the backward), where the
+code's (16 x 32, 8 warps) needs 56 (forward) and 93 (backward) and spills nothing. Prediction, not yet measured: the
+code's faster than (32, 64, 4) at T >= 8k. This script measures the code's configuration and each of ``SWEEP``,
+forward and forward + backward, with ``triton.testing.do_bench`` medians (launches pipelined, as in a training
+step), on bf16 q and k (16 heads of 128, R = 64).
 
 Usage::
 

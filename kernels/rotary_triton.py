@@ -36,8 +36,8 @@ float32 scan over 64 tokens is off by up to ~5e-5 rad, which decoding would not 
 modulo 2π in float64 (``_angle``) before sin/cos in float32, and the decode step computes the increment in float64
 and rounds it to float32 as the torch path does. That is ~10 float64 operations per element against ~20 bytes of
 memory traffic. Measured on an H200 (where float64 runs at half the float32 rate; benchmarks/results/gpu/): the
-forward reached at most 28 % of the memory bandwidth, so something other than bytes limits it; what (the float64
-work, precise sin/cos, or host time per call) is not yet profiled.
+forward reached at most 28 % of the memory bandwidth with 32 x 64 tiles, which the compiler's report explains in part
+(255 registers per thread and spills to local memory: ``_config``); the smaller tiles used since are not yet timed.
 
 Both are ``torch.library`` custom ops (``selective_rope::rotary_forward`` / ``rotary_backward`` / ``rotary_decode``,
 with fake implementations, the forward with a registered autograd formula), so ``torch.compile`` treats them as
@@ -54,7 +54,6 @@ from typing import NamedTuple
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .backends import interpreting
 from .rotary_torch import TWO_PI
 
 # Inside try/except: transformers' remote-code loader requires every library a shipped file imports outside such
@@ -81,17 +80,20 @@ def _next_power_of_2(n: int) -> int:
 
 
 def _config(rotary_pairs: int, pass_dims: int) -> dict[str, int]:
-    """One fixed configuration (no autotuning): small tiles under the interpreter, 32 tokens on a GPU.
+    """One fixed configuration (no autotuning): tiles of 16 tokens x 32 frequency pairs, 8 warps.
 
-    32 rather than 64 tokens per tile: on an H200 (bf16, 16 heads of 128, time chunks filling 4 programs per
-    multiprocessor) forward + backward took 1.51 ms against 1.94 ms at B=1, T=32k and 2.36 against 3.83 ms at B=8,
-    T=8k; the forward 0.56 against 0.55 ms and 0.80 against 0.98 ms (benchmarks/results/gpu/2026-11-27-h200,
-    run2's sweep.txt: a float64 tile of 64 x 64 holds too many registers). 8 warps were slower at both sizes.
+    Chosen from the compiler's resource report (``benchmarks/triton_resources.py --sweep``, Triton 3.6 as on the
+    lent H200s, sm_90a), not yet timed: the previous 32 x 64 tiles with 4 warps needed 255 registers per thread and
+    spilled 376 bytes (forward) and 2148 bytes (backward, with a 1680-byte stack) to local memory inside the time
+    loop; 16 x 32 with 8 warps needs 56 and 93 registers and spills nothing, so 2-4 programs of 8 warps fit on a
+    multiprocessor instead of two of 4. The measured history points the same way: on an H200, 32-token tiles beat 64
+    (forward + backward 1.51 against 1.94 ms at B=1, T=32k; 2.36 against 3.83 ms at B=8, T=8k; run 2's sweep.txt in
+    benchmarks/results/gpu/2026-11-27-h200), where 64 x 64 float64 tiles held too many registers.
+    ``benchmarks/sweep_rotary_gpu.py`` times this against the other candidates on the next GPU run.
     """
-    block_t = 16 if interpreting() else 32
-    block_r = max(1, min(_next_power_of_2(max(rotary_pairs, 1)), 64))
+    block_r = max(1, min(_next_power_of_2(max(rotary_pairs, 1)), 32))
     block_p = max(1, min(_next_power_of_2(max(pass_dims, 1)), 64))
-    return {"BLOCK_T": block_t, "BLOCK_R": block_r, "BLOCK_P": block_p, "num_warps": 4}
+    return {"BLOCK_T": 16, "BLOCK_R": block_r, "BLOCK_P": block_p, "num_warps": 8}
 
 
 # Scans and reductions use our own combine function, and zeros come from ``tl.full``: ``tl.cumsum``, ``tl.sum``,
@@ -848,7 +850,7 @@ def _rotary_decode_impl(
         *q.stride(), *k.stride(), *out_q.stride(), *out_k.stride(), *projection.stride(), *gate.stride(),
         CONV_K=conv_k, SILU=silu, HAS_BIAS=bias is not None, HAS_GATE=gate_logits is not None,
         HAS_VALID=valid is not None, HAS_PASS=head_dim > 2 * rotary_pairs,
-        BLOCK_R=block_r, BLOCK_P=cfg["BLOCK_P"], num_warps=cfg["num_warps"],
+        BLOCK_R=block_r, BLOCK_P=cfg["BLOCK_P"], num_warps=4,  # one head's R pairs: no tile to spread over 8
     )
     return out_q, out_k, new_phase, new_conv
 
