@@ -116,6 +116,13 @@ def _sum0(x):
 
 
 @triton.jit
+def _turns_per_phase(temp_ptr, two_pi_ptr, rs, mask_r):
+    """``τ / 2π`` in float64, as ``rotary_torch.rotary_angles`` computes it: the float64 2π is read from memory (a
+    float constant in a Triton kernel is float32). Computed here rather than by two more launches per call."""
+    return tl.load(temp_ptr + rs, mask=mask_r, other=0.0).to(tl.float64) / tl.load(two_pi_ptr)
+
+
+@triton.jit
 def _angle(phase, turns_per_phase):
     """``τ θ`` reduced mod 2π: float64 ``phase`` and ``τ / 2π`` in, float32 angle in (-2π, 2π) out, computed as
     ``rotary_torch.rotary_angles`` does (the 2π factor comes last, in float32: a float constant in a Triton kernel is
@@ -182,7 +189,7 @@ def _chunk_totals_kernel(
 
 @triton.jit
 def _selective_rotary_fwd_kernel(
-    q_ptr, k_ptr, inc_ptr, turns_ptr, carry_ptr, oq_ptr, ok_ptr, final_ptr, cu_ptr,
+    q_ptr, k_ptr, inc_ptr, temp_ptr, two_pi_ptr, carry_ptr, oq_ptr, ok_ptr, final_ptr, cu_ptr,
     T, Hk, G, R, D, NC, CR, CHUNK,
     sq_b, sq_t, sq_h, sq_d,
     sk_b, sk_t, sk_h, sk_d,
@@ -193,7 +200,7 @@ def _selective_rotary_fwd_kernel(
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     pid_nh, pid_r, pid_c, hk, b, start, end, rs, mask_r = _chunk_program(cu_ptr, T, Hk, R, CHUNK, IS_VARLEN, BLOCK_R)
-    turns = tl.load(turns_ptr + rs, mask=mask_r, other=0.0)  # τ / 2π, float64
+    turns = _turns_per_phase(temp_ptr, two_pi_ptr, rs, mask_r)
     if HAS_CARRY:  # the phase before this chunk: initial phase + the totals of the chunks before it
         carry = tl.load(carry_ptr + (pid_nh.to(tl.int64) * CR + pid_c) * R + rs, mask=mask_r, other=0.0)
     else:
@@ -251,7 +258,7 @@ def _selective_rotary_fwd_kernel(
 
 @triton.jit
 def _selective_rotary_bwd_kernel(
-    q_ptr, k_ptr, dyq_ptr, dyk_ptr, inc_ptr, temp_ptr, turns_ptr, carry_ptr, dfinal_ptr, cu_ptr,
+    q_ptr, k_ptr, dyq_ptr, dyk_ptr, inc_ptr, temp_ptr, two_pi_ptr, carry_ptr, dfinal_ptr, cu_ptr,
     dq_ptr, dk_ptr, dinc_ptr, dsums_ptr, dtemp_ptr,
     T, Hk, G, R, D, NC, CR, CHUNK,
     sq_b, sq_t, sq_h, sq_d,
@@ -272,7 +279,7 @@ def _selective_rotary_bwd_kernel(
     Σ θ dangle (for d temperature) to a per-chunk partial."""
     pid_nh, pid_r, pid_c, hk, b, start, end, rs, mask_r = _chunk_program(cu_ptr, T, Hk, R, CHUNK, IS_VARLEN, BLOCK_R)
     temp = tl.load(temp_ptr + rs, mask=mask_r, other=0.0).to(tl.float32)
-    turns = tl.load(turns_ptr + rs, mask=mask_r, other=0.0)  # τ / 2π, float64
+    turns = _turns_per_phase(temp_ptr, two_pi_ptr, rs, mask_r)
     chunk_offs = (pid_nh.to(tl.int64) * NC + pid_c) * R + rs
     if HAS_CARRY:
         carry = tl.load(carry_ptr + (pid_nh.to(tl.int64) * CR + pid_c) * R + rs, mask=mask_r, other=0.0)
@@ -396,7 +403,7 @@ def _rotate_head(x_ptr, o_ptr, rs, mask_r, cos, sin, R, D, s_d, so_d,
 
 @triton.jit
 def _selective_rotary_decode_kernel(
-    q_ptr, k_ptr, proj_ptr, turns_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, gate_ptr, valid_ptr,
+    q_ptr, k_ptr, proj_ptr, temp_ptr, two_pi_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, gate_ptr, valid_ptr,
     oq_ptr, ok_ptr, ophase_ptr, oconv_ptr,
     Hk, G, R, D,
     sq_b, sq_h, sq_d,
@@ -457,7 +464,7 @@ def _selective_rotary_decode_kernel(
     # mod 2π, the rotation of the key head and of its query heads.
     phase = tl.load(phase_ptr + pid * R + rs, mask=mask_r, other=0.0).to(tl.float64) + c.to(tl.float32).to(tl.float64)
     tl.store(ophase_ptr + pid * R + rs, phase, mask=mask_r)
-    angle = _angle(phase, tl.load(turns_ptr + rs, mask=mask_r, other=0.0))
+    angle = _angle(phase, _turns_per_phase(temp_ptr, two_pi_ptr, rs, mask_r))
     cos = tl.cos(angle)
     sin = tl.sin(angle)
     _rotate_head(k_ptr + b * sk_b + hk * sk_h, ok_ptr + b * sok_b + hk * sok_h, rs, mask_r, cos, sin, R, D,
@@ -533,9 +540,11 @@ def _num_seqs(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> int:
     return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
 
-def _turns_per_phase(temperature: torch.Tensor) -> torch.Tensor:
-    """``τ / 2π`` in float64, as ``rotary_torch.rotary_angles`` computes it."""
-    return (temperature.double() / TWO_PI).contiguous()
+@functools.lru_cache(maxsize=None)
+def _two_pi(device: torch.device) -> torch.Tensor:
+    """2π in float64 on ``device``, for the kernels to divide the temperature by (made once per device, never
+    written)."""
+    return torch.tensor([TWO_PI], dtype=torch.float64, device=device)
 
 
 # Programs wanted in flight on a GPU, per multiprocessor: one program per (sequence, key head) would leave most of an
@@ -630,8 +639,8 @@ def _rotary_forward_impl(
     plan = _plan(q, num_seqs, num_key_heads, rotary_pairs)
     carries = _chunk_carries(plan, increment, init, cu_seqlens)
     _selective_rotary_fwd_kernel[plan.grid](
-        q, k, increment, _turns_per_phase(temperature), carries if carries is not None else final, out_q, out_k,
-        final, cu_seqlens if cu_seqlens is not None else final,
+        q, k, increment, temperature.contiguous(), _two_pi(q.device), carries if carries is not None else final,
+        out_q, out_k, final, cu_seqlens if cu_seqlens is not None else final,
         seq_len, num_key_heads, num_query_heads // num_key_heads, rotary_pairs, head_dim, plan.grid[2],
         carries.shape[1] if carries is not None else 0, plan.chunk,
         *q.stride(), *k.stride(), *out_q.stride(), *out_k.stride(), *increment.stride(),
@@ -692,7 +701,7 @@ def _rotary_backward(
     placeholder = dsums  # for pointers a disabled branch never reads
     cu = cu_seqlens if cu_seqlens is not None else placeholder
     _selective_rotary_bwd_kernel[plan.grid](
-        q, k, grad_q, grad_k, increment, temperature.contiguous(), _turns_per_phase(temperature),
+        q, k, grad_q, grad_k, increment, temperature.contiguous(), _two_pi(q.device),
         carries if carries is not None else placeholder, dfinal if dfinal is not None else placeholder, cu,
         dq, dk, dinc, dsums, dtemp_partial,
         seq_len, num_key_heads, num_query_heads // num_key_heads, rotary_pairs, head_dim, chunks,
@@ -840,7 +849,7 @@ def _rotary_decode_impl(
     block_r = _next_power_of_2(rotary_pairs)  # one program holds all R pairs of its head
     placeholder = new_phase  # for pointers a disabled branch never reads
     _selective_rotary_decode_kernel[(batch * num_key_heads,)](
-        q, k, projection, _turns_per_phase(temperature), phase.contiguous(),
+        q, k, projection, temperature.contiguous(), _two_pi(q.device), phase.contiguous(),
         conv_state.contiguous() if conv_state is not None else placeholder,
         conv_weight.contiguous() if conv_weight is not None else placeholder,
         bias.contiguous() if bias is not None else placeholder, gate,
