@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .dispatch import triton_rotary
@@ -22,8 +24,8 @@ def selective_rotary(q, k, increment, temperature, initial_phase=None, *, cu_seq
 
 def single_token_step_applies(seq_len: int, cu_seqlens: torch.Tensor | None) -> bool:
     """Whether a rotary call takes a single-token step (decoding: one token per row, no packing, no gradients; the
-    steps have no backward): on the torch backend the rotary module's own torch step (Selective RoPE and RoPE), on
-    the Triton backend the fused ``selective_rotary_decode`` (Selective RoPE; RoPE keeps the Triton prefill op)."""
+    steps have no backward): on the torch backend the rotary module's own torch step, on the Triton backend the fused
+    ``selective_rotary_decode`` (Selective RoPE and RoPE)."""
     return seq_len == 1 and cu_seqlens is None and not torch.is_grad_enabled()
 
 
@@ -36,3 +38,11 @@ def phase_inputs_decode(*args, **kwargs):
     """The decode step's phase projection and gate logits in one launch (Triton only; ``None`` where the call is not
     plain eager): see ``rotary_triton.phase_inputs_decode_triton``."""
     return triton_rotary().phase_inputs_decode_triton(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def unit_step(device: torch.device) -> torch.Tensor:
+    """RoPE's phase projection for the fused decode step: one float64 1 on ``device``, which the step broadcasts
+    (stride 0) to every row, head and frequency (made once per device and never written, so a decoding step
+    launches no fill)."""
+    return torch.ones((), dtype=torch.float64, device=device)

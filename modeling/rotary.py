@@ -39,7 +39,13 @@ from transformers import initialization as init
 from ..configuration.position_embedding import SelectiveRopeConfigBase
 from ..kernels.conv_torch import causal_conv1d
 from ..kernels.dispatch import resolve_backend
-from ..kernels.rotary import phase_inputs_decode, selective_rotary, selective_rotary_decode, single_token_step_applies
+from ..kernels.rotary import (
+    phase_inputs_decode,
+    selective_rotary,
+    selective_rotary_decode,
+    single_token_step_applies,
+    unit_step,
+)
 from ..kernels.rotary_cpu import RotaryPlan
 from ..kernels.rotary_cpu import available as cpu_kernel_available
 from ..kernels.rotary_torch import phase_dtype, rotary_angles, rotate_query_and_key
@@ -403,8 +409,7 @@ class SelectiveRotaryEmbedding(nn.Module):
         if single_token_step_applies(seq_len, cu_seqlens):
             if backend != "triton":
                 return self._decode_step_torch(x, q, k, state, lengths)
-            if self.position_embedding == "selective_rope":
-                return self._decode_step(x, q, k, state, lengths)  # the fused Triton step
+            return self._decode_step(x, q, k, state, lengths)  # the fused Triton step
         valid = None if lengths is None else valid_mask(lengths, seq_len)  # (B, T)
         with no_autocast(x):
             increment, conv_state = self.phase_increment(x, valid, state.get("phase_conv"), lengths, cu_seqlens)
@@ -414,8 +419,14 @@ class SelectiveRotaryEmbedding(nn.Module):
 
     def _decode_step(self, x, q, k, state, lengths):
         """One token per row (decoding) with the fused Triton step: what ``phase_increment`` followed by
-        ``selective_rotary`` compute, in one kernel after the phase inputs (``_decode_phase_inputs``). The
-        convolution's taps (learned, or the fixed difference) are read directly."""
+        ``selective_rotary`` compute, in one kernel after the phase inputs (``_decode_phase_inputs``; RoPE's are a
+        unit step, with no convolution, bias or gate). The convolution's taps (learned, or the fixed difference) are
+        read directly."""
+        valid = None if lengths is None else lengths > 0
+        if self.position_embedding == "rope":
+            q_out, k_out, phase, _ = selective_rotary_decode(q[:, 0], k[:, 0], unit_step(x.device), self.temperature,
+                                                             phase=state.get("phase"), valid=valid)
+            return q_out.unsqueeze(1), k_out.unsqueeze(1), self._state(phase, None)
         projection, gate_logits = self._decode_phase_inputs(x)
         conv = self.phase_conv
         q_out, k_out, phase, conv_state = selective_rotary_decode(
@@ -426,7 +437,7 @@ class SelectiveRotaryEmbedding(nn.Module):
             conv_activation=None if conv is None else conv.activation,
             bias=self.phase_bias,
             gate_logits=gate_logits,
-            valid=None if lengths is None else lengths > 0,
+            valid=valid,
         )
         return q_out.unsqueeze(1), k_out.unsqueeze(1), self._state(phase, conv_state)
 

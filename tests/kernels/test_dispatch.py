@@ -274,8 +274,7 @@ def test_model_cached_decoding(family, options, monkeypatch, decode_calls):
         assert layer_t.states.keys() == layer_x.states.keys()
         for name in layer_t.states:
             assert_close(layer_x.states[name].float(), layer_t.states[name].float(), f"cache {name}")
-    selective = model.config.position_embedding == "selective_rope"
-    assert len(decode_calls) == (len(steps) * model.config.num_hidden_layers if selective else 0)
+    assert len(decode_calls) == len(steps) * model.config.num_hidden_layers  # Selective RoPE and RoPE alike
 
 
 @needs_interpreter

@@ -588,7 +588,7 @@ def test_module_prefill_then_decode(options, monkeypatch):
             for name in results["torch"][2]:
                 assert_close(results["triton"][2][name], results["torch"][2][name], name, rtol=1e-5, atol=1e-5)
             states = {b: r[2] for b, r in results.items()}
-    assert len(decode_calls) == (3 if module.position_embedding == "selective_rope" else 0)
+    assert len(decode_calls) == 3  # Selective RoPE and RoPE alike
 
 
 @pytest.mark.parametrize("options", PACKED_OPTIONS, ids=option_id)
@@ -739,3 +739,21 @@ def test_decode_step_fuses_its_phase_inputs_where_nothing_observes(options, obse
     finally:
         reference.remove()
     assert len(calls) == (4 if fused else 0)  # the reference steps did not fuse
+
+
+def test_rope_decoding_step_equals_the_prefill_op_exactly():
+    """RoPE's decoding steps take the fused decode kernel with a unit step (not the prefill op on one token): the
+    same q, k and phase bit for bit, a padding token adding nothing."""
+    from selective_rope.kernels.rotary import unit_step
+
+    module = make_rotary(dtype=torch.float32, device=DEVICE, position_embedding="rope")
+    q, k = torch.randn(3, 1, 4, 8), torch.randn(3, 1, 2, 8)
+    phase = 1000 * torch.rand(3, 2, 4, dtype=torch.float64)  # far along: the angle reduction matters
+    lengths = torch.tensor([1, 0, 1])
+    with torch.no_grad():
+        step = run_module(module, "triton", torch.randn(3, 1, HIDDEN), q, k, {"phase": phase}, lengths)
+        increment = (lengths > 0).float()[:, None, None, None]  # (B, 1, 1, 1): 1 for a real token, 0 for a pad
+        prefill = selective_rotary_triton(q, k, increment, module.temperature, phase)
+    assert unit_step(torch.device(DEVICE)).item() == 1.0
+    assert torch.equal(step[0], prefill[0]) and torch.equal(step[1], prefill[1])
+    assert torch.equal(step[2]["phase"], prefill[2]) and torch.equal(prefill[2][1], phase[1])
