@@ -543,8 +543,8 @@ def _num_seqs(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> int:
 @functools.lru_cache(maxsize=None)
 def _two_pi(device: torch.device) -> torch.Tensor:
     """2π in float64 on ``device``, for the kernels to divide the temperature by (made once per device, never
-    written)."""
-    return torch.tensor([TWO_PI], dtype=torch.float64, device=device)
+    written; by a fill, not a copy from the host, which would synchronise)."""
+    return torch.full((1,), TWO_PI, dtype=torch.float64, device=device)
 
 
 # Programs wanted in flight on a GPU, per multiprocessor: one program per (sequence, key head) would leave most of an
