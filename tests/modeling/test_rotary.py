@@ -349,3 +349,48 @@ def test_decode_step_equals_the_general_path(options, heads, decode_step):
         if lengths is not None:  # the pad row keeps its phase and history
             for name in state_ref:
                 torch.testing.assert_close(state_fast[name][1], cached[name][1].to(state_fast[name].dtype))
+
+
+def test_chunk_normalisation_keeps_less_for_the_same_values_and_gradients():
+    """The phase path's L2 normalisation in training: the values of F.normalize bit for bit, the gradient of autograd
+    through F.normalize within float64 rounding (chunks of ordinary norm, a zero chunk and one under the 1e-12
+    clamp), and gradcheck; for the backward it keeps the result and the norms, not the input as well."""
+    from selective_rope.modeling.rotary import L2NormalizeChunks
+
+    x = torch.randn(2, 5, 3, 8, dtype=torch.float64)
+    x[0, 1, 2] = 0.0
+    x[1, 3, 0] = 1e-14 * torch.randn(8, dtype=torch.float64)
+    weights = torch.randn_like(x)
+    results = []
+    for normalize in (lambda t: torch.nn.functional.normalize(t, dim=-1), lambda t: L2NormalizeChunks.apply(t)[0]):
+        leaf = x.clone().requires_grad_()
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, kept=kept: kept.append(t) or t, lambda t: t):
+            u = normalize(leaf)
+        (grad,) = torch.autograd.grad((u * weights).sum(), leaf)
+        results.append((u, grad, kept))
+    (u_ref, grad_ref, kept_ref), (u, grad, kept) = results
+    assert torch.equal(u, u_ref)
+    torch.testing.assert_close(grad, grad_ref, rtol=1e-12, atol=1e-12)
+    assert torch.isfinite(grad).all() and torch.equal(grad[0, 1, 2], weights[0, 1, 2] / 1e-12)
+    assert not any(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for t in kept)
+    assert sum(t.numel() for t in kept) < sum(t.numel() for t in kept_ref)
+    ordinary = x[1:, :2].clone().requires_grad_()  # (finite differences cannot see the clamp at a zero chunk)
+    assert torch.autograd.gradcheck(lambda t: L2NormalizeChunks.apply(t)[0], (ordinary,))
+
+
+def test_training_forward_keeps_no_float64_copy_of_the_input():
+    """In training, what the phase path keeps for its backward holds no float64 copy of the whole input (it keeps
+    the normalised chunks, which the projection and the gate read): the largest saved tensor is one (B, T, D)."""
+    module = make_rotary(dtype=torch.float32)
+    x = torch.randn(2, 7, HIDDEN, requires_grad=True)
+    storages = {}
+
+    def keep(tensor):
+        storages[tensor.untyped_storage().data_ptr()] = tensor
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        module.phase_increment(x, None, None, None)
+    full = [t for t in storages.values() if t.dtype == torch.float64 and t.numel() == x.numel()]
+    assert len(full) == 1, [tuple(t.shape) for t in full]
