@@ -485,21 +485,30 @@ class SelectiveRotaryEmbedding(nn.Module):
         and they are ours (a PEFT adapter replaces one): on a GPU each of the dozen small ops otherwise run here
         costs a launch and ~10 us of host time, in every layer of every decoding step (issue 17). Everything else
         calls the modules."""
-        proj, gate = self.phase_proj, self.phase_gate_proj
-        if (type(proj) is PhaseProjection and proj.kind == "low_rank"
-                and (gate is None or (type(gate) is PhaseLinear and gate.bias is not None))
-                and not (proj._forward_hooks or proj._forward_pre_hooks)
-                and not (gate is not None and (gate._forward_hooks or gate._forward_pre_hooks))
-                and not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)):
-            fused = phase_inputs_decode(x[:, 0], proj.down, proj.up, None if gate is None else gate.weight,
-                                        None if gate is None else gate.bias)
-            if fused is not None:
-                return fused
+        weights = self._fusable_phase_weights()
+        fused = None if weights is None else phase_inputs_decode(x[:, 0], *weights)
+        if fused is not None:
+            return fused
         with no_autocast(x):
             u = self._normalized_chunks(x)  # (B, 1, Hk, Dc) float64
             projection = self.phase_proj(u)[:, 0]  # (B, Hk, R) float64
-            gate_logits = None if gate is None else self._gate(u)[:, 0]  # (B, Hk, 1 or R)
+            gate_logits = None if self.phase_gate_proj is None else self._gate(u)[:, 0]  # (B, Hk, 1 or R)
         return projection, gate_logits
+
+    def _fusable_phase_weights(self) -> tuple | None:
+        """``(down, up, gate weight, gate bias)`` for ``phase_inputs_decode``, or ``None`` where the phase path is
+        not the default one or something observes its modules."""
+        proj, gate = self.phase_proj, self.phase_gate_proj
+        if type(proj) is not PhaseProjection or proj.kind != "low_rank":
+            return None
+        if gate is not None and (type(gate) is not PhaseLinear or gate.bias is None):  # the per-head gate only
+            return None
+        for module in (proj, gate):
+            if module is not None and (module._forward_hooks or module._forward_pre_hooks):
+                return None
+        if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+            return None
+        return proj.down, proj.up, None if gate is None else gate.weight, None if gate is None else gate.bias
 
     def _forward_cpu_kernel(self, x, q, k, state, lengths, overwrite_state=False):
         """The inference forward (a prefill, or ``_decode_step_torch``'s single token) as one compiled call
