@@ -71,7 +71,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem,tem
 
 step "correctness: our Triton rotary kernels, fla-backed tests (-m cuda) and the rest of the suite, side by side"
 ROTARY_TESTS="$REPO/tests/kernels/test_rotary_triton.py"
-pytest_in_tmp 120 "$OUT/pytest_rotary.txt" -n 4 "$ROTARY_TESTS" "$REPO/tests/kernels/test_backend_parity.py" \
+pytest_in_tmp 120 "$OUT/pytest_rotary.txt" -n 6 "$ROTARY_TESTS" "$REPO/tests/kernels/test_backend_parity.py" \
     -k "test_rotary_triton or rotary_triton or rotary_op or rotary_decode" &
 rotary_tests=$!
 pytest_in_tmp 120 "$OUT/pytest_cuda.txt" -m cuda "$REPO/tests" &
