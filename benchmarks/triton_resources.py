@@ -159,8 +159,7 @@ def compile_report(launches) -> list[dict]:
         if key in seen:
             continue
         seen.add(key)
-        row = {"kernel": name, "num_warps": warps,
-               "constexprs": {k: v for k, v in constants.items() if v is not None and not k.startswith("s")}}
+        row = {"kernel": name, "num_warps": warps, "constexprs": {k: v for k, v in constants.items() if v is not None}}
         try:
             compiled = triton.compile(ASTSource(kernel, types, constants), target=GPUTarget("cuda", 90, 32),
                                       options={"num_warps": warps})
@@ -182,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = [None] + ([{"BLOCK_T": t, "BLOCK_R": r, "num_warps": w} for t, r, w in SWEEP] if args.sweep else [])
     rows = []
     for config in configs:
-        with contextlib.redirect_stderr(open(os.devnull, "w")):  # Triton's knob warnings
+        with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):  # Triton's knob warnings
             report = compile_report(record_launches(config))
         for row in report:
             row["config"] = "code" if config is None else config
