@@ -77,14 +77,32 @@ def measure(fn, repeats: int, device: str) -> dict:
         synchronised.append(time.perf_counter() - start)
     result = {"enqueue_us": 1e6 * statistics.median(enqueue), "synchronised_us": 1e6 * statistics.median(synchronised)}
     if device == "cuda":
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-        for start, end in events:
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize()
-        result["device_us"] = 1e3 * statistics.median(start.elapsed_time(end) for start, end in events)
+        result["device_us"] = device_us(fn, repeats)
     return result
+
+
+def device_us(fn, repeats: int) -> float:
+    """Median GPU time of ``fn`` in microseconds: CUDA events around each of ``repeats`` calls run back to back (launch
+    gaps hidden while the host keeps ahead)."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return 1e3 * statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def profile_table(fn, calls: int, device: str, sort_by: str, rows: int) -> str:
+    """torch.profiler's table (CPU, and CUDA kernels on a GPU) of ``calls`` calls of ``fn``."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profile:
+        for _ in range(calls):
+            fn()
+        sync(device)
+    return profile.key_averages().table(sort_by=sort_by, row_limit=rows)
 
 
 class _TimedLaunches:
@@ -165,16 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, fn in fns.items():
         print(f"  {name:17s} {launch_breakdown(fn, args.repeats, args.device)}", flush=True)
 
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if args.device == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
     for name, fn in fns.items():
-        with torch.profiler.profile(activities=activities) as profile:
-            for _ in range(5):
-                fn()
-            sync(args.device)
         print(f"\n{name}: 5 calls")
-        print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+        print(profile_table(fn, 5, args.device, "self_cpu_time_total", args.rows))
     return 0
 
 

@@ -28,6 +28,7 @@ import time
 
 import torch
 from bench_models_gpu import MODEL_CONFIGS
+from profile_rotary_gpu import device_us, profile_table, sync
 
 from selective_rope.families import FAMILIES
 from selective_rope.kernels.rotary import selective_rotary
@@ -55,11 +56,6 @@ def build(family: str, position_embedding: str, device: str) -> SelectiveRotaryE
     return SelectiveRotaryEmbedding(config, *attention_shape(family)).to(device)
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def measure(fn, repeats: int, device: str) -> dict:
     """GPU time (events around back-to-back calls), host time per call, and what a forward keeps for its backward
     (``fn(keep=True)`` returns the outputs; their graph is alive while they are)."""
@@ -74,13 +70,7 @@ def measure(fn, repeats: int, device: str) -> dict:
         sync(device)
     result = {"host_us": 1e6 * statistics.median(host)}
     if device == "cuda":
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-        for start, end in events:
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize()
-        result["gpu_us"] = 1e3 * statistics.median(start.elapsed_time(end) for start, end in events)
+        result["gpu_us"] = device_us(fn, repeats)
         before = torch.cuda.memory_allocated()
         kept = fn(keep=True)
         torch.cuda.synchronize()
@@ -157,16 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:24s} " + "  ".join(f"{key.rsplit('_', 1)[0]} {value:9.1f} {key.rsplit('_', 1)[1]}"
                                            for key, value in row.items()), flush=True)
 
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if args.device == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as profile:
-        for _ in range(3):
-            fns["module (Selective RoPE)"]()
-        sync(args.device)
     sort_by = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
     print(f"\nmodule (Selective RoPE), forward + backward: 3 calls, by {sort_by}")
-    print(profile.key_averages().table(sort_by=sort_by, row_limit=args.rows))
+    print(profile_table(fns["module (Selective RoPE)"], 3, args.device, sort_by, args.rows))
     return 0
 
 
