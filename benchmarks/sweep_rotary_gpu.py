@@ -1,12 +1,11 @@
 """Tile sizes and warps of the Triton Selective RoPE prefill kernels, timed on a GPU: which configuration
 ``rotary_triton._config`` should hold.
 
-``benchmarks/triton_resources.py`` (no GPU needed, Triton 3.6) showed the first configuration (32 tokens x 64 pairs,
-4 warps: ``SWEEP``'s (32, 64, 4)) at 255 registers per thread with spills (2148 bytes in the backward), where the
-code's (16 x 32, 8 warps) needs 56 (forward) and 93 (backward) and spills nothing. Prediction, not yet measured: the
-code's faster than (32, 64, 4) at T >= 8k. This script measures the code's configuration and each of ``SWEEP``,
-forward and forward + backward, with ``triton.testing.do_bench`` medians (launches pipelined, as in a training
-step), on bf16 q and k (16 heads of 128, R = 64).
+Run 4 on an H200 (``benchmarks/results/gpu/2026-11-27-h200``) chose the code's 32 tokens x 32 pairs with 4 warps;
+the spill-free 16 x 32 with 8 warps, picked before from ``benchmarks/triton_resources.py``'s register report, was
+slower in every shape, as were all 8-warp configurations. This script measures the code's configuration and each
+of ``SWEEP``, forward and forward + backward, with ``triton.testing.do_bench`` medians (launches pipelined, as in a
+training step), on bf16 q and k (16 heads of 128, R = 64).
 
 Usage::
 

@@ -80,20 +80,18 @@ def _next_power_of_2(n: int) -> int:
 
 
 def _config(rotary_pairs: int, pass_dims: int) -> dict[str, int]:
-    """One fixed configuration (no autotuning): tiles of 16 tokens x 32 frequency pairs, 8 warps.
+    """One fixed configuration (no autotuning): tiles of 32 tokens x 32 frequency pairs, 4 warps.
 
-    Chosen from the compiler's resource report (``benchmarks/triton_resources.py --sweep``, Triton 3.6 as on the
-    lent H200s, sm_90a), not yet timed: the previous 32 x 64 tiles with 4 warps needed 255 registers per thread and
-    spilled 376 bytes (forward) and 2148 bytes (backward, with a 1680-byte stack) to local memory inside the time
-    loop; 16 x 32 with 8 warps needs 56 and 93 registers and spills nothing, so 2-4 programs of 8 warps fit on a
-    multiprocessor instead of two of 4. The measured history points the same way: on an H200, 32-token tiles beat 64
-    (forward + backward 1.51 against 1.94 ms at B=1, T=32k; 2.36 against 3.83 ms at B=8, T=8k; run 2's sweep.txt in
-    benchmarks/results/gpu/2026-11-27-h200), where 64 x 64 float64 tiles held too many registers.
-    ``benchmarks/sweep_rotary_gpu.py`` times this against the other candidates on the next GPU run.
+    Measured on an H200 (run 4, ``benchmarks/results/gpu/2026-11-27-h200``: ``benchmarks/sweep_rotary_gpu.py``,
+    bf16, 16 heads of 128, R = 64, do_bench medians): 32 x 32 with 4 warps was the fastest forward + backward at
+    B=8, T=8k (2.45 ms) and within 10-20 % of the best at B=1, T=32k (1.5-1.7 ms against 32 x 64's 1.4), where
+    32 x 64 was 7 % slower at B=8, T=8k. 8 warps were slower in every tile shape (16 x 32 with 8 warps, chosen before
+    from the compiler's resource report because it spills nothing, took 2.15 and 3.93 ms): spilling
+    (``benchmarks/triton_resources.py``) is not what bounds these kernels.
     """
     block_r = max(1, min(_next_power_of_2(max(rotary_pairs, 1)), 32))
     block_p = max(1, min(_next_power_of_2(max(pass_dims, 1)), 64))
-    return {"BLOCK_T": 16, "BLOCK_R": block_r, "BLOCK_P": block_p, "num_warps": 8}
+    return {"BLOCK_T": 32, "BLOCK_R": block_r, "BLOCK_P": block_p, "num_warps": 4}
 
 
 # Scans and reductions use our own combine function, and zeros come from ``tl.full``: ``tl.cumsum``, ``tl.sum``,
