@@ -40,7 +40,7 @@ exec > >(tee -a "$OUT/log.txt") 2>&1
 TRITON_CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
 if [ -z "${AUTOTUNE_ARCHIVE+set}" ] && [ "$GPU_NAME" = "NVIDIA H200" ]; then
-    AUTOTUNE_ARCHIVE=$REPO/benchmarks/results/gpu/2026-11-27-h200/run3-31d2fd6/fla_autotune_h200.tgz
+    AUTOTUNE_ARCHIVE=$REPO/benchmarks/results/gpu/2026-11-27-h200/run4-fe4f981/fla_autotune_h200.tgz
 fi
 if [ -n "${AUTOTUNE_ARCHIVE:-}" ] && [ -f "$AUTOTUNE_ARCHIVE" ]; then
     mkdir -p "$TRITON_CACHE" && tar xzf "$AUTOTUNE_ARCHIVE" -C "$TRITON_CACHE" \
