@@ -105,8 +105,11 @@ def run_every_wrapper(rotary_triton) -> None:
                   valid=torch.tensor([True, False]))
     rotary_triton._rotary_decode_impl(*decode.values(), True)
     chunk = hidden // heads
-    rotary_triton.phase_inputs_decode_triton(randn(2, hidden, dtype=torch.bfloat16), randn(heads, 32, chunk),
-                                             randn(heads, pairs, 32), randn(heads, hidden), randn(heads))
+    steps = {name: decode[name] for name in ("q", "k", "temperature", "phase", "conv_state", "conv_weight", "bias",
+                                             "valid")}
+    rotary_triton.selective_rotary_decode_from_input_triton(
+        x=randn(2, hidden, dtype=torch.bfloat16), down=randn(heads, 32, chunk), up=randn(heads, pairs, 32),
+        gate_weight=randn(heads, hidden), gate_bias=randn(heads), conv_activation="silu", **steps)
 
 
 def signature(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict]:

@@ -34,10 +34,10 @@ def selective_rotary_decode(*args, **kwargs):
     return triton_rotary().selective_rotary_decode_triton(*args, **kwargs)
 
 
-def phase_inputs_decode(*args, **kwargs):
-    """The decode step's phase projection and gate logits in one launch (Triton only; ``None`` where the call is not
-    plain eager): see ``rotary_triton.phase_inputs_decode_triton``."""
-    return triton_rotary().phase_inputs_decode_triton(*args, **kwargs)
+def selective_rotary_decode_from_input(*args, **kwargs):
+    """The fused single-token step with the default phase path's inputs computed in the same launch (Triton only;
+    ``None`` where the call is not plain eager): see ``rotary_triton.selective_rotary_decode_from_input_triton``."""
+    return triton_rotary().selective_rotary_decode_from_input_triton(*args, **kwargs)
 
 
 @functools.lru_cache(maxsize=None)

@@ -28,16 +28,15 @@ writes the new phase and convolution history.
 A row whose token is padding adds 0 to its phase and keeps its convolution history, as the torch path does.
 Steps 1-2 (the input chunks' normalisation, the projection and the gate's logits) are the model's modules, called
 as such where hooks or adapters observe them; for the default phase path with nothing observing,
-``phase_inputs_decode_triton`` computes them in one more launch (on a GPU each small op costs a launch and host time
-in every layer of every step).
+``selective_rotary_decode_from_input_triton`` computes them in the same launch (on a GPU each small op costs host
+time in every layer of every step).
 
 Precision, as in the torch path (see ``rotary_torch``): the phase is summed in float64 (the scan inside a tile too: a
 float32 scan over 64 tokens is off by up to ~5e-5 rad, which decoding would not reproduce), every angle is reduced
 modulo 2π in float64 (``_angle``) before sin/cos in float32, and the decode step computes the increment in float64
 and rounds it to float32 as the torch path does. That is ~10 float64 operations per element against ~20 bytes of
 memory traffic. Measured on an H200 (where float64 runs at half the float32 rate; benchmarks/results/gpu/): the
-forward reached at most 28 % of the memory bandwidth with 32 x 64 tiles, which the compiler's report explains in part
-(255 registers per thread and spills to local memory: ``_config``); the smaller tiles used since are not yet timed.
+forward reached at most 28 % of the memory bandwidth (run 3); the tiles were chosen by timing them (``_config``).
 
 Both are ``torch.library`` custom ops (``selective_rope::rotary_forward`` / ``rotary_backward`` / ``rotary_decode``,
 with fake implementations, the forward with a registered autograd formula), so ``torch.compile`` treats them as
@@ -64,7 +63,11 @@ try:
 except ImportError as error:
     raise ImportError("the Triton Selective RoPE kernels need `triton` (pip install triton)") from error
 
-__all__ = ["phase_inputs_decode_triton", "selective_rotary_decode_triton", "selective_rotary_triton"]
+__all__ = [
+    "selective_rotary_decode_from_input_triton",
+    "selective_rotary_decode_triton",
+    "selective_rotary_triton",
+]
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
@@ -401,7 +404,8 @@ def _rotate_head(x_ptr, o_ptr, rs, mask_r, cos, sin, R, D, s_d, so_d,
 
 @triton.jit
 def _selective_rotary_decode_kernel(
-    q_ptr, k_ptr, proj_ptr, temp_ptr, two_pi_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, gate_ptr, valid_ptr,
+    q_ptr, k_ptr, proj_ptr, gate_ptr,
+    temp_ptr, two_pi_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, valid_ptr,
     oq_ptr, ok_ptr, ophase_ptr, oconv_ptr,
     Hk, G, R, D,
     sq_b, sq_h, sq_d,
@@ -414,16 +418,74 @@ def _selective_rotary_decode_kernel(
     HAS_VALID: tl.constexpr, HAS_PASS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
+    """One decoding step from the phase inputs (step 2's projection and the gate's logits, given)."""
     pid = tl.program_id(0).to(tl.int64)  # (row b, key head hk) of a contiguous (B, Hk, R) phase
     b = pid // Hk
     hk = pid % Hk
     rs = tl.arange(0, BLOCK_R)
     mask_r = rs < R
-
-    # Steps 3-5 in float64, as the torch path computes them (``SelectiveRotaryEmbedding.phase_increment``), so both
-    # round the increment to the same float32 value. Step 2's output, zeroed for a padding token.
     a = tl.load(proj_ptr + b * sp_b + hk * sp_h + rs * sp_r, mask=mask_r, other=0.0).to(tl.float64)
-    if HAS_VALID:
+    gate = a  # (unused without a gate)
+    if HAS_GATE:
+        gate = tl.load(gate_ptr + b * sg_b + hk * sg_h + rs * sg_r, mask=mask_r, other=0.0).to(tl.float64)
+    _decode_steps(
+        a, gate, pid, b, hk, rs, mask_r,
+        q_ptr, k_ptr, temp_ptr, two_pi_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, valid_ptr,
+        oq_ptr, ok_ptr, ophase_ptr, oconv_ptr,
+        Hk, G, R, D, sq_b, sq_h, sq_d, sk_b, sk_h, sk_d, soq_b, soq_h, soq_d, sok_b, sok_h, sok_d,
+        CONV_K, SILU, HAS_BIAS, HAS_GATE, HAS_VALID, HAS_PASS, BLOCK_R, BLOCK_P,
+    )
+
+
+@triton.jit
+def _selective_rotary_decode_from_input_kernel(
+    q_ptr, k_ptr, x_ptr, down_ptr, up_ptr, gw_ptr, gb_ptr,
+    temp_ptr, two_pi_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, valid_ptr,
+    oq_ptr, ok_ptr, ophase_ptr, oconv_ptr,
+    Hk, G, R, D,
+    sq_b, sq_h, sq_d,
+    sk_b, sk_h, sk_d,
+    soq_b, soq_h, soq_d,
+    sok_b, sok_h, sok_d,
+    Dc, RANK, sx_b,
+    CONV_K: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GATE: tl.constexpr,
+    HAS_VALID: tl.constexpr, HAS_PASS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_RANK: tl.constexpr,
+):
+    """One decoding step from this step's input ``x``: steps 1-2 of the default phase path (``_low_rank_projection``,
+    ``_per_head_gate_logit``), then the same steps as ``_selective_rotary_decode_kernel``."""
+    pid = tl.program_id(0).to(tl.int64)  # (row b, key head hk) of a contiguous (B, Hk, R) phase
+    b = pid // Hk
+    hk = pid % Hk
+    rs = tl.arange(0, BLOCK_R)
+    mask_r = rs < R
+    row = x_ptr + b * sx_b
+    a = _low_rank_projection(row, down_ptr, up_ptr, hk, Dc, RANK, R, BLOCK_D, BLOCK_RANK, BLOCK_R)
+    gate = a  # (unused without a gate)
+    if HAS_GATE:
+        gate = _per_head_gate_logit(row, gw_ptr, gb_ptr, hk, Hk, Dc, BLOCK_D)
+    _decode_steps(
+        a, gate, pid, b, hk, rs, mask_r,
+        q_ptr, k_ptr, temp_ptr, two_pi_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, valid_ptr,
+        oq_ptr, ok_ptr, ophase_ptr, oconv_ptr,
+        Hk, G, R, D, sq_b, sq_h, sq_d, sk_b, sk_h, sk_d, soq_b, soq_h, soq_d, sok_b, sok_h, sok_d,
+        CONV_K, SILU, HAS_BIAS, HAS_GATE, HAS_VALID, HAS_PASS, BLOCK_R, BLOCK_P,
+    )
+
+
+@triton.jit
+def _decode_steps(
+    a, gate, pid, b, hk, rs, mask_r,
+    q_ptr, k_ptr, temp_ptr, two_pi_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, valid_ptr,
+    oq_ptr, ok_ptr, ophase_ptr, oconv_ptr,
+    Hk, G, R, D, sq_b, sq_h, sq_d, sk_b, sk_h, sk_d, soq_b, soq_h, soq_d, sok_b, sok_h, sok_d,
+    CONV_K: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GATE: tl.constexpr,
+    HAS_VALID: tl.constexpr, HAS_PASS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """Steps 3-8 of one decoding step for program (row ``b``, key head ``hk``), from step 2's projection ``a`` and
+    the gate's logit(s) ``gate`` (float64; one per head, or one per pair), in float64 as the torch path computes them
+    (``SelectiveRotaryEmbedding.phase_increment``), so both round the increment to the same float32 value."""
+    if HAS_VALID:  # step 2's output, zeroed for a padding token
         keep = tl.load(valid_ptr + b) != 0
         valid = keep.to(tl.float64)
         a = a * valid
@@ -454,7 +516,7 @@ def _selective_rotary_decode_kernel(
     if HAS_BIAS:
         c += tl.exp(tl.load(bias_ptr + hk * R + rs, mask=mask_r, other=0.0).to(tl.float64))
     if HAS_GATE:
-        c *= _sigmoid(tl.load(gate_ptr + b * sg_b + hk * sg_h + rs * sg_r, mask=mask_r, other=0.0).to(tl.float64))
+        c *= _sigmoid(gate)
     if HAS_VALID:
         c = c * valid
 
@@ -486,23 +548,14 @@ def _chunk_norm(row_ptr, Dc, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _phase_inputs_decode_kernel(
-    x_ptr, down_ptr, up_ptr, gw_ptr, gb_ptr, proj_ptr, gate_ptr,
-    Hk, Dc, RANK, R, sx_b,
-    HAS_GATE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_R: tl.constexpr,
-):
-    """SPEC §3 steps 1-2 for one token, one program per (row, key head), in float64 as the torch path: the head's
-    input chunk L2-normalised (``u = x / max(‖x‖, 1e-12)``), the low-rank projection ``a = up_h @ (down_h @ u_h)``
-    and the per-head gate's logit ``w_h · u + b_h`` over every chunk (each normalised by its own norm)."""
-    pid = tl.program_id(0).to(tl.int64)  # (row b, key head hk) of a contiguous (B, Hk, R) projection
-    b = pid // Hk
-    hk = pid % Hk
-    row = x_ptr + b * sx_b
+def _low_rank_projection(row, down_ptr, up_ptr, hk, Dc, RANK, R,
+                         BLOCK_D: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_R: tl.constexpr):
+    """``up_h @ (down_h @ u_h)``, float64 ``[BLOCK_R]``, for the head's input chunk L2-normalised
+    (``u = x / max(‖x‖, 1e-12)``): the ``"low_rank"`` ``PhaseProjection`` of one token."""
     ks = tl.arange(0, BLOCK_RANK)
     rs = tl.arange(0, BLOCK_R)
     mask_k = ks < RANK
     mask_r = rs < R
-
     chunk = row + hk * Dc
     norm = _chunk_norm(chunk, Dc, BLOCK_D)
     low = tl.full([BLOCK_RANK], 0.0, tl.float64)  # down_h @ u_h
@@ -515,20 +568,24 @@ def _phase_inputs_decode_kernel(
         low += tl.sum(down * u[None, :], axis=1)
     up = tl.load(up_ptr + (hk * R + rs[:, None]) * RANK + ks[None, :], mask=mask_r[:, None] & mask_k[None, :],
                  other=0.0).to(tl.float64)
-    tl.store(proj_ptr + pid * R + rs, tl.sum(up * low[None, :], axis=1), mask=mask_r)
+    return tl.sum(up * low[None, :], axis=1)
 
-    if HAS_GATE:
-        hidden = Hk * Dc
-        acc = tl.full([BLOCK_D], 0.0, tl.float64)
-        for c in range(Hk):
-            chunk_c = row + c * Dc
-            norm_c = _chunk_norm(chunk_c, Dc, BLOCK_D)
-            for d0 in range(0, Dc, BLOCK_D):
-                ds = d0 + tl.arange(0, BLOCK_D)
-                mask_d = ds < Dc
-                u = tl.load(chunk_c + ds, mask=mask_d, other=0.0).to(tl.float64) / norm_c
-                acc += tl.load(gw_ptr + hk * hidden + c * Dc + ds, mask=mask_d, other=0.0).to(tl.float64) * u
-        tl.store(gate_ptr + pid, tl.sum(acc, axis=0) + tl.load(gb_ptr + hk).to(tl.float64))
+
+@triton.jit
+def _per_head_gate_logit(row, gw_ptr, gb_ptr, hk, Hk, Dc, BLOCK_D: tl.constexpr):
+    """``w_h · u + b_h`` over every chunk of the row (each normalised by its own norm), float64: the per-head
+    ``PhaseLinear`` gate's logit for head ``hk``."""
+    hidden = Hk * Dc
+    acc = tl.full([BLOCK_D], 0.0, tl.float64)
+    for c in range(Hk):
+        chunk_c = row + c * Dc
+        norm_c = _chunk_norm(chunk_c, Dc, BLOCK_D)
+        for d0 in range(0, Dc, BLOCK_D):
+            ds = d0 + tl.arange(0, BLOCK_D)
+            mask_d = ds < Dc
+            u = tl.load(chunk_c + ds, mask=mask_d, other=0.0).to(tl.float64) / norm_c
+            acc += tl.load(gw_ptr + hk * hidden + c * Dc + ds, mask=mask_d, other=0.0).to(tl.float64) * u
+    return tl.sum(acc, axis=0) + tl.load(gb_ptr + hk).to(tl.float64)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -829,6 +886,19 @@ def _rotary_decode_impl(
     """Shapes as in ``selective_rotary_decode_triton``: ``projection``, ``phase``, ``conv_state`` and ``gate_logits``
     float64, ``temperature``, ``conv_weight`` and ``bias`` float32; ``phase`` and ``conv_state`` are given (zeros at a
     sequence start). Returns q, k, the new phase and the new history (``(B, 0, C)`` without conv), float64."""
+    batch, num_key_heads, rotary_pairs = k.shape[0], k.shape[1], temperature.shape[0]
+    gate = projection if gate_logits is None else gate_logits.expand(batch, num_key_heads, rotary_pairs)
+    return _launch_decode(_selective_rotary_decode_kernel, (projection, gate), (*projection.stride(), *gate.stride()),
+                          {}, q, k, temperature, phase, conv_state, conv_weight, bias, valid, silu,
+                          has_gate=gate_logits is not None)
+
+
+def _launch_decode(kernel, inputs: tuple, input_args: tuple, input_meta: dict, q, k, temperature, phase, conv_state,
+                   conv_weight, bias, valid, silu: bool, has_gate: bool):
+    """Allocate a decoding step's outputs and launch ``kernel`` (one of the two decode kernels, which share their
+    arguments but for the phase ``inputs``, given after q and k, and ``input_args`` and ``input_meta``, given last)
+    with one program per (row, key head). Returns q, k, the new phase and the new history, as
+    ``_rotary_decode_impl``."""
     batch, num_query_heads, head_dim = q.shape
     num_key_heads, rotary_pairs = k.shape[1], temperature.shape[0]
     out_q, out_k = torch.empty_like(q), torch.empty_like(k)
@@ -842,22 +912,21 @@ def _rotary_decode_impl(
         if conv_state is not None:
             new_conv.copy_(conv_state)
         return out_q, out_k, new_phase, new_conv
-    gate = projection if gate_logits is None else gate_logits.expand(batch, num_key_heads, rotary_pairs)
-    cfg = _config(rotary_pairs, head_dim - 2 * rotary_pairs)
-    block_r = _next_power_of_2(rotary_pairs)  # one program holds all R pairs of its head
     placeholder = new_phase  # for pointers a disabled branch never reads
-    _selective_rotary_decode_kernel[(batch * num_key_heads,)](
-        q, k, projection, temperature.contiguous(), _two_pi(q.device), phase.contiguous(),
+    kernel[(batch * num_key_heads,)](
+        q, k, *inputs, temperature.contiguous(), _two_pi(q.device), phase.contiguous(),
         conv_state.contiguous() if conv_state is not None else placeholder,
         conv_weight.contiguous() if conv_weight is not None else placeholder,
-        bias.contiguous() if bias is not None else placeholder, gate,
+        bias.contiguous() if bias is not None else placeholder,
         valid if valid is not None else placeholder,
         out_q, out_k, new_phase, new_conv,
         num_key_heads, num_query_heads // num_key_heads, rotary_pairs, head_dim,
-        *q.stride(), *k.stride(), *out_q.stride(), *out_k.stride(), *projection.stride(), *gate.stride(),
-        CONV_K=conv_k, SILU=silu, HAS_BIAS=bias is not None, HAS_GATE=gate_logits is not None,
+        *q.stride(), *k.stride(), *out_q.stride(), *out_k.stride(), *input_args,
+        CONV_K=conv_k, SILU=silu, HAS_BIAS=bias is not None, HAS_GATE=has_gate,
         HAS_VALID=valid is not None, HAS_PASS=head_dim > 2 * rotary_pairs,
-        BLOCK_R=block_r, BLOCK_P=cfg["BLOCK_P"], num_warps=4,  # one head's R pairs: no tile to spread over 8
+        BLOCK_R=_next_power_of_2(rotary_pairs),  # one program holds all R pairs of its head
+        BLOCK_P=_config(rotary_pairs, head_dim - 2 * rotary_pairs)["BLOCK_P"],
+        num_warps=4, **input_meta,  # one head's R pairs: no tile to spread over 8 warps
     )
     return out_q, out_k, new_phase, new_conv
 
@@ -874,54 +943,18 @@ def _(q, k, projection, temperature, phase, conv_state, conv_weight, bias, gate_
     return torch.empty_like(q), torch.empty_like(k), new_phase, new_conv
 
 
-def phase_inputs_decode_triton(
-    x: torch.Tensor,
-    down: torch.Tensor,
-    up: torch.Tensor,
-    gate_weight: torch.Tensor | None = None,
-    gate_bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """The decode step's phase inputs in one launch, for the default phase path (a ``"low_rank"`` projection and a
-    per-head gate or none): what ``PhaseProjection(u)`` and ``PhaseLinear(u)`` compute in float64 from the
-    L2-normalised input chunks ``u``, which ``selective_rotary_decode_triton`` takes as ``projection`` and
-    ``gate_logits``. (The same results, summed in another order: equal to the torch path's within float64 rounding,
-    which the increment's rounding to float32 absorbs.)
-
-    Args:
-        x: ``(B, Hk * Dc)`` this step's input (any float dtype; rows may be strided).
-        down: ``(Hk, rank, Dc)``; up: ``(Hk, R, rank)``: the projection's weights (any float dtype).
-        gate_weight: ``(Hk, Hk * Dc)``; gate_bias: ``(Hk,)``: the per-head gate, or ``None`` for no gate.
-
-    Returns:
-        ``projection`` ``(B, Hk, R)`` and ``gate_logits`` ``(B, Hk, 1)`` (``None`` without a gate), float64; or
-        ``None`` where the call is not plain eager (traced, under a dispatch mode, tensor subclasses: this kernel has
-        no custom op, so the caller computes the inputs with its modules' own ops there).
-    """
-    if not _plain_eager_call((x, down, up, gate_weight, gate_bias)):
-        return None
-    batch, hidden = x.shape
+def _check_phase_weights(x, down, up, gate_weight) -> None:
     num_key_heads, rank, chunk_dim = down.shape
-    rotary_pairs = up.shape[1]
-    if (up.shape != (num_key_heads, rotary_pairs, rank) or hidden != num_key_heads * chunk_dim
+    hidden = x.shape[-1]
+    if (up.shape != (num_key_heads, up.shape[1], rank) or hidden != num_key_heads * chunk_dim
             or (gate_weight is not None and gate_weight.shape != (num_key_heads, hidden))):
         raise ValueError(f"x {tuple(x.shape)}, down {tuple(down.shape)}, up {tuple(up.shape)} and gate weight "
                          f"{None if gate_weight is None else tuple(gate_weight.shape)} disagree")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    projection = x.new_empty(batch, num_key_heads, rotary_pairs, dtype=torch.float64)
-    gate_logits = None if gate_weight is None else x.new_empty(batch, num_key_heads, 1, dtype=torch.float64)
-    if batch == 0 or rotary_pairs == 0:
-        return projection, gate_logits
-    down, up = down.contiguous(), up.contiguous()
-    gate_args = (projection, projection) if gate_weight is None else (gate_weight.contiguous(), gate_bias.contiguous())
-    block_d = min(_next_power_of_2(chunk_dim), 64)  # chunks of up to 64 values: a (rank, 64) float64 tile at most
-    _phase_inputs_decode_kernel[(batch * num_key_heads,)](
-        x, down, up, *gate_args, projection, projection if gate_logits is None else gate_logits,
-        num_key_heads, chunk_dim, rank, rotary_pairs, x.stride(0),
-        HAS_GATE=gate_weight is not None, BLOCK_D=block_d, BLOCK_RANK=_next_power_of_2(rank),
-        BLOCK_R=_next_power_of_2(rotary_pairs), num_warps=4,
-    )
-    return projection, gate_logits
+
+
+def _phase_block_d(chunk_dim: int) -> int:
+    """Input chunks are read in blocks of up to 64 values: a (rank, 64) float64 tile at most."""
+    return min(_next_power_of_2(chunk_dim), 64)
 
 
 def selective_rotary_decode_triton(
@@ -957,25 +990,94 @@ def selective_rotary_decode_triton(
         Rotated ``q`` and ``k`` (input dtypes), the new phase ``(B, Hk, R)`` and the new convolution history
         ``(B, K-1, Hk*R)`` (``None`` without convolution), both float64. Not differentiable: for inference.
     """
+    step = _step_inputs(q, k, temperature, phase, conv_state, conv_weight, conv_activation, bias, valid)
+    projection = projection.double().expand(*k.shape[:2], temperature.shape[-1])
+    gate_logits = None if gate_logits is None else gate_logits.double()
+    inputs = (q, k, projection, step.temperature, step.phase, step.conv_state, step.conv_weight, step.bias,
+              gate_logits, step.valid, step.silu)
+    # The custom op's dispatch layers cost ~10 us, a good part of a decoding step's budget: plain eager calls skip them.
+    decode = _rotary_decode_impl if _plain_eager_call(inputs) else _rotary_decode
+    q_out, k_out, new_phase, new_conv = decode(*inputs)
+    return q_out, k_out, new_phase, (new_conv if conv_weight is not None else None)
+
+
+def selective_rotary_decode_from_input_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    x: torch.Tensor,
+    down: torch.Tensor,
+    up: torch.Tensor,
+    gate_weight: torch.Tensor | None,
+    gate_bias: torch.Tensor | None,
+    temperature: torch.Tensor,
+    phase: torch.Tensor | None = None,
+    conv_state: torch.Tensor | None = None,
+    conv_weight: torch.Tensor | None = None,
+    conv_activation: str | None = None,
+    bias: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """``selective_rotary_decode_triton`` for the default phase path (a ``"low_rank"`` projection, a per-head gate
+    or none), with steps 1-2 in the same launch: from this step's input ``x`` and the phase modules' weights, what
+    ``PhaseProjection(u)`` and ``PhaseLinear(u)`` compute in float64 from the L2-normalised input chunks ``u`` (the
+    same results, summed in another order: equal within float64 rounding, which the increment's rounding to float32
+    absorbs). On a GPU each launch and each small torch op cost host time (run 4's H200 machine: 47-87 us per Triton
+    launch, ~10-25 per torch op) in every layer of every decoding step, which is host-bound: this is one launch.
+
+    Args:
+        x: ``(B, Hk * Dc)`` this step's input (any float dtype; rows may be strided).
+        down: ``(Hk, rank, Dc)``; up: ``(Hk, R, rank)``: the projection's weights (any float dtype).
+        gate_weight: ``(Hk, Hk * Dc)``; gate_bias: ``(Hk,)``: the per-head gate, or ``None`` for no gate.
+        The rest: as ``selective_rotary_decode_triton``'s.
+
+    Returns:
+        As ``selective_rotary_decode_triton``; or ``None`` where the call is not plain eager (traced, under a dispatch
+        mode, tensor subclasses: this launch has no custom op, so the caller runs the two functions there).
+    """
+    if not _plain_eager_call((q, k, x, down, up, gate_weight, gate_bias, temperature, phase, conv_state, conv_weight,
+                              bias, valid)):
+        return None
+    _check_phase_weights(x, down, up, gate_weight)
+    step = _step_inputs(q, k, temperature, phase, conv_state, conv_weight, conv_activation, bias, valid)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    chunk_dim, rank = down.shape[2], down.shape[1]
+    gate = (x, x) if gate_weight is None else (gate_weight.contiguous(), gate_bias.contiguous())  # x: unread
+    meta = {"BLOCK_D": _phase_block_d(chunk_dim), "BLOCK_RANK": _next_power_of_2(rank)}
+    q_out, k_out, new_phase, new_conv = _launch_decode(
+        _selective_rotary_decode_from_input_kernel, (x, down.contiguous(), up.contiguous(), *gate),
+        (chunk_dim, rank, x.stride(0)), meta, q, k, step.temperature, step.phase, step.conv_state, step.conv_weight,
+        step.bias, step.valid, step.silu, has_gate=gate_weight is not None)
+    return q_out, k_out, new_phase, (new_conv if conv_weight is not None else None)
+
+
+class _StepInputs(NamedTuple):
+    """A decoding step's state and parameters in the dtypes the decode kernels read."""
+
+    temperature: torch.Tensor
+    phase: torch.Tensor
+    conv_state: torch.Tensor | None
+    conv_weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    valid: torch.Tensor | None
+    silu: bool
+
+
+def _step_inputs(q, k, temperature, phase, conv_state, conv_weight, conv_activation, bias, valid) -> _StepInputs:
+    """Checks and casts shared by both decode entry points: zeros for a missing phase or history (a sequence start),
+    float32 parameters, float64 state, ``valid`` as int32."""
     if conv_activation not in (None, "silu"):
         raise ValueError(f"unsupported activation {conv_activation!r}; expected None or 'silu'")
     batch, num_key_heads = k.shape[:2]
     rotary_pairs = temperature.shape[-1]
     if q.shape[1] % num_key_heads or 2 * rotary_pairs > q.shape[-1] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and R={rotary_pairs} disagree")
-    projection = projection.double().expand(batch, num_key_heads, rotary_pairs)
     if phase is None:
-        phase = projection.new_zeros(batch, num_key_heads, rotary_pairs)
+        phase = q.new_zeros(batch, num_key_heads, rotary_pairs, dtype=torch.float64)
     if conv_weight is not None and conv_state is None:
-        conv_state = projection.new_zeros(batch, conv_weight.shape[-1] - 1, num_key_heads * rotary_pairs)
-    inputs = (q, k, projection, temperature.float(), phase.double(),
-              None if conv_weight is None else conv_state.double(),
-              None if conv_weight is None else conv_weight.float(),
-              None if bias is None else bias.float(),
-              None if gate_logits is None else gate_logits.double(),
-              None if valid is None else valid.to(torch.int32),
-              conv_activation == "silu")
-    # The custom op's dispatch layers cost ~10 us, a good part of a decoding step's budget: plain eager calls skip them.
-    decode = _rotary_decode_impl if _plain_eager_call(inputs) else _rotary_decode
-    q_out, k_out, new_phase, new_conv = decode(*inputs)
-    return q_out, k_out, new_phase, (new_conv if conv_weight is not None else None)
+        conv_state = q.new_zeros(batch, conv_weight.shape[-1] - 1, num_key_heads * rotary_pairs, dtype=torch.float64)
+    return _StepInputs(temperature.float(), phase.double(),
+                       None if conv_weight is None else conv_state.double(),
+                       None if conv_weight is None else conv_weight.float(),
+                       None if bias is None else bias.float(),
+                       None if valid is None else valid.to(torch.int32),
+                       conv_activation == "silu")

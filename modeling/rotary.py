@@ -40,9 +40,9 @@ from ..configuration.position_embedding import SelectiveRopeConfigBase
 from ..kernels.conv_torch import causal_conv1d
 from ..kernels.dispatch import resolve_backend
 from ..kernels.rotary import (
-    phase_inputs_decode,
     selective_rotary,
     selective_rotary_decode,
+    selective_rotary_decode_from_input,
     single_token_step_applies,
     unit_step,
 )
@@ -454,41 +454,37 @@ class SelectiveRotaryEmbedding(nn.Module):
 
     def _decode_step(self, x, q, k, state, lengths):
         """One token per row (decoding) with the fused Triton step: what ``phase_increment`` followed by
-        ``selective_rotary`` compute, in one kernel after the phase inputs (``_decode_phase_inputs``; RoPE's are a
-        unit step, with no convolution, bias or gate). The convolution's taps (learned, or the fixed difference) are
+        ``selective_rotary`` compute. The default phase path (``_fusable_phase_weights``) runs as one launch from
+        this step's input; other phase paths compute the phase inputs first (``_decode_phase_inputs``); RoPE's are a
+        unit step, with no convolution, bias or gate. The convolution's taps (learned, or the fixed difference) are
         read directly."""
         valid = None if lengths is None else lengths > 0
         if self.position_embedding == "rope":
             q_out, k_out, phase, _ = selective_rotary_decode(q[:, 0], k[:, 0], unit_step(x.device), self.temperature,
                                                              phase=state.get("phase"), valid=valid)
             return q_out.unsqueeze(1), k_out.unsqueeze(1), self._state(phase, None)
-        projection, gate_logits = self._decode_phase_inputs(x)
         conv = self.phase_conv
-        q_out, k_out, phase, conv_state = selective_rotary_decode(
-            q[:, 0], k[:, 0], projection, self.temperature,
+        step_state = dict(
             phase=state.get("phase"),
             conv_state=None if conv is None else state.get("phase_conv"),
             conv_weight=None if conv is None else conv.taps(x.device),
             conv_activation=None if conv is None else conv.activation,
             bias=self.phase_bias,
-            gate_logits=gate_logits,
             valid=valid,
         )
+        weights = self._fusable_phase_weights()
+        step = None if weights is None else selective_rotary_decode_from_input(q[:, 0], k[:, 0], x[:, 0], *weights,
+                                                                                 self.temperature, **step_state)
+        if step is None:
+            projection, gate_logits = self._decode_phase_inputs(x)
+            step = selective_rotary_decode(q[:, 0], k[:, 0], projection, self.temperature, gate_logits=gate_logits,
+                                           **step_state)
+        q_out, k_out, phase, conv_state = step
         return q_out.unsqueeze(1), k_out.unsqueeze(1), self._state(phase, conv_state)
 
     def _decode_phase_inputs(self, x):
-        """Steps 1-2 for one token per row, float64: the projection ``(B, Hk, R)`` and the gate logits
-        ``(B, Hk, 1 or R)`` (``None`` without a gate).
-
-        The default phase path (a ``"low_rank"`` projection, a per-head gate or none) runs as one Triton launch
-        where nothing observes its modules (no hooks on them, no global ones: they would not see the modules run)
-        and they are ours (a PEFT adapter replaces one): on a GPU each of the dozen small ops otherwise run here
-        costs a launch and ~10 us of host time, in every layer of every decoding step (issue 17). Everything else
-        calls the modules."""
-        weights = self._fusable_phase_weights()
-        fused = None if weights is None else phase_inputs_decode(x[:, 0], *weights)
-        if fused is not None:
-            return fused
+        """Steps 1-2 for one token per row through the phase modules (their hooks and adapters run), float64: the
+        projection ``(B, Hk, R)`` and the gate logits ``(B, Hk, 1 or R)`` (``None`` without a gate)."""
         with no_autocast(x):
             u = self._normalized_chunks(x)  # (B, 1, Hk, Dc) float64
             projection = self.phase_proj(u)[:, 0]  # (B, Hk, R) float64
@@ -496,8 +492,10 @@ class SelectiveRotaryEmbedding(nn.Module):
         return projection, gate_logits
 
     def _fusable_phase_weights(self) -> tuple | None:
-        """``(down, up, gate weight, gate bias)`` for ``phase_inputs_decode``, or ``None`` where the phase path is
-        not the default one or something observes its modules."""
+        """``(down, up, gate weight, gate bias)`` for ``selective_rotary_decode_from_input``, or ``None`` where the
+        phase path is not the default one (a ``"low_rank"`` projection, a per-head gate or none), a module is not ours
+        (a PEFT adapter replaces one) or something observes the modules (hooks on them, or global ones: they would not
+        see the modules run). Then the modules are called."""
         proj, gate = self.phase_proj, self.phase_gate_proj
         if type(proj) is not PhaseProjection or proj.kind != "low_rank":
             return None

@@ -200,12 +200,13 @@ def assert_close(actual, expected, name, tol=1e-4):
 
 @pytest.fixture
 def decode_calls(monkeypatch):
-    """Counts the fused decode steps (so a silent fallback to the generic path would be noticed)."""
+    """Counts the fused decode steps, from the phase inputs or from the input (so a silent fallback to the generic
+    path would be noticed)."""
     rotary_triton = dispatch.triton_rotary()
     calls = []
-    fused = rotary_triton.selective_rotary_decode_triton
-    monkeypatch.setattr(rotary_triton, "selective_rotary_decode_triton",
-                        lambda *a, **kw: calls.append(1) or fused(*a, **kw))
+    for name in ("selective_rotary_decode_triton", "selective_rotary_decode_from_input_triton"):
+        fused = getattr(rotary_triton, name)
+        monkeypatch.setattr(rotary_triton, name, lambda *a, fused=fused, **kw: calls.append(1) or fused(*a, **kw))
     return calls
 
 

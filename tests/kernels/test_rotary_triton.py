@@ -547,6 +547,15 @@ def run_module(module, backend, x, q, k, state=None, lengths=None, cu_seqlens=No
         module.backend = "torch"
 
 
+def count_fused_decode_steps(monkeypatch) -> list:
+    """A list that grows by one per fused decode step, from the phase inputs or from the input."""
+    calls = []
+    for name in ("selective_rotary_decode_triton", "selective_rotary_decode_from_input_triton"):
+        fused = getattr(rotary_triton, name)
+        monkeypatch.setattr(rotary_triton, name, lambda *a, fused=fused, **kw: calls.append(1) or fused(*a, **kw))
+    return calls
+
+
 def option_id(options: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in options.items()) or "default"
 
@@ -555,10 +564,7 @@ def option_id(options: dict) -> str:
 def test_module_prefill_then_decode(options, monkeypatch):
     """A padded prefill (with gradients), then decoding steps where one row's token is padding: the Triton path
     (prefill op, fused decode step) gives the torch path's q, k and cached state."""
-    decode_calls = []
-    fused = rotary_triton.selective_rotary_decode_triton
-    monkeypatch.setattr(rotary_triton, "selective_rotary_decode_triton",
-                        lambda *a, **kw: decode_calls.append(1) or fused(*a, **kw))
+    decode_calls = count_fused_decode_steps(monkeypatch)
     module = make_rotary(dtype=torch.float32, device=DEVICE, **options)
     x = torch.randn(3, 6, HIDDEN)
     q, k = torch.randn(3, 6, 4, 8), torch.randn(3, 6, 2, 8)
@@ -653,17 +659,18 @@ def test_rotary_module_compiles_without_graph_break(backend):
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# the decode step's phase inputs in one launch (the default phase path)
+# the decode step from the input, one launch (the default phase path)
 # --------------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("heads,chunk_dim,rank,pairs,gate,dtype", [
     (2, 8, 32, 4, True, torch.float32),
     (4, 100, 5, 7, True, torch.bfloat16),  # a chunk in two blocks of 64 (the second partial), odd rank and pairs
     (3, 16, 4, 8, False, torch.float32),
 ], ids=["default", "two-blocks-bf16", "no-gate"])
-def test_phase_inputs_match_the_modules(heads, chunk_dim, rank, pairs, gate, dtype):
-    """The fused kernel against ``PhaseProjection`` and the per-head ``PhaseLinear`` on the L2-normalised chunks, in
-    float64: equal within float64 rounding, and equal once rounded to float32 (what the step adds to the phase).
-    Rows of ``x`` are strided (a slice of a wider tensor)."""
+def test_decode_from_input_matches_the_modules(heads, chunk_dim, rank, pairs, gate, dtype):
+    """The one-launch step against ``selective_rotary_decode_triton`` fed by ``PhaseProjection`` and the per-head
+    ``PhaseLinear`` on the L2-normalised chunks (float64): the same rotated q and k and the same phase (the increment
+    rounds to the same float32 value), and the projection, which the new convolution history holds last, equal within
+    float64 rounding. Rows of ``x`` are strided (a slice of a wider tensor); one row is padding."""
     from selective_rope.modeling.rotary import PhaseLinear, PhaseProjection
 
     projection = PhaseProjection("low_rank", heads, chunk_dim, pairs, rank)
@@ -672,16 +679,30 @@ def test_phase_inputs_match_the_modules(heads, chunk_dim, rank, pairs, gate, dty
     x = wide[:, 5:]
     u = torch.nn.functional.normalize(x.double().view(3, 1, heads, chunk_dim), dim=-1)
     with torch.no_grad():
-        expected = projection(u)[:, 0], None if gate_module is None else gate_module(u.flatten(2))[:, 0, :, None]
-    actual = rotary_triton.phase_inputs_decode_triton(x, projection.down, projection.up,
-                                                      *((gate_module.weight, gate_module.bias) if gate else ()))
-    for name, a, e in zip(("projection", "gate logits"), actual, expected):
-        if e is None:
-            assert a is None, name
-            continue
-        assert a.dtype == torch.float64 and a.shape == e.shape, name
-        torch.testing.assert_close(a, e, rtol=1e-13, atol=1e-13, msg=lambda m, name=name: f"{name}: {m}")
-        assert torch.equal(a.float(), e.float()), name
+        inputs = projection(u)[:, 0], None if gate_module is None else gate_module(u.flatten(2))[:, 0, :, None]
+    head_dim = 2 * pairs + 2
+    step = dict(q=torch.randn(3, 2 * heads, head_dim, dtype=dtype), k=torch.randn(3, heads, head_dim, dtype=dtype),
+                temperature=torch.rand(pairs) + 0.5, phase=torch.randn(3, heads, pairs, dtype=torch.float64),
+                conv_state=torch.randn(3, 2, heads * pairs, dtype=torch.float64),
+                conv_weight=torch.randn(heads * pairs, 3), conv_activation="silu", bias=torch.randn(heads, pairs),
+                valid=torch.tensor([True, False, True]))
+    expected = selective_rotary_decode_triton(projection=inputs[0], gate_logits=inputs[1], **step)
+    weights = (projection.down, projection.up) + ((gate_module.weight, gate_module.bias) if gate else (None, None))
+    actual = rotary_triton.selective_rotary_decode_from_input_triton(x=x, down=weights[0], up=weights[1],
+                                                                     gate_weight=weights[2], gate_bias=weights[3],
+                                                                     **step)
+    for name, a, e in zip(("q", "k", "phase"), actual, expected):
+        assert a.dtype == e.dtype and torch.equal(a, e), name
+    torch.testing.assert_close(actual[3], expected[3], rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(actual[3][[0, 2], -1].view(2, heads, pairs), inputs[0][[0, 2]], rtol=1e-13,
+                               atol=1e-13)
+
+
+def test_decode_from_input_refuses_disagreeing_weights():
+    x, q, k = torch.randn(2, 12), torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    with pytest.raises(ValueError, match="disagree"):
+        rotary_triton.selective_rotary_decode_from_input_triton(q, k, x, torch.randn(3, 2, 5), torch.randn(3, 4, 2),
+                                                                None, None, torch.ones(4))
 
 
 @pytest.mark.parametrize("options,observer,fused", [
@@ -694,12 +715,12 @@ def test_phase_inputs_match_the_modules(heads, chunk_dim, rank, pairs, gate, dty
     (dict(), "global hook", False),
 ], ids=["default", "no-gate", "channel-gate", "full-rank", "projection-hook", "gate-hook", "global-hook"])
 def test_decode_step_fuses_its_phase_inputs_where_nothing_observes(options, observer, fused, monkeypatch):
-    """Decoding steps on the Triton path compute the projection and gate in one launch for the default phase path,
-    and call the modules (their hooks run) for other kinds or where a hook observes them; the steps give the same
+    """Decoding steps on the Triton path compute the projection and gate in the step's launch for the default phase
+    path, and call the modules (their hooks run) for other kinds or where a hook observes them; the steps give the same
     q, k and state either way (the path with a pass-through hook on the projection is the reference)."""
     calls = []
-    kernel = rotary_triton.phase_inputs_decode_triton
-    monkeypatch.setattr(rotary_triton, "phase_inputs_decode_triton",
+    kernel = rotary_triton.selective_rotary_decode_from_input_triton
+    monkeypatch.setattr(rotary_triton, "selective_rotary_decode_from_input_triton",
                         lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     module = make_rotary(dtype=torch.float32, device=DEVICE, **options)
     seen = []
