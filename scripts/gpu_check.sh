@@ -19,7 +19,10 @@
 #
 # Usage, from the repository root, with selective_rope, triton and flash-linear-attention importable:
 #   OUT=/tmp/gpu-check [AUTOTUNE_ARCHIVE=autotune.tgz from an earlier run, or empty for none] \
-#       [MODELS_LIMIT=seconds] [MODEL_FAMILIES="gla fox"] bash scripts/gpu_check.sh
+#       [SECTIONS="tests models"] [MODELS_LIMIT=seconds] [MODEL_FAMILIES="gla fox"] bash scripts/gpu_check.sh
+# SECTIONS picks what runs, in the order below (default: all of "tests bench profile module sweep models"); e.g.
+# SECTIONS="tests models" MODELS_LIMIT=420 leaves fla's autotuning of GLA and Gated DeltaNet the time it needs (their
+# training kernels try ~300 configurations, each compiled, in the first steps).
 # On a machine without a package index (as the lent ones are), bring wheels: here, `pip wheel --no-deps -w .whl .`
 # and `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl
 # fla-core==0.6.0 flash-linear-attention==0.6.0`; there, `pip install --no-index --no-deps --target /tmp/site
@@ -57,6 +60,7 @@ printf '%s\n' \
 export PYTHONPATH="$PLUGINS${PYTHONPATH:+:$PYTHONPATH}"
 
 step() { echo "=== $(date -u +%H:%M:%S) $*"; }
+wanted() { case " ${SECTIONS:-tests bench profile module sweep models} " in *" $1 "*) return 0 ;; esac; return 1; }
 pytest_in_tmp() {  # from /tmp: inside the checkout, its source tree would shadow the installed package
     local limit=$1 log=$2
     shift 2
@@ -69,6 +73,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem,tem
     --format=csv
 (cd /tmp && "$PYTHON" "$REPO/scripts/gpu_machine.py")
 
+if wanted tests; then
 step "correctness: our Triton rotary kernels, fla-backed tests (-m cuda) and the rest of the suite, side by side"
 ROTARY_TESTS="$REPO/tests/kernels/test_rotary_triton.py"
 pytest_in_tmp 120 "$OUT/pytest_rotary.txt" -n 6 "$ROTARY_TESTS" "$REPO/tests/kernels/test_backend_parity.py" \
@@ -84,26 +89,37 @@ for log in "$OUT/pytest_rotary.txt" "$OUT/pytest_cuda.txt" "$OUT/pytest_suite.tx
     echo "--- $(basename "$log")"
     grep -h "^FAILED\|exit status\| passed\| failed" "$log" | tail -n 40
 done
+fi
 
+if wanted bench; then
 step "Triton rotary kernels on CUDA: benchmark (eager, torch.compile, Triton)"
 timeout 110 "$PYTHON" benchmarks/bench_rotary_gpu.py --repeats 20 --output "$OUT/rotary_gpu.json"
+fi
 
+if wanted profile; then
 step "Triton rotary kernels on CUDA: host against device time per call, and torch.profiler's tables"
 for length in 2048 32768; do
     timeout 30 "$PYTHON" benchmarks/profile_rotary_gpu.py --seq-len $length
 done
+fi
 
+if wanted module; then
 step "one 370M FoX layer's Selective RoPE module in training: the float64 phase path against the rotary op"
 timeout 60 "$PYTHON" benchmarks/profile_rotary_module_gpu.py --family fox
+fi
 
-step "prefill kernels' tiles and warps (the code's configuration spills: benchmarks/triton_resources.py)"
+if wanted sweep; then
+step "prefill kernels' tiles and warps"
 timeout 90 "$PYTHON" benchmarks/sweep_rotary_gpu.py
+fi
 
+if wanted models; then
 step "370M-class models: training (dense, packed) and decoding"
 # shellcheck disable=SC2086  # MODEL_FAMILIES is a list
 timeout "${MODELS_LIMIT:-120}" "$PYTHON" benchmarks/bench_models_gpu.py --families ${MODEL_FAMILIES:-gla gated_deltanet fox} \
     --backends auto --batch-size 4 --seq-len 4096 --context 4096 --decode-batches 1 --train-steps 10 \
     --decode-steps 50 --output "$OUT/models_gpu.json"
+fi
 
 step "fla's autotuning results so far, for the next run (AUTOTUNE_ARCHIVE=...)"
 (cd "$TRITON_CACHE" 2>/dev/null && find . -name '*.autotune.json' | tar czf "$OUT/autotune.tgz" -T - \
