@@ -485,8 +485,34 @@ def test_eager_inference_calls_the_functions_and_modes_see_the_custom_ops(monkey
     direct = (selective_rotary_decode_triton(**decode), selective_rotary_triton(*prefill))
     for a, b in zip((*seen[0], *seen[1]), (*direct[0], *direct[1])):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    with pytest.raises(AssertionError, match="went through the custom op"):  # gradients need the op's autograd
-        selective_rotary_triton(prefill[0].requires_grad_(), *prefill[1:])
+    # training calls too (test_eager_training_calls_equal_the_custom_op)
+    selective_rotary_triton(prefill[0].requires_grad_(), *prefill[1:])[0].sum().backward()
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_eager_training_calls_equal_the_custom_op(packed):
+    """Plain eager calls with gradients run the op's functions through an autograd.Function without the custom ops'
+    dispatch layers: the same outputs and gradients (q, k, increment, temperature, initial phase) bit for bit, and
+    the same refusal of a second derivative."""
+    q, k, increment, temperature, phase0 = make_inputs(1, 40, 4, 2, 12, 4)
+    cu_seqlens = torch.tensor([0, 15, 40], dtype=torch.int32) if packed else None
+    phase0 = torch.randn(2, 2, 4, dtype=torch.float64, requires_grad=True) if packed else phase0.double()
+    inputs = (q, k, increment, temperature, phase0)
+    weights = [torch.randn_like(x, dtype=torch.float32) for x in (q, k)] + [torch.randn(phase0.shape,
+                                                                                       dtype=torch.float64)]
+    eager = selective_rotary_triton(*inputs, cu_seqlens=cu_seqlens)
+    assert type(eager[0].grad_fn).__name__ == "_EagerRotaryBackward"
+    op = rotary_triton._rotary_forward(q, k, increment, temperature, phase0, cu_seqlens)
+    for a, b in zip(eager, op):
+        assert torch.equal(a, b)
+    for a, b in zip(grads(eager, weights, inputs), grads(op, weights, inputs)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    for outputs in (selective_rotary_triton(*inputs, cu_seqlens=cu_seqlens),
+                    rotary_triton._rotary_forward(q, k, increment, temperature, phase0, cu_seqlens)):
+        loss = (outputs[0].float() * weights[0]).sum()
+        first = torch.autograd.grad(loss, increment, create_graph=True)[0]
+        with pytest.raises(RuntimeError, match="no autograd formula"):
+            torch.autograd.grad(first.sum(), increment)
 
 
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning",
