@@ -11,7 +11,8 @@ cost hundreds of microseconds. This script measures it directly, per call (media
 - ``synchronised``: call + synchronize, from an idle GPU (what the benchmark measures);
 then, per call, the host time of each Triton launch (Triton's launcher: argument binding, specialisation, cache
 lookup, the driver call) and what is left for Python and torch around them, with the backward op also called
-alone (``backward_op``: no autograd engine around it); and prints torch.profiler's table (self CPU time per op,
+alone (``backward_op``: no autograd engine around it) and the models' decoding step (``decode_from_input``: the
+phase inputs computed in the same launch); and prints torch.profiler's table (self CPU time per op,
 kernels' CUDA time) for a few calls of each.
 
 Usage::
@@ -33,7 +34,10 @@ from bench_rotary_gpu import HEAD_DIM, HEADS, PAIRS, decode_inputs, decode_trito
 
 
 def calls(batch: int, seq_len: int, dtype: torch.dtype, device: str) -> dict:
-    """The three calls, on ``bench_rotary_gpu.py``'s inputs (so the profile explains its numbers)."""
+    """The calls, on ``bench_rotary_gpu.py``'s inputs (so the profile explains its numbers), and the decoding step
+    the models take (``decode_from_input``: the phase inputs computed in the same launch, from a 370M-class layer's
+    input: hidden 1024 in 16 chunks of 64, rank 32, a per-head gate)."""
+    from selective_rope.kernels import rotary_triton
     from selective_rope.kernels.rotary_triton import selective_rotary_triton
 
     q, k, increment, temperature, _ = prefill_inputs(batch, seq_len, dtype, requires_grad=True, device=device)
@@ -52,11 +56,21 @@ def calls(batch: int, seq_len: int, dtype: torch.dtype, device: str) -> dict:
 
     def backward_op():  # what the autograd node calls, without the engine and the node around it
         q_, k_, grad_q, grad_k, increment_, temperature_ = plain
-        return torch.ops.selective_rope.rotary_backward(q_, k_, grad_q, grad_k, None, increment_, temperature_, None,
-                                                        None, True)
+        return rotary_triton._rotary_backward_impl(q_, k_, grad_q, grad_k, None, increment_, temperature_, None, None,
+                                                   True)
+
+    q1, k1, _, temperature1, phase1, history1, taps1, _, _ = decode
+    batch1, hidden, rank = q1.shape[0], 1024, 32
+    weights = [torch.randn(*shape, device=device) for shape in ((HEADS, rank, hidden // HEADS), (HEADS, PAIRS, rank),
+                                                                 (HEADS, hidden), (HEADS,))]
+    x = torch.randn(batch1, hidden, device=device, dtype=dtype)
+
+    def decode_from_input():
+        return rotary_triton.selective_rotary_decode_from_input_triton(q1, k1, x, *weights, temperature1, phase1,
+                                                                       history1, taps1)
 
     return {"forward": forward, "forward_backward": forward_backward, "backward_op": backward_op,
-            "decode": lambda: decode_triton(*decode)}
+            "decode": lambda: decode_triton(*decode), "decode_from_input": decode_from_input}
 
 
 def sync(device: str) -> None:
