@@ -147,3 +147,17 @@ def test_the_width_script_compares_each_family_at_each_width(tmp_path, capsys):
         (decode,) = row["decode"]["rows"]
         assert decode["context"] == 16 and decode["models"]["selective_rope"]["ratio_to_nope"]["pairs"] == 4
     assert "gated_deltanet |    256" in capsys.readouterr().out
+
+
+def test_the_host_time_script_times_every_case_in_its_own_process():
+    """``benchmarks/host_time_cpu.py`` replaces our Triton kernels with no-op launchers for good, so it runs in a
+    process of its own; one tiny round prints a line per case (the script's API use stays in step with the code)."""
+    import subprocess
+    import sys
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "host_time_cpu.py"
+    done = subprocess.run([sys.executable, str(path), "--rounds", "2", "--calls", "1"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for case in ("decode rope", "decode selective_rope", "train eager autograd", "train custom op"):
+        assert f"  {case} " in done.stdout, done.stdout
