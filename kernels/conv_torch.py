@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 
 
-
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -131,7 +130,6 @@ def _sum_of_taps(products) -> torch.Tensor:
     for product in products:
         total.add_(product)
     return total
-
 
 
 class _CausalTaps(torch.autograd.Function):

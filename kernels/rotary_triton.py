@@ -836,9 +836,13 @@ def _plain_eager_call(inputs: tuple) -> bool:
     ...) and plain tensors or parameters (no fake tensors, ``DTensor``, FX proxies or other subclasses), which the
     dispatcher or the tracer must see as one call; not under functorch transforms (``torch.func``), which need the
     custom op's registrations."""
-    return (not torch.compiler.is_compiling() and not torch.jit.is_tracing() and _get_current_dispatch_mode() is None
-            and not torch._C._are_functorch_transforms_active()
-            and all(type(x) in _PLAIN_TENSOR_TYPES for x in inputs if x is not None and not isinstance(x, bool)))
+    if (torch.compiler.is_compiling() or torch.jit.is_tracing() or _get_current_dispatch_mode() is not None
+            or torch._C._are_functorch_transforms_active()):
+        return False
+    for x in inputs:  # (a plain loop: all() over a generator costs more than the checks, per layer and decoding step)
+        if x is not None and not isinstance(x, bool) and type(x) not in _PLAIN_TENSOR_TYPES:
+            return False
+    return True
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, temperature: torch.Tensor, cu_seqlens: torch.Tensor | None):
@@ -921,6 +925,14 @@ def _rotary_decode_impl(
                           has_gate=gate_logits is not None)
 
 
+@functools.lru_cache(maxsize=None)
+def _decode_blocks(rotary_pairs: int, head_dim: int) -> dict[str, int]:
+    """The decode kernels' blocks and warps: one program holds all R pairs of its head, so there is no tile to spread
+    over more than 4 warps. (Cached: computed per layer and step otherwise.)"""
+    pass_block = _config(rotary_pairs, head_dim - 2 * rotary_pairs)["BLOCK_P"]
+    return {"BLOCK_R": _next_power_of_2(rotary_pairs), "BLOCK_P": pass_block, "num_warps": 4}
+
+
 def _launch_decode(kernel, inputs: tuple, input_args: tuple, input_meta: dict, q, k, temperature, phase, conv_state,
                    conv_weight, bias, valid, silu: bool, has_gate: bool):
     """Allocate a decoding step's outputs and launch ``kernel`` (one of the two decode kernels, which share their
@@ -952,9 +964,7 @@ def _launch_decode(kernel, inputs: tuple, input_args: tuple, input_meta: dict, q
         *q.stride(), *k.stride(), *out_q.stride(), *out_k.stride(), *input_args,
         CONV_K=conv_k, SILU=silu, HAS_BIAS=bias is not None, HAS_GATE=has_gate,
         HAS_VALID=valid is not None, HAS_PASS=head_dim > 2 * rotary_pairs,
-        BLOCK_R=_next_power_of_2(rotary_pairs),  # one program holds all R pairs of its head
-        BLOCK_P=_config(rotary_pairs, head_dim - 2 * rotary_pairs)["BLOCK_P"],
-        num_warps=4, **input_meta,  # one head's R pairs: no tile to spread over 8 warps
+        **_decode_blocks(rotary_pairs, head_dim), **input_meta,
     )
     return out_q, out_k, new_phase, new_conv
 
@@ -980,9 +990,11 @@ def _check_phase_weights(x, down, up, gate_weight) -> None:
                          f"{None if gate_weight is None else tuple(gate_weight.shape)} disagree")
 
 
-def _phase_block_d(chunk_dim: int) -> int:
-    """Input chunks are read in blocks of up to 64 values: a (rank, 64) float64 tile at most."""
-    return min(_next_power_of_2(chunk_dim), 64)
+@functools.lru_cache(maxsize=None)
+def _phase_blocks(chunk_dim: int, rank: int) -> dict[str, int]:
+    """Input chunks are read in blocks of up to 64 values: a (rank, 64) float64 tile at most. (Cached, as
+    ``_decode_blocks``.)"""
+    return {"BLOCK_D": min(_next_power_of_2(chunk_dim), 64), "BLOCK_RANK": _next_power_of_2(rank)}
 
 
 def selective_rotary_decode_triton(
@@ -1070,7 +1082,7 @@ def selective_rotary_decode_from_input_triton(
     x = x if x.stride(1) == 1 else x.contiguous()
     chunk_dim, rank = down.shape[2], down.shape[1]
     gate = (x, x) if gate_weight is None else (gate_weight.contiguous(), gate_bias.contiguous())  # x: unread
-    meta = {"BLOCK_D": _phase_block_d(chunk_dim), "BLOCK_RANK": _next_power_of_2(rank)}
+    meta = _phase_blocks(chunk_dim, rank)
     q_out, k_out, new_phase, new_conv = _launch_decode(
         _selective_rotary_decode_from_input_kernel, (x, down.contiguous(), up.contiguous(), *gate),
         (chunk_dim, rank, x.stride(0)), meta, q, k, step.temperature, step.phase, step.conv_state, step.conv_weight,
@@ -1103,9 +1115,14 @@ def _step_inputs(q, k, temperature, phase, conv_state, conv_weight, conv_activat
         phase = q.new_zeros(batch, num_key_heads, rotary_pairs, dtype=torch.float64)
     if conv_weight is not None and conv_state is None:
         conv_state = q.new_zeros(batch, conv_weight.shape[-1] - 1, num_key_heads * rotary_pairs, dtype=torch.float64)
-    return _StepInputs(temperature.float(), phase.double(),
-                       None if conv_weight is None else conv_state.double(),
-                       None if conv_weight is None else conv_weight.float(),
-                       None if bias is None else bias.float(),
-                       None if valid is None else valid.to(torch.int32),
+    return _StepInputs(_as(temperature, torch.float32), _as(phase, torch.float64),
+                       None if conv_weight is None else _as(conv_state, torch.float64),
+                       None if conv_weight is None else _as(conv_weight, torch.float32),
+                       None if bias is None else _as(bias, torch.float32),
+                       None if valid is None else _as(valid, torch.int32),
                        conv_activation == "silu")
+
+
+def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor.to(dtype)``, without a dispatched call where it already is (~0.5 us each, per layer and step)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
