@@ -117,3 +117,6 @@ if __name__ == "__main__":
     worker(Path(sys.argv[1]))
     if torch.distributed.is_initialized():  # a clean exit for every rank (see test_fsdp.py's entry point)
         torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
