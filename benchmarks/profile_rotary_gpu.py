@@ -78,8 +78,10 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def measure(fn, repeats: int, device: str) -> dict:
-    for _ in range(5):
+def host_times(fn, repeats: int, device: str, warmup: int = 3) -> tuple[list[float], list[float]]:
+    """Seconds per call of ``repeats`` calls, each from an idle GPU: until ``fn`` returns (what the host spends) and
+    until the GPU has finished it, after ``warmup`` calls."""
+    for _ in range(warmup):
         fn()
     sync(device)
     enqueue, synchronised = [], []
@@ -89,6 +91,11 @@ def measure(fn, repeats: int, device: str) -> dict:
         enqueue.append(time.perf_counter() - start)
         sync(device)
         synchronised.append(time.perf_counter() - start)
+    return enqueue, synchronised
+
+
+def measure(fn, repeats: int, device: str) -> dict:
+    enqueue, synchronised = host_times(fn, repeats, device, warmup=5)
     result = {"enqueue_us": 1e6 * statistics.median(enqueue), "synchronised_us": 1e6 * statistics.median(synchronised)}
     if device == "cuda":
         result["device_us"] = device_us(fn, repeats)
@@ -155,16 +162,10 @@ class _TimedLaunches:
 def launch_breakdown(fn, repeats: int, device: str) -> str:
     """One line: each kernel's launches per call and median host time per launch, the call's median host time
     (enqueue) and what is left of it for Python and torch (enqueue minus the launches)."""
-    for _ in range(3):
+    for _ in range(3):  # outside the recording: only the timed calls' launches count
         fn()
-    sync(device)
     with _TimedLaunches() as timed:
-        enqueue = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            enqueue.append(time.perf_counter() - start)
-            sync(device)
+        enqueue, _ = host_times(fn, repeats, device, warmup=0)
     total = 1e6 * statistics.median(enqueue)
     parts, launches = [], 0.0
     for name, times in timed.times.items():

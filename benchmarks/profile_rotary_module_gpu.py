@@ -24,11 +24,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 import torch
 from bench_models_gpu import MODEL_CONFIGS
-from profile_rotary_gpu import device_us, profile_table, sync
+from profile_rotary_gpu import device_us, host_times, profile_table
 
 from selective_rope.families import FAMILIES
 from selective_rope.kernels.rotary import selective_rotary
@@ -59,15 +58,7 @@ def build(family: str, position_embedding: str, device: str) -> SelectiveRotaryE
 def measure(fn, repeats: int, device: str) -> dict:
     """GPU time (events around back-to-back calls), host time per call, and what a forward keeps for its backward
     (``fn(keep=True)`` returns the outputs; their graph is alive while they are)."""
-    for _ in range(3):
-        fn()
-    sync(device)
-    host = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        host.append(time.perf_counter() - start)
-        sync(device)
+    host, _ = host_times(fn, repeats, device)
     result = {"host_us": 1e6 * statistics.median(host)}
     if device == "cuda":
         result["gpu_us"] = device_us(fn, repeats)

@@ -402,6 +402,8 @@ def _rotate_head(x_ptr, o_ptr, rs, mask_r, cos, sin, R, D, s_d, so_d,
             tl.store(o_ptr + ds * so_d, x.to(o_ptr.dtype.element_ty), mask=ds < D)
 
 
+# Two decode kernels around one body (``_decode_steps``), not one kernel with a constexpr switch: each launch passes
+# only its own inputs' arguments, and on a GPU host every argument Triton binds costs time in every decoding step.
 @triton.jit
 def _selective_rotary_decode_kernel(
     q_ptr, k_ptr, proj_ptr, gate_ptr,
