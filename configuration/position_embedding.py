@@ -109,6 +109,12 @@ def at_least(low: int):
 positive = interval(0, low_open=True)
 
 
+def generator_seed(value) -> None:
+    """A validator: a seed ``torch.Generator.manual_seed`` takes."""
+    if value is not None and not -(2**63) <= value < 2**64:
+        raise ValueError("must be an integer in [-2**63, 2**64) (the range torch.Generator.manual_seed takes)")
+
+
 def fla_mlp_width(hidden_size: int, hidden_ratio: int | None, intermediate_size: int | None) -> int:
     """flash-linear-attention's MLP width: ``intermediate_size`` if given, else 2/3 · ratio · hidden rounded up to a
     multiple of 256 (GLA and Gated DeltaNet; the converters size fla checkpoints with it too)."""
@@ -137,15 +143,19 @@ def strict_config(cls: type[PreTrainedConfig]) -> type[PreTrainedConfig]:
     strict_setattr, strict_validate = cls.__setattr__, cls.validate
 
     def __setattr__(self, name, value):
+        # An alias (``attribute_map``, e.g. FoX's ``norm_eps``) is checked as the field it names: strict only knows
+        # the field, and transformers would map the alias after strict's checks, so its value would go unchecked.
+        field = self.attribute_map.get(name, name)
         try:
-            strict_setattr(self, name, value)
+            strict_setattr(self, field, value)
         except StrictDataclassFieldValidationError as error:
             cause = error.__cause__
-            if isinstance(cause, TypeError) and name in cls.__dataclass_fields__:
-                allowed = f"expected {_describe(cls.__dataclass_fields__[name].type)}"
+            if isinstance(cause, TypeError) and field in cls.__dataclass_fields__:
+                allowed = f"expected {_describe(cls.__dataclass_fields__[field].type)}"
             else:
                 allowed = str(cause)
-            raise InvalidConfigError(f"`{name}`={value!r} is invalid: {allowed}.") from cause
+            label = f"`{name}`" if field == name else f"`{name}` (`{field}`)"
+            raise InvalidConfigError(f"{label}={value!r} is invalid: {allowed}.") from cause
 
     def validate(self) -> None:
         try:
@@ -191,7 +201,7 @@ class SelectiveRopeConfigBase(PreTrainedConfig):
         temperature_max: a factor multiplying every frequency of the schedule (> 0; named after the official
             code's ``temp_max``, it is a scale, not a bound).
         temperature_trainable: learn the temperature.
-        temperature_seed: seed of the sampled temperature types.
+        temperature_seed: seed of the sampled temperature types (in [-2**63, 2**64), as ``torch.Generator`` takes).
         partial_rotary_factor: fraction in (0, 1] of each head's q/k dims that rotate (the rotary part must be even).
 
     Kernels (not a position-embedding option: it selects who runs every op of the model, mixers included):
@@ -221,7 +231,7 @@ class SelectiveRopeConfigBase(PreTrainedConfig):
     temperature_theta: Number = validated_field(interval(), default=500000.0)  # range per type: see below
     temperature_max: Number = validated_field(positive, default=1.0)
     temperature_trainable: bool = False
-    temperature_seed: int = 0
+    temperature_seed: int = validated_field(generator_seed, default=0)
     partial_rotary_factor: Number = validated_field(interval(0, 1, low_open=True), default=1.0)
 
     # Kernels: who runs every op of the model (kernels/dispatch.py), not only the rotation.

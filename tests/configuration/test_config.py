@@ -115,6 +115,33 @@ def test_invalid_fox_fields_are_refused(overrides, message):
         fox.config_class(**{**fox.tiny, **overrides})
 
 
+@pytest.mark.parametrize("value", [-1.0, 0, math.nan, "1e-6"])
+def test_fox_norm_eps_alias_is_checked_as_rms_norm_eps(value, tmp_path):
+    """``norm_eps`` is FoX's alias of ``rms_norm_eps`` (transformers' ``attribute_map``): given to the constructor,
+    assigned or updated, it is checked as the field itself, and names both."""
+    fox = FAMILIES["fox"]
+    message = "`norm_eps` \\(`rms_norm_eps`\\)="
+    with pytest.raises(InvalidConfigError, match=message):
+        fox.config_class(**{**fox.tiny, "norm_eps": value})
+    config = fox.config_class(**fox.tiny)
+    with pytest.raises(InvalidConfigError, match=message):
+        config.norm_eps = value
+    with pytest.raises(InvalidConfigError, match=message):
+        config.update({"norm_eps": value})
+    assert config.rms_norm_eps == fox.config_class(**fox.tiny).rms_norm_eps  # left as it was
+    config.norm_eps = 1e-5
+    assert config.rms_norm_eps == 1e-5
+    config.save_pretrained(tmp_path)
+    assert AutoConfig.from_pretrained(tmp_path).rms_norm_eps == 1e-5
+
+
+def test_sampled_temperature_takes_every_seed_the_config_accepts(family):
+    for seed in (-(2**63), 2**64 - 1):
+        config = family.config_class(**{**family.tiny, "temperature_type": "gaussian", "temperature_theta": 1.0,
+                                        "temperature_seed": seed})
+        family.lm_class(config)  # builds: the seed reaches torch.Generator.manual_seed
+
+
 def test_fox_config_defaults_follow_llama():
     fox = FAMILIES["fox"]
     config = fox.config_class(hidden_size=64, num_attention_heads=4, rms_norm_eps=1e-5, attention_bias=True)
@@ -182,7 +209,7 @@ def test_the_audits_wrong_types_are_refused(field, value):
 
 SHARED_RANGES = {"phase_proj_rank": [0], "phase_gate_rank": [0, -2], "phase_conv_size": [-1],
                  "temperature_theta": [math.nan, math.inf], "temperature_max": [0, -1.0, math.nan],
-                 "partial_rotary_factor": [0, 1.5, math.nan]}
+                 "partial_rotary_factor": [0, 1.5, math.nan], "temperature_seed": [2**64, -(2**63) - 1]}
 FAMILY_RANGES = {
     "gla": {"vocab_size": [0], "hidden_size": [0], "num_hidden_layers": [0, -1], "num_heads": [0], "num_kv_heads": [0],
             "expand_k": [0, -0.5], "expand_v": [0], "conv_size": [0], "gate_logit_normalizer": [0],
