@@ -10,11 +10,13 @@ mixer then gets ``(1, total, D)`` and ``cu_seqlens`` instead of rows, and still 
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import logging
@@ -74,6 +76,27 @@ class SelectiveRopePreTrainedModel(HubMixin, PreTrainedModel):
     # Context parallelism shards the sequence across ranks; our recurrent states, forget-gate sums and Selective RoPE
     # phases run along the whole sequence and are never exchanged between ranks.
     _supports_context_parallel = False
+
+    def post_init(self) -> None:
+        self._upcast_strict_float32_parameters()
+        super().post_init()  # initialises the weights: those kept float32 are drawn in float32
+
+    @torch.no_grad()
+    def _upcast_strict_float32_parameters(self) -> None:
+        """Make the parameters ``_keep_in_fp32_modules_strict`` names float32 where the model was built in fp16/bf16.
+
+        ``from_pretrained(..., dtype=torch.bfloat16)`` keeps them float32 by its dtype plan, but
+        ``from_config(config, dtype=torch.bfloat16)`` (how a bf16 model is built to train from scratch) only sets the
+        default dtype while the model is built, so the phase weights (and Gated DeltaNet's ``A_log``, ``dt_bias``)
+        would be created, trained and saved in bf16. Matched as transformers matches the names: whole dotted parts.
+        DeepSpeed ZeRO-3 partitions parameters as they are built and manages their dtype itself: left alone."""
+        keys = self._keep_in_fp32_modules_strict
+        if not keys or is_deepspeed_zero3_enabled():
+            return
+        kept = re.compile("|".join(rf"(^|\.){re.escape(key)}($|\.)" for key in keys))
+        for name, parameter in self.named_parameters():
+            if parameter.dtype in (torch.float16, torch.bfloat16) and kept.search(name):
+                parameter.data = parameter.data.float()
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

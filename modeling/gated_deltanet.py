@@ -70,10 +70,11 @@ class GatedDeltaNet(QKVShortConvolutions):
     def init_custom_parameters(self) -> None:
         """flash-linear-attention's decay initialisation: ``A ~ U(0, 16)``; ``dt`` log-uniform in [1e-3, 0.1] and
         ``dt_bias = softplus⁻¹(dt)``. Also run by ``_init_weights``; tensors loaded from a checkpoint are kept."""
-        heads = self.num_v_heads
-        init.copy_(self.A_log, torch.empty(heads).uniform_(0, 16).log())
+        heads = self.num_v_heads  # drawn in float32 whatever the default dtype (from_config(..., dtype=bf16) sets one)
+        init.copy_(self.A_log, torch.empty(heads, dtype=torch.float32).uniform_(0, 16).log())
         dt_min, dt_max, dt_floor = 1e-3, 0.1, 1e-4
-        dt = torch.exp(torch.rand(heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=dt_floor)
+        uniform = torch.rand(heads, dtype=torch.float32)
+        dt = torch.exp(uniform * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=dt_floor)
         init.copy_(self.dt_bias, dt + torch.log(-torch.expm1(-dt)))
 
     def forward(self, x: torch.Tensor, state: LayerState, *, lengths: torch.Tensor | None = None,

@@ -365,6 +365,30 @@ def test_bf16_loading_and_casting_keep_the_phase_path_precise(family, tmp_path):
             assert tensor.dtype == torch.bfloat16, name
 
 
+def test_from_config_in_bf16_keeps_the_float32_parameters_float32(family, tmp_path):
+    """``from_config(config, dtype=torch.bfloat16)``, how a bf16 model is built to train from scratch, keeps float32
+    what ``from_pretrained(..., dtype=torch.bfloat16)`` keeps float32, drawn as a float32 model draws them, and saves
+    them as float32."""
+    config = family.config_class(**{**family.tiny, "phase_bias": True})
+    float32_parts = family.lm_class._keep_in_fp32_modules_strict
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config).state_dict()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    kept = 0
+    for name, param in model.named_parameters():
+        if any(part in name.split(".") for part in float32_parts):
+            kept += 1
+            assert param.dtype == torch.float32 and torch.equal(param, reference[name]), name
+        else:
+            assert param.dtype == torch.bfloat16, name
+    assert kept >= 2 * config.num_hidden_layers  # every layer's temperature and phase weights at least
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)  # no dtype: as saved
+    for name, param in loaded.named_parameters():
+        assert param.dtype == model.get_parameter(name).dtype and torch.equal(param, model.get_parameter(name)), name
+
+
 def test_auto_classes(family):
     config = AutoConfig.for_model(family.config_class.model_type, **family.tiny)
     assert type(config) is family.config_class
