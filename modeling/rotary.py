@@ -305,6 +305,7 @@ class SelectiveRotaryEmbedding(nn.Module):
         self.rotary_pairs = self.rotary_dim // 2
         self.temperature_config = (config.temperature_type, config.temperature_theta, config.temperature_max,
                                    config.temperature_seed)
+        self.temperature_trainable = config.temperature_trainable  # see `frequencies`
         if self.position_embedding == "nope":
             return
         # A parameter (not a buffer) so it is saved, loaded and kept in float32 by `_keep_in_fp32_modules_strict`;
@@ -360,6 +361,12 @@ class SelectiveRotaryEmbedding(nn.Module):
         width = self.num_key_heads * (self.rotary_pairs if config.phase_gate_type == "channel" else 1)
         return nn.Sequential(PhaseLinear(hidden_size, config.phase_gate_rank, bias=False),
                              PhaseLinear(config.phase_gate_rank, width, bias=True))
+
+    def frequencies(self) -> torch.Tensor:
+        """``temperature`` as the rotation reads it: detached unless ``temperature_trainable``. ``requires_grad=False``
+        alone does not keep it fixed: tools turn gradients on for every parameter of a module they train (PEFT's
+        ``modules_to_save=["rotary"]`` copy does), and a converted model's source frequencies must not drift."""
+        return self.temperature if self.temperature_trainable else self.temperature.detach()
 
     def initial_temperature(self) -> torch.Tensor:
         kind, theta, scale, seed = self.temperature_config
@@ -448,7 +455,7 @@ class SelectiveRotaryEmbedding(nn.Module):
         valid = None if lengths is None else valid_mask(lengths, seq_len)  # (B, T)
         with no_autocast(x):
             increment, conv_state = self.phase_increment(x, valid, state.get("phase_conv"), lengths, cu_seqlens)
-        q, k, phase = selective_rotary(q, k, increment, self.temperature, state.get("phase"), cu_seqlens=cu_seqlens,
+        q, k, phase = selective_rotary(q, k, increment, self.frequencies(), state.get("phase"), cu_seqlens=cu_seqlens,
                                        backend=backend)
         return q, k, self._state(phase, conv_state)
 
@@ -460,7 +467,7 @@ class SelectiveRotaryEmbedding(nn.Module):
         read directly."""
         valid = None if lengths is None else lengths > 0
         if self.position_embedding == "rope":
-            q_out, k_out, phase, _ = selective_rotary_decode(q[:, 0], k[:, 0], unit_step(x.device), self.temperature,
+            q_out, k_out, phase, _ = selective_rotary_decode(q[:, 0], k[:, 0], unit_step(x.device), self.frequencies(),
                                                              phase=state.get("phase"), valid=valid)
             return q_out.unsqueeze(1), k_out.unsqueeze(1), self._state(phase, None)
         conv = self.phase_conv
@@ -474,10 +481,10 @@ class SelectiveRotaryEmbedding(nn.Module):
         )
         weights = self._fusable_phase_weights()
         step = None if weights is None else selective_rotary_decode_from_input(q[:, 0], k[:, 0], x[:, 0], *weights,
-                                                                                 self.temperature, **step_state)
+                                                                                 self.frequencies(), **step_state)
         if step is None:
             projection, gate_logits = self._decode_phase_inputs(x)
-            step = selective_rotary_decode(q[:, 0], k[:, 0], projection, self.temperature, gate_logits=gate_logits,
+            step = selective_rotary_decode(q[:, 0], k[:, 0], projection, self.frequencies(), gate_logits=gate_logits,
                                            **step_state)
         q_out, k_out, phase, conv_state = step
         return q_out.unsqueeze(1), k_out.unsqueeze(1), self._state(phase, conv_state)
@@ -596,7 +603,7 @@ class SelectiveRotaryEmbedding(nn.Module):
             previous = previous.to(dtype)
         phase = increment if previous is None else increment + previous
         phase = phase.expand(batch, self.num_key_heads, self.rotary_pairs).contiguous()  # (B, Hk, R)
-        angle = rotary_angles(phase, self.temperature)[:, None]  # (B, 1, Hk, R)
+        angle = rotary_angles(phase, self.frequencies())[:, None]  # (B, 1, Hk, R)
         q_out, k_out = rotate_query_and_key(q, k, angle.cos(), angle.sin())
         return q_out, k_out, self._state(phase, conv_state)
 

@@ -132,6 +132,10 @@ def test_modules_to_save_rotary_trains_the_phases(family_name, tmp_path):
     assert losses[-1] < losses[0]
     changed = [n for n, p in peft_model.named_parameters() if n in rotary and not torch.equal(p, rotary[n])]
     assert any(".phase_proj." in n for n in changed)
+    # PEFT turns the copy's temperature gradient on too; temperature_trainable=False (the default) still holds.
+    assert not family.tiny.get("temperature_trainable", False)
+    assert any(n.endswith(".temperature") for n in rotary)
+    assert not any(n.endswith(".temperature") for n in changed)
     for name, param in peft_model.named_parameters():
         if ".rotary." in name and "modules_to_save" in name:
             assert param.dtype == torch.float32

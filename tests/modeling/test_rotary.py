@@ -219,6 +219,30 @@ def test_swish_is_silu_and_the_gate_rank_is_the_field():
     assert not torch.allclose(linear(x, q, k)[0], swish(x, q, k)[0])  # the activation is applied
 
 
+@pytest.mark.parametrize("position_embedding", ["selective_rope", "rope"])
+@pytest.mark.parametrize("trainable", [False, True])
+def test_the_temperature_learns_only_when_trainable(position_embedding, trainable):
+    """``temperature_trainable=False`` holds even when something turns the temperature's gradient on (PEFT's
+    ``modules_to_save`` copy does): it gets no gradient, the other parameters still do; the outputs are the same."""
+    module = make_rotary(position_embedding=position_embedding, temperature_trainable=trainable)
+    assert module.temperature.requires_grad is trainable
+    module.temperature.requires_grad_(True)
+    torch.manual_seed(0)
+    x = torch.randn(2, 9, HIDDEN)
+    q, k = torch.randn(2, 9, 4, 8, requires_grad=True), torch.randn(2, 9, 2, 8)
+    q_rot, k_rot, _ = module(x, q, k, backend="torch")
+    (q_rot.square().sum() + k_rot.sum()).backward()
+    assert (module.temperature.grad is not None) is trainable
+    if trainable:
+        assert module.temperature.grad.abs().sum() > 0
+    if position_embedding == "selective_rope":
+        assert module.phase_proj.down.grad.abs().sum() > 0
+    with torch.no_grad():  # the same rotation either way
+        fixed = make_rotary(position_embedding=position_embedding, temperature_trainable=not trainable)
+        fixed.load_state_dict(module.state_dict())
+        torch.testing.assert_close(fixed(x, q, k, backend="torch")[0], q_rot, rtol=0, atol=0)
+
+
 def test_casts_keep_the_module_float32():
     """``.to(torch.bfloat16)`` / ``.to(torch.float16)`` leave the module's parameters float32, bit for bit (a bf16
     temperature would move long-context angles by radians); upcasts and device moves still apply."""
