@@ -200,8 +200,8 @@ class SelectiveRopeConfigBase(PreTrainedConfig):
         temperature_theta: ``rope``: base (>= 1); ``rfa``: angle bound in (0, 1); sampled types: scale (> 0).
         temperature_max: a factor multiplying every frequency of the schedule (> 0; named after the official
             code's ``temp_max``, it is a scale, not a bound).
-        temperature_trainable: learn the temperature (otherwise it is read detached: fixed, even if something turns
-            its ``requires_grad`` on, as PEFT's ``modules_to_save`` does).
+        temperature_trainable: learn the temperature (a parameter; otherwise a buffer, which stays fixed whatever turns
+            gradients on: transformers' loading, PEFT's ``modules_to_save``).
         temperature_seed: seed of the sampled temperature types (in [-2**63, 2**64), as ``torch.Generator`` takes).
         partial_rotary_factor: fraction in (0, 1] of each head's q/k dims that rotate (the rotary part must be even).
 

@@ -83,7 +83,7 @@ class SelectiveRopePreTrainedModel(HubMixin, PreTrainedModel):
 
     @torch.no_grad()
     def _upcast_strict_float32_parameters(self) -> None:
-        """Make the parameters ``_keep_in_fp32_modules_strict`` names float32 where the model was built in fp16/bf16.
+        """Make the tensors ``_keep_in_fp32_modules_strict`` names float32 where the model was built in fp16/bf16.
 
         ``from_pretrained(..., dtype=torch.bfloat16)`` keeps them float32 by its dtype plan, but
         ``from_config(config, dtype=torch.bfloat16)`` (how a bf16 model is built to train from scratch) only sets the
@@ -94,9 +94,9 @@ class SelectiveRopePreTrainedModel(HubMixin, PreTrainedModel):
         if not keys or is_deepspeed_zero3_enabled():
             return
         kept = re.compile("|".join(rf"(^|\.){re.escape(key)}($|\.)" for key in keys))
-        for name, parameter in self.named_parameters():
-            if parameter.dtype in (torch.float16, torch.bfloat16) and kept.search(name):
-                parameter.data = parameter.data.float()
+        for name, tensor in (*self.named_parameters(), *self.named_buffers()):  # (a fixed temperature is a buffer)
+            if tensor.dtype in (torch.float16, torch.bfloat16) and kept.search(name):
+                tensor.data = tensor.data.float()
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

@@ -305,12 +305,17 @@ class SelectiveRotaryEmbedding(nn.Module):
         self.rotary_pairs = self.rotary_dim // 2
         self.temperature_config = (config.temperature_type, config.temperature_theta, config.temperature_max,
                                    config.temperature_seed)
-        self.temperature_trainable = config.temperature_trainable  # see `frequencies`
         if self.position_embedding == "nope":
             return
-        # A parameter (not a buffer) so it is saved, loaded and kept in float32 by `_keep_in_fp32_modules_strict`;
-        # the converter writes a source model's own inverse frequencies into it.
-        self.temperature = nn.Parameter(self.initial_temperature(), requires_grad=config.temperature_trainable)
+        # Saved and loaded as `temperature` either way, and kept float32 (`_keep_in_fp32_modules_strict`, `_apply`); the
+        # converter writes a source model's own inverse frequencies into it. Fixed (the default), it is a buffer, as
+        # Llama's inverse frequencies are: a parameter with requires_grad=False does not stay fixed, since
+        # transformers' loading gives every loaded parameter requires_grad=True and PEFT's `modules_to_save` copy
+        # turns it on for every parameter of the module, after which any optimizer trains it.
+        if config.temperature_trainable:
+            self.temperature = nn.Parameter(self.initial_temperature())
+        else:
+            self.register_buffer("temperature", self.initial_temperature())
         if self.position_embedding == "rope":
             return
 
@@ -361,12 +366,6 @@ class SelectiveRotaryEmbedding(nn.Module):
         width = self.num_key_heads * (self.rotary_pairs if config.phase_gate_type == "channel" else 1)
         return nn.Sequential(PhaseLinear(hidden_size, config.phase_gate_rank, bias=False),
                              PhaseLinear(config.phase_gate_rank, width, bias=True))
-
-    def frequencies(self) -> torch.Tensor:
-        """``temperature`` as the rotation reads it: detached unless ``temperature_trainable``. ``requires_grad=False``
-        alone does not keep it fixed: tools turn gradients on for every parameter of a module they train (PEFT's
-        ``modules_to_save=["rotary"]`` copy does), and a converted model's source frequencies must not drift."""
-        return self.temperature if self.temperature_trainable else self.temperature.detach()
 
     def initial_temperature(self) -> torch.Tensor:
         kind, theta, scale, seed = self.temperature_config
@@ -455,7 +454,7 @@ class SelectiveRotaryEmbedding(nn.Module):
         valid = None if lengths is None else valid_mask(lengths, seq_len)  # (B, T)
         with no_autocast(x):
             increment, conv_state = self.phase_increment(x, valid, state.get("phase_conv"), lengths, cu_seqlens)
-        q, k, phase = selective_rotary(q, k, increment, self.frequencies(), state.get("phase"), cu_seqlens=cu_seqlens,
+        q, k, phase = selective_rotary(q, k, increment, self.temperature, state.get("phase"), cu_seqlens=cu_seqlens,
                                        backend=backend)
         return q, k, self._state(phase, conv_state)
 
@@ -467,7 +466,7 @@ class SelectiveRotaryEmbedding(nn.Module):
         read directly."""
         valid = None if lengths is None else lengths > 0
         if self.position_embedding == "rope":
-            q_out, k_out, phase, _ = selective_rotary_decode(q[:, 0], k[:, 0], unit_step(x.device), self.frequencies(),
+            q_out, k_out, phase, _ = selective_rotary_decode(q[:, 0], k[:, 0], unit_step(x.device), self.temperature,
                                                              phase=state.get("phase"), valid=valid)
             return q_out.unsqueeze(1), k_out.unsqueeze(1), self._state(phase, None)
         conv = self.phase_conv
@@ -481,10 +480,10 @@ class SelectiveRotaryEmbedding(nn.Module):
         )
         weights = self._fusable_phase_weights()
         step = None if weights is None else selective_rotary_decode_from_input(q[:, 0], k[:, 0], x[:, 0], *weights,
-                                                                                 self.frequencies(), **step_state)
+                                                                                 self.temperature, **step_state)
         if step is None:
             projection, gate_logits = self._decode_phase_inputs(x)
-            step = selective_rotary_decode(q[:, 0], k[:, 0], projection, self.frequencies(), gate_logits=gate_logits,
+            step = selective_rotary_decode(q[:, 0], k[:, 0], projection, self.temperature, gate_logits=gate_logits,
                                            **step_state)
         q_out, k_out, phase, conv_state = step
         return q_out.unsqueeze(1), k_out.unsqueeze(1), self._state(phase, conv_state)
@@ -603,7 +602,7 @@ class SelectiveRotaryEmbedding(nn.Module):
             previous = previous.to(dtype)
         phase = increment if previous is None else increment + previous
         phase = phase.expand(batch, self.num_key_heads, self.rotary_pairs).contiguous()  # (B, Hk, R)
-        angle = rotary_angles(phase, self.frequencies())[:, None]  # (B, 1, Hk, R)
+        angle = rotary_angles(phase, self.temperature)[:, None]  # (B, 1, Hk, R)
         q_out, k_out = rotate_query_and_key(q, k, angle.cos(), angle.sin())
         return q_out, k_out, self._state(phase, conv_state)
 
@@ -658,7 +657,7 @@ class SelectiveRotaryEmbedding(nn.Module):
 
 class _CachedPlan:
     """A rotary module's compiled-kernel plan (``None``: no C kernel for this structure) and what it was made from: the
-    module's and its phase modules' parameters and children, and the call's sizes. Valid while all of them are the
+    module's and its phase modules' parameters, buffers and children, and the call's sizes. Valid while all of them are the
     same objects (a replaced storage is the plan's own check, ``RotaryPlan.current``); the phase modules' hooks
     are looked at on every call (adding one assigns nothing). It refers to the rotary module's parameter and child
     dicts but not to the module itself: no reference cycle keeps a deleted model's memory alive until the next
@@ -670,13 +669,14 @@ class _CachedPlan:
 
     def __init__(self, plan: RotaryPlan | None, owner: nn.Module, modules: list[nn.Module], sizes: tuple):
         self.plan, self.modules, self.sizes = plan, tuple(modules), sizes
-        containers = [c for module in (owner, *modules) for c in (module._parameters, module._modules)]
+        containers = [c for module in (owner, *modules) for c in (module._parameters, module._buffers, module._modules)]
         self.bindings = tuple((container, key, item) for container in containers for key, item in container.items())
         # An entry added later matters where a forward reads more than the bound entries: the rotary module's own
         # (an absent gate, bias or convolution is a plain None attribute, in neither dict, until one is set) and a
         # Sequential's children (it runs every child it has). The phase modules read only their bound entries.
         counted = [owner] + [module for module in modules if type(module) is nn.Sequential]
-        self.counts = tuple((c, len(c)) for module in counted for c in (module._parameters, module._modules))
+        self.counts = tuple((c, len(c)) for module in counted
+                            for c in (module._parameters, module._buffers, module._modules))
 
     # Both checks run per layer and decoding step, where each costs microseconds (issue 21): plain loops, since
     # any()/all() over generators cost more than the checks themselves here.

@@ -376,17 +376,38 @@ def test_from_config_in_bf16_keeps_the_float32_parameters_float32(family, tmp_pa
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     kept = 0
-    for name, param in model.named_parameters():
+    for name, tensor in model.state_dict().items():  # parameters and buffers (a fixed temperature)
         if any(part in name.split(".") for part in float32_parts):
             kept += 1
-            assert param.dtype == torch.float32 and torch.equal(param, reference[name]), name
+            assert tensor.dtype == torch.float32 and torch.equal(tensor, reference[name]), name
         else:
-            assert param.dtype == torch.bfloat16, name
+            assert tensor.dtype == torch.bfloat16, name
     assert kept >= 2 * config.num_hidden_layers  # every layer's temperature and phase weights at least
     model.save_pretrained(tmp_path)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)  # no dtype: as saved
-    for name, param in loaded.named_parameters():
-        assert param.dtype == model.get_parameter(name).dtype and torch.equal(param, model.get_parameter(name)), name
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()  # no dtype: as saved
+    for name, tensor in model.state_dict().items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+
+
+@pytest.mark.parametrize("trainable", [False, True])
+def test_a_loaded_models_temperature_learns_only_when_trainable(trainable, tmp_path):
+    """Loading gives every loaded parameter ``requires_grad=True``: a fixed temperature (a buffer) stays out of the
+    parameters after ``from_pretrained`` and keeps its values through training steps; a trainable one learns."""
+    family = FAMILIES["gla"]
+    build(family, temperature_trainable=trainable).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path).train()
+    temperatures = {name: t.clone() for name, t in model.state_dict().items() if name.endswith(".temperature")}
+    assert len(temperatures) == family.tiny["num_hidden_layers"]
+    assert any(name in temperatures for name, _ in model.named_parameters()) is trainable
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ids = tokens(family, 2, 9)
+    for _ in range(2):
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    moved = [name for name, t in model.state_dict().items() if name in temperatures and not torch.equal(t,
+                                                                                                    temperatures[name])]
+    assert len(moved) == (len(temperatures) if trainable else 0)
 
 
 def test_auto_classes(family):

@@ -221,12 +221,15 @@ def test_swish_is_silu_and_the_gate_rank_is_the_field():
 
 @pytest.mark.parametrize("position_embedding", ["selective_rope", "rope"])
 @pytest.mark.parametrize("trainable", [False, True])
-def test_the_temperature_learns_only_when_trainable(position_embedding, trainable):
-    """``temperature_trainable=False`` holds even when something turns the temperature's gradient on (PEFT's
-    ``modules_to_save`` copy does): it gets no gradient, the other parameters still do; the outputs are the same."""
+def test_the_temperature_is_a_parameter_only_when_trainable(position_embedding, trainable):
+    """Fixed (the default), the temperature is a buffer: what turns gradients on for every parameter of a module
+    (PEFT's ``modules_to_save`` copy) leaves it alone, and it gets no gradient. Trainable, it is a parameter and learns.
+    It is ``temperature`` in the state dict either way, so the two load each other's weights."""
     module = make_rotary(position_embedding=position_embedding, temperature_trainable=trainable)
-    assert module.temperature.requires_grad is trainable
-    module.temperature.requires_grad_(True)
+    assert ("temperature" in dict(module.named_parameters())) is trainable
+    assert "temperature" in module.state_dict()
+    for param in module.parameters():  # what PEFT does to a modules_to_save copy
+        param.requires_grad_(True)
     torch.manual_seed(0)
     x = torch.randn(2, 9, HIDDEN)
     q, k = torch.randn(2, 9, 4, 8, requires_grad=True), torch.randn(2, 9, 2, 8)
@@ -238,9 +241,9 @@ def test_the_temperature_learns_only_when_trainable(position_embedding, trainabl
     if position_embedding == "selective_rope":
         assert module.phase_proj.down.grad.abs().sum() > 0
     with torch.no_grad():  # the same rotation either way
-        fixed = make_rotary(position_embedding=position_embedding, temperature_trainable=not trainable)
-        fixed.load_state_dict(module.state_dict())
-        torch.testing.assert_close(fixed(x, q, k, backend="torch")[0], q_rot, rtol=0, atol=0)
+        other = make_rotary(position_embedding=position_embedding, temperature_trainable=not trainable)
+        other.load_state_dict(module.state_dict())
+        torch.testing.assert_close(other(x, q, k, backend="torch")[0], q_rot, rtol=0, atol=0)
 
 
 def test_casts_keep_the_module_float32():
