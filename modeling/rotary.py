@@ -657,8 +657,8 @@ class SelectiveRotaryEmbedding(nn.Module):
 
 class _CachedPlan:
     """A rotary module's compiled-kernel plan (``None``: no C kernel for this structure) and what it was made from: the
-    module's and its phase modules' parameters, buffers and children, and the call's sizes. Valid while all of them are the
-    same objects (a replaced storage is the plan's own check, ``RotaryPlan.current``); the phase modules' hooks
+    module's and its phase modules' parameters, buffers and children, and the call's sizes. Valid while all of them are
+    the same objects (a replaced storage is the plan's own check, ``RotaryPlan.current``); the phase modules' hooks
     are looked at on every call (adding one assigns nothing). It refers to the rotary module's parameter and child
     dicts but not to the module itself: no reference cycle keeps a deleted model's memory alive until the next
     garbage collection.
