@@ -31,8 +31,8 @@ this on a probe batch (max logit difference, fp32) and fails, leaving nothing be
 
 OUTPUT must lie apart from SOURCE (not SOURCE, inside it or containing it). Everything is written to a staging folder
 beside OUTPUT that is renamed to OUTPUT at the very end, never over an existing OUTPUT unless --overwrite (which swaps
-old and new in one step). A failure, Ctrl-C or SIGTERM removes the staging folder; after a SIGKILL the next run for
-the same OUTPUT removes it (and says so).
+old and new in one step, and only replaces a model folder: one with a config.json). A failure, Ctrl-C or SIGTERM
+removes the staging folder; after a SIGKILL the next run for the same OUTPUT removes it (and says so).
 """
 
 
@@ -42,7 +42,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
                                  description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="a save_pretrained directory (or a Hub id when the network allows)")
     parser.add_argument("output", help="the directory to create (apart from SOURCE)")
-    parser.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace OUTPUT if it exists (a model folder, with a config.json, or a file)")
     parts = parser.add_argument_group("Selective RoPE parts")
     parts.add_argument("--no-selective", dest="selective", action="store_false",
                        help="keep the source's position embedding (a plain port into our classes)")
@@ -151,8 +152,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"selective-rope convert: {_describe(error)}") from None
     except KeyboardInterrupt as interrupt:  # Ctrl-C or SIGTERM: convert() has removed its partial output
         received = getattr(interrupt, "signum", signal.SIGINT)
-        print(f"selective-rope convert: interrupted by {received.name}; the partial output was removed",
-              file=sys.stderr, flush=True)
+        # A signal during publishing is held until OUTPUT holds the new model (output.signals_deferred).
+        done = (f"{args.output} holds the converted model" if getattr(interrupt, "published", False)
+                else "the partial output was removed")
+        print(f"selective-rope convert: interrupted by {received.name}; {done}", file=sys.stderr, flush=True)
         raise SystemExit(128 + received) from None  # the shell's status for a process ended by that signal
     print(f"converted {report.source} ({report.description}) -> {report.output}")
     print(f"  {report.source_tensors} source tensors used once each; {len(report.new_tensors)} new tensors; "

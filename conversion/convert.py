@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
@@ -59,7 +60,7 @@ from .official import (
     rope_frequencies,
 )
 from .official import notes as official_notes
-from .output import refuse_overlap, remove_stale_partials, staged_output
+from .output import refuse_overlap, refuse_replacing, remove_stale_partials, staged_output
 from .retrofit import RetrofitOptions, starting_parameters
 from .source_card import check_base_model, check_license, source_license
 
@@ -226,9 +227,12 @@ def _official_plan(raw: dict, options: RetrofitOptions) -> SourcePlan:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        content = json.loads(path.read_text())
     except ValueError as error:  # JSONDecodeError, UnicodeDecodeError: their messages do not name the file
         raise ValueError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(content, dict):
+        raise ValueError(f"{path} holds a JSON {type(content).__name__}, not an object of config fields")
+    return content
 
 
 def _open_safetensors(path: Path):
@@ -570,9 +574,14 @@ def convert(
         check_base_model(base_model)
     source_dir, hub_id = resolve_source(source)
     refuse_overlap(source_dir, output)  # again for a Hub source: its snapshot lives in the Hugging Face cache
+    if overwrite:
+        refuse_replacing(output)  # only a model folder (or a file, a link, an empty folder), no mount point inside
     base_model = base_model or hub_id
     source_name = base_model or source_dir.resolve().name
-    plan = plan_conversion(source_dir, options)
+    try:
+        plan = plan_conversion(source_dir, options)
+    except StrictDataclassError as error:  # transformers' own configs (LlamaConfig, ...) validate: not ValueErrors
+        raise ValueError(f"{source_dir / 'config.json'} is invalid: {' '.join(str(error).split())}") from None
     card_license = {"license": check_license(license)} if license is not None else source_license(source_dir)
     if card_license is None:
         raise ValueError(f"the source's license is unknown (no `license:` in {source_dir / 'README.md'} nor in its "

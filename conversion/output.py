@@ -11,7 +11,9 @@ A conversion writes into a staging directory beside OUTPUT and publishes it with
 - OUTPUT must lie apart from the source: not the source, not inside it, not containing it (:func:`refuse_overlap`).
 - Publishing never replaces anything unless asked (``renameat2(RENAME_NOREPLACE)``): an OUTPUT that appeared while
   converting is left alone. ``overwrite`` swaps the old and the new model in one step (``RENAME_EXCHANGE``), so a
-  kill at any instant leaves one of them at OUTPUT; the old one is deleted only once the new one is in place.
+  kill at any instant leaves one of them at OUTPUT; the old one is deleted only once the new one is in place. It
+  replaces only a model folder (with a ``config.json``), a file or a link, and never deletes across a mount point
+  (:func:`refuse_replacing`, :func:`_remove`).
 - A failure, or SIGINT / SIGTERM (which the command raises as ``KeyboardInterrupt``), removes the staging directory
   and the parent folders the run created. SIGKILL cannot be handled in the process: the next run for the same OUTPUT
   removes the partials whose lock no process holds, and only directories with our name *and* our marker.
@@ -31,6 +33,7 @@ import shutil
 import signal
 import stat
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -64,6 +67,21 @@ def refuse_overlap(source_dir: Path, output: Path) -> None:
         if target == real or target in real.parents:
             raise ValueError(f"OUTPUT {output} {'is' if target == real else 'contains'} {real}, which the source "
                              f"{source_dir} reads ({file.name}): write the converted model somewhere else")
+
+
+def refuse_replacing(output: Path) -> None:
+    """``ValueError`` unless ``--overwrite`` may replace ``output``: missing, a file, a symlink (the link goes, not its
+    target), an empty folder, or a model folder (one with a ``config.json``: an earlier conversion, say) with no mount
+    point inside. Any other folder is someone's (``--overwrite .`` in the wrong directory): not ours to delete."""
+    if not (output.is_dir() and not output.is_symlink()):
+        return
+    if next(os.scandir(output), None) is not None and not (output / "config.json").is_file():
+        raise ValueError(f"OUTPUT {output} is a folder holding no model (no config.json): --overwrite only replaces a "
+                         "model folder; choose another OUTPUT, or remove that folder yourself")
+    mounted = mount_points(output)
+    if mounted:
+        raise ValueError(f"OUTPUT {output} holds a mount point ({mounted[0]}): --overwrite would delete what is "
+                         "mounted there; choose another OUTPUT")
 
 
 # ---------------------------------------------------------------------------------------------------------- renames
@@ -120,27 +138,62 @@ def rename_no_replace(source: Path, target: Path) -> None:
 
 @contextlib.contextmanager
 def signals_deferred() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM until the block is done (they are delivered then), so that publishing and cleaning up
-    never stop halfway. Only the calling thread's mask changes; Python runs its handlers in the main thread."""
-    if not hasattr(signal, "pthread_sigmask"):
+    """Hold SIGINT and SIGTERM until the block is done, then act on them as their handlers would, so that publishing
+    and cleaning up never stop halfway.
+
+    The handlers are replaced for the block rather than the signals blocked: a signal mask holds a signal for the
+    calling thread only, and the kernel hands a process signal to any thread that does not block it (importing torch
+    starts several), while Python runs every handler in the main thread. Only the main thread can set handlers: from
+    another thread nothing is held (its code cannot be interrupted by them anyway)."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    received: list[int] = []
+
+    def hold(signum, frame) -> None:
+        received.append(signum)
+
+    previous = {signum: signal.signal(signum, hold) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(received):  # each signal once, in the order they came
+            handler = previous[signum]
+            if callable(handler):
+                handler(signum, None)  # e.g. KeyboardInterrupt (SIGINT), or an outer block's `hold`
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(signum)  # the default action, now that it is restored
+            # SIG_IGN (or a handler not set from Python, None): ignored, as it would have been
 
 
 # ---------------------------------------------------------------------------------------------------------- staging
 
 
+def mount_points(folder: Path) -> list[Path]:
+    """The directories under ``folder`` (itself excluded) where another filesystem is mounted (a bind mount, say):
+    never descended into by :func:`_remove`, and never replaced by ``--overwrite``."""
+    found = []
+    for root, directories, _ in os.walk(folder):  # (os.walk does not follow symlinks)
+        for name in list(directories):
+            path = Path(root) / name
+            if os.path.ismount(path):
+                found.append(path)
+                directories.remove(name)
+    return found
+
+
 def _remove(path: Path) -> None:
-    """Remove a file, a symlink (not its target) or a directory tree."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
+    """Remove a file, a symlink (not its target) or a directory tree, but never across a mount point: a tree holding
+    one (a bind mount of someone's folder) raises ``OSError`` and keeps everything under it."""
+    if not (path.is_dir() and not path.is_symlink()):
         path.unlink()
+        return
+    mounted = mount_points(path)
+    if mounted:
+        raise OSError(errno.EBUSY, f"not removed: {mounted[0]} is a mount point", os.fspath(path))
+    shutil.rmtree(path)
 
 
 def _remove_partial(partial: Path) -> bool:
@@ -180,11 +233,22 @@ def _abandoned_marker(marker: Path) -> int | None:
     return None
 
 
+def _missing_or_claimed(output: Path) -> bool:
+    """OUTPUT is missing, or an empty directory: where no atomic rename exists, publishing first creates OUTPUT empty
+    to claim it (``rename_no_replace``), so a kill can leave it so with the replaced model still in ``previous/``."""
+    if not os.path.lexists(output):
+        return True
+    try:
+        return output.is_dir() and not output.is_symlink() and next(os.scandir(output), None) is None
+    except OSError:
+        return False
+
+
 def remove_stale_partials(output: str | os.PathLike) -> None:
     """Remove the staging directories of conversions into ``output`` that were killed (SIGKILL, power loss), saying
     so in one line each. One is stale when it has our name and our marker and no process holds the marker's lock;
     anything else is left alone. A partial that holds a replaced OUTPUT (``previous/``: a kill between the two
-    renames of an overwrite where no atomic exchange exists) while OUTPUT is missing gives it back first."""
+    renames of an overwrite where no atomic exchange exists) while OUTPUT is missing, or empty, gives it back first."""
     if fcntl is None:
         return
     output = Path(os.path.abspath(output))
@@ -202,7 +266,9 @@ def remove_stale_partials(output: str | os.PathLike) -> None:
         try:
             with signals_deferred():
                 previous = partial / "previous"
-                if os.path.lexists(previous) and not os.path.lexists(output):
+                if os.path.lexists(previous) and _missing_or_claimed(output):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.rmdir(output)  # (empty: nothing is lost)
                     rename_no_replace(previous, output)
                     logger.warning(f"restored {output} from {partial}: an interrupted --overwrite had moved it there")
                 if _remove_partial(partial):
@@ -281,6 +347,7 @@ class Staging:
             self.published = True
 
     def _replace(self) -> None:
+        refuse_replacing(self.output)  # again: what is at OUTPUT now may have appeared while converting
         if _rename_flagged(self.directory, self.output, RENAME_EXCHANGE):
             return  # the old OUTPUT is now at self.directory, removed with the staging directory
         # No atomic exchange here (not Linux, or a filesystem without it): move the old OUTPUT aside, then the new one
@@ -336,6 +403,9 @@ def staged_output(output: str | os.PathLike, overwrite: bool) -> Iterator[Stagin
         with signals_deferred():
             staging._create()
         yield staging
+    except KeyboardInterrupt as interrupt:  # the command says whether OUTPUT holds the new model
+        interrupt.published = staging.published
+        raise
     except OSError as error:
         translated = staging.write_error(error)
         if translated is None:

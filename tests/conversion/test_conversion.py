@@ -321,8 +321,14 @@ def test_existing_output_needs_overwrite(tmp_path):
     with pytest.raises(FileExistsError, match="--overwrite"):
         convert(tmp_path / "source", tmp_path / "out", progress=False)
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+    # --overwrite replaces a model folder only: a folder of other files is someone's (`--overwrite .`, say)
+    with pytest.raises(ValueError, match="is a folder holding no model .no config.json.: --overwrite only replaces"):
+        convert(tmp_path / "source", tmp_path / "out", overwrite=True, progress=False)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["keep.txt"] and leftovers(tmp_path) == []
+    (tmp_path / "out" / "config.json").write_text("{}")  # an earlier model
     convert(tmp_path / "source", tmp_path / "out", overwrite=True, progress=False)
     assert not (tmp_path / "out" / "keep.txt").exists() and (tmp_path / "out" / "config.json").exists()
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "selective_rope_fox"
     assert leftovers(tmp_path) == []
 
 
@@ -330,10 +336,11 @@ def test_a_failed_probe_leaves_nothing_and_keeps_the_old_output(tmp_path):
     llama_source(tmp_path / "source", "llama")
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")
+    (tmp_path / "out" / "config.json").write_text("{}")  # an earlier model, which --overwrite may replace
     failing = RetrofitOptions(forget_gate_bias=0.0)  # forgets half of everything per token: the probe fails
     with pytest.raises(ConversionError, match="does not reproduce the source"):
         convert(tmp_path / "source", tmp_path / "out", failing, overwrite=True, progress=False)
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["keep.txt"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "keep.txt"]
     assert leftovers(tmp_path) == []
 
 

@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -130,6 +131,7 @@ def test_overwrite_replaces_output_and_leaves_nothing_else(existing, publishing,
     if existing == "directory":
         output.mkdir()
         (output / "old.txt").write_text("old")
+        (output / "config.json").write_text("{}")  # a model folder: what --overwrite replaces
     elif existing == "file":
         output.write_text("old")
     else:
@@ -196,6 +198,7 @@ def test_write_failures_are_one_line_and_keep_the_old_output(failure, source, tm
     output = tmp_path / "out"
     output.mkdir()
     (output / "old.txt").write_text("the previous model")
+    (output / "config.json").write_text("{}")
     before = tree(tmp_path)
     message = cli_error(str(source), str(output), "--overwrite")
     assert message == (f"selective-rope convert: cannot write {output}: {os.strerror(code)}; the existing {output} "
@@ -329,6 +332,9 @@ def stop(at):
     elif at == "fallback":  # --overwrite without renameat2: old OUTPUT moved aside, the new one not yet in
         output_module._renameat2 = None
         pause_after(os, "rename", lambda *a: Path(a[1]).name == "previous")
+    elif at == "fallback-claimed":  # the same, a step later: OUTPUT created empty (claimed), the new one not yet in
+        output_module._renameat2 = None
+        pause_after(os, "mkdir", lambda *a: Path(a[0]).name == "out")
 
 def run(args):  # `python -m selective_rope convert ARGS`, as the interpreter ends it
     try:
@@ -491,7 +497,7 @@ def test_after_sigkill_the_next_run_removes_the_partial_and_nothing_else(paused_
 
 
 @pytest.mark.skipif(output_module.fcntl is None, reason="needs flock")
-@pytest.mark.parametrize("stop_at", ["exchange", "fallback"])
+@pytest.mark.parametrize("stop_at", ["exchange", "fallback", "fallback-claimed"])
 def test_a_kill_during_overwrite_leaves_the_old_or_the_new_model(stop_at, paused_conversion, source, tmp_path,
                                                                  caplog):
     if stop_at == "exchange" and output_module._renameat2 is None:
@@ -499,6 +505,7 @@ def test_a_kill_during_overwrite_leaves_the_old_or_the_new_model(stop_at, paused
     output = tmp_path / "out"
     output.mkdir()
     (output / "old.txt").write_text("the previous model")
+    (output / "config.json").write_text("{}")
     old = tree(output)
     finish = paused_conversion(stop_at, source, output, "--overwrite")
     code, _ = finish(signal.SIGKILL)
@@ -506,8 +513,10 @@ def test_a_kill_during_overwrite_leaves_the_old_or_the_new_model(stop_at, paused
     [partial] = partials(tmp_path)
     if stop_at == "exchange":  # one atomic step: the new model is in place, the old one waits in the partial
         assert (output / "config.json").exists() and tree(partial / "model") == old
-    else:  # two renames: between them OUTPUT is missing and the old model is in the partial, for the next run
+    elif stop_at == "fallback":  # two renames: between them OUTPUT is missing and the old model is in the partial
         assert not output.exists() and tree(partial / "previous") == old
+    else:  # OUTPUT claimed (created empty) for the second rename: the old model is in the partial
+        assert output.is_dir() and not any(output.iterdir()) and tree(partial / "previous") == old
     new_or_nothing = tree(output) if output.exists() else None
 
     with caplog.at_level(logging.WARNING, logger=output_module.__name__), pytest.raises(FileExistsError):
@@ -522,3 +531,94 @@ def test_a_kill_during_overwrite_leaves_the_old_or_the_new_model(stop_at, paused
                             removed]
         assert tree(output) == old
     assert partials(tmp_path) == []
+
+
+def test_signals_are_held_while_publishing_even_with_other_threads(source, tmp_path, monkeypatch, capsys):
+    """A SIGTERM that arrives while OUTPUT is being replaced is acted on once the new model is in place, whichever
+    thread the kernel hands it to (a signal mask would hold it for the main thread only; torch runs others), and the
+    command says that OUTPUT holds the converted model."""
+    helper = threading.Thread(target=threading.Event().wait, args=(30,), daemon=True)  # a thread not blocking it
+    helper.start()
+    output = tmp_path / "out"
+    convert(source, output, progress=False)  # an earlier model, replaced below
+    old = tree(output)
+    real_exchange = output_module._rename_flagged
+    steps = []
+
+    def exchange_then_signal(source_path, target, flags):
+        os.kill(os.getpid(), signal.SIGTERM)  # in the middle of publishing
+        time.sleep(0.2)  # time for the signal to land on some thread
+        steps.append("swapped")
+        return real_exchange(source_path, target, flags)
+
+    monkeypatch.setattr(output_module, "_rename_flagged", exchange_then_signal)
+    with pytest.raises(SystemExit) as exit:
+        cli_main(["convert", str(source), str(output), "--overwrite", "--no-progress", "--seed", "1"])
+    assert exit.value.code == 128 + signal.SIGTERM and steps
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"selective-rope convert: interrupted by SIGTERM; {output} holds the converted model")
+    assert (output / "config.json").exists() and tree(output) != old and partials(tmp_path) == []
+
+
+def test_signals_deferred_acts_on_each_held_signal_once_afterwards():
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    original = signal.signal(signal.SIGINT, lambda signum, frame: seen.append(("handler", signum)))
+    try:
+        with output_module.signals_deferred():
+            for _ in range(2):
+                os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+            seen.append("block done")
+        assert seen == ["block done", ("handler", signal.SIGINT)]
+        with output_module.signals_deferred(), output_module.signals_deferred():  # nested: held to the outer end
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+            seen.append("inner done")
+        assert seen[-2:] == ["inner done", ("handler", signal.SIGINT)]
+    finally:
+        signal.signal(signal.SIGINT, original)
+        signal.signal(signal.SIGUSR1, previous)
+
+
+@pytest.mark.parametrize("where", ["output", "nested"])
+def test_overwrite_never_deletes_across_a_mount_point(where, source, tmp_path, monkeypatch):
+    """A folder mounted inside OUTPUT (a bind mount of someone's data) is never deleted: --overwrite refuses such an
+    OUTPUT, and removing a tree never crosses one. (Mount points are simulated: mounting needs privileges.)"""
+    output = tmp_path / "out"
+    convert(source, output, progress=False)
+    mounted = output / "data" if where == "output" else output / "a" / "b"
+    mounted.mkdir(parents=True)
+    (mounted / "theirs.txt").write_text("someone's file")
+    monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == mounted)
+    before = tree(output)
+    message = cli_error(str(source), str(output), "--overwrite")
+    assert message == (f"selective-rope convert: OUTPUT {output} holds a mount point ({mounted}): --overwrite would "
+                       "delete what is mounted there; choose another OUTPUT")
+    assert tree(output) == before and partials(tmp_path) == []
+    with pytest.raises(OSError, match="is a mount point"):
+        output_module._remove(output)
+    assert tree(output) == before
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", '"text"', "3", "null"])
+def test_a_config_that_is_not_an_object_is_one_line(content, source, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(source, bad)
+    (bad / "config.json").write_text(content)
+    kind = type(json.loads(content)).__name__
+    assert cli_error(str(bad), str(tmp_path / "out")) == (
+        f"selective-rope convert: {bad / 'config.json'} holds a JSON {kind}, not an object of config fields")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("field, value, named", [("hidden_size", "64", "hidden_size"),
+                                                 ("rope_scaling", [1, 2], "rope_parameters")])  # transformers' name
+def test_a_source_config_transformers_refuses_is_one_line(field, value, named, source, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(source, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, field: value}))
+    message = cli_error(str(bad), str(tmp_path / "out"))
+    assert message.startswith(f"selective-rope convert: {bad / 'config.json'} is invalid: ") and named in message
+    assert not (tmp_path / "out").exists()
