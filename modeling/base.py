@@ -29,6 +29,7 @@ from .inputs import (
     CACHE_FIELD,
     check_cache,
     check_kwargs,
+    check_labels,
     check_tokens,
     one_cache,
     packed_offsets,
@@ -187,7 +188,8 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
     ) -> BaseModelOutputWithPast:
         """
         Args:
-            input_ids: ``(B, T)`` token ids; or ``inputs_embeds``: ``(B, T, hidden_size)``.
+            input_ids: ``(B, T)`` token ids; or ``inputs_embeds``: ``(B, T, hidden_size)``, floating point, cast to
+                the dtype of the input embeddings' weight (the dtype ``input_ids`` would give).
             attention_mask: padding mask (1 or True = real token, 0 = padding, anywhere in a row) of shape ``(B, T)``
                 or ``(B, T_past + T)`` (``T_past``: the tokens already in the cache, as ``generate`` passes
                 it). Only its last ``T`` columns mark this call's tokens. Values other than 0 and 1 are refused (an
@@ -221,7 +223,7 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
         if use_cache and cache is None:
             cache = SelectiveRopeCache(self.config)
 
-        hidden_states = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        hidden_states = self.embeddings(input_ids) if inputs_embeds is None else self._embedded(inputs_embeds)
         # Which kernels run, decided once for the whole call (SELECTIVE_ROPE_BACKEND may override the config).
         backend = resolve_backend(self.config.backend, hidden_states.device)
         packed = None  # offsets of the sequences packed in `rows` when the mixers take them as they are
@@ -252,6 +254,11 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
             hidden_states=tuple(all_hidden_states) if all_hidden_states is not None else None,
             **{CACHE_FIELD: cache if use_cache else None},
         )
+
+    def _embedded(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        # In the dtype input_ids would give (the embedding weight's): the first Linear would refuse float32 embeddings
+        # in a bf16 model, or float64 ones in a float32 model, deep in a layer.
+        return inputs_embeds.to(self.embeddings.weight.dtype)
 
     @staticmethod
     def _check_cache_batch(cache: SelectiveRopeCache | None, rows: int) -> None:
@@ -309,10 +316,12 @@ class SelectiveRopeForCausalLMBase(SelectiveRopePreTrainedModel, GenerationMixin
         cache: SelectiveRopeCache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        """``labels`` ``(B, T)`` (-100 = ignored) gives the shifted next-token loss through ``self.loss_function``,
-        which honours Trainer's ``num_items_in_batch``. ``logits_to_keep`` keeps only the last N positions. The other
-        arguments are the base model's (see ``SelectiveRopeModelBase.forward``)."""
+        """``labels`` ``(B, T)`` (int64 or int32; -100 = ignored, else a token id) gives the shifted next-token loss
+        through ``self.loss_function``, which honours Trainer's ``num_items_in_batch``; they are checked before the
+        forward runs. ``logits_to_keep`` keeps only the last N positions. The other arguments are the base model's
+        (see ``SelectiveRopeModelBase.forward``)."""
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)  # the loss's; every other keyword is the model's
+        labels = check_labels(labels, input_ids, inputs_embeds, self.config.vocab_size)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -338,3 +347,10 @@ class SelectiveRopeForCausalLMBase(SelectiveRopePreTrainedModel, GenerationMixin
             hidden_states=outputs.hidden_states,
             **{CACHE_FIELD: returned_cache(outputs)},
         )
+
+    def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):
+        # generate() (transformers >= 5.10) builds position_ids from the mask when the caller passes none, then
+        # extends them by one per step from the last column: after right padding or a row of padding only, that is
+        # not the positions these models count, and forward refuses them. Our forward counts positions itself, so
+        # generate builds none; position_ids the caller passes to generate still go through forward's checks.
+        return None

@@ -34,6 +34,7 @@ SUPPORTED_FLAGS = {  # name -> (accepted values, why others are refused)
     "output_router_logits": ((None, False), "these models have no mixture-of-experts router"),
     "is_causal": ((None, True), "these models are causal only"),
 }
+IGNORE_INDEX = -100  # the label the loss skips (transformers' loss functions' ignore_index)
 PACKING_KWARGS = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 # transformers 5.24 renamed the cache, as the argument of forward and as the field of its outputs, from
@@ -89,6 +90,33 @@ def check_tokens(input_ids, inputs_embeds, vocab_size: int, hidden_size: int) ->
                          f"{inputs_embeds.dtype} of shape {tuple(inputs_embeds.shape)}")
     _require_nonempty("inputs_embeds", inputs_embeds.shape[:2])
     return tuple(inputs_embeds.shape[:2])
+
+
+def check_labels(labels, input_ids, inputs_embeds, vocab_size: int):
+    """``labels`` as the loss takes them (int64), or None: an int64 or int32 tensor of the ``(B, T)`` of ``input_ids``
+    / ``inputs_embeds``, holding -100 (ignored) or token ids in ``[0, vocab_size)``.
+
+    Checked before the forward runs: a (B, T, 1) or flattened tensor would give a NaN or shifted loss silently, and
+    other shapes or ids fail only after the whole forward, in ``cross_entropy``, without naming ``labels``."""
+    if labels is None:
+        return None
+    tokens = input_ids if input_ids is not None else inputs_embeds
+    # The grid is only known from a token input that is a tensor; a malformed one is refused by check_tokens.
+    grid = tuple(tokens.shape[:2]) if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 else None
+    expected = f"an int64 or int32 tensor of shape {grid or '(B, T)'} (the batch and length of the tokens)"
+    _require_tensor("labels", labels, expected)
+    if labels.dtype not in (torch.int64, torch.int32) or labels.dim() != 2 or grid not in (None, labels.shape):
+        raise ValueError(f"labels must be {expected}; got {labels.dtype} of shape {tuple(labels.shape)}")
+    if labels.numel():  # (an empty input is refused by check_tokens, naming it)
+        ignored = labels == IGNORE_INDEX  # left out of the range (all ignored: an empty range, which passes)
+        limits = torch.iinfo(labels.dtype)
+        extremes = torch.stack([labels.masked_fill(ignored, limits.max).min(),
+                                labels.masked_fill(ignored, limits.min).max()])
+        low, high = extremes.tolist()  # one sync, as for input_ids
+        if low < 0 or high >= vocab_size:
+            raise ValueError(f"labels must be {IGNORE_INDEX} (ignored) or token ids in [0, {vocab_size}) "
+                             f"(vocab_size); got values other than {IGNORE_INDEX} in [{low}, {high}]")
+    return labels.long()
 
 
 def check_cache(cache, num_layers: int) -> None:

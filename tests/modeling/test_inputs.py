@@ -160,6 +160,50 @@ def test_generate_accepts_position_ids(family):
     assert torch.equal(plain, with_positions)
 
 
+def test_generate_on_right_padding_and_a_row_of_padding_only_continues_each_rows_real_tokens(family):
+    """generate builds no position_ids of its own (it would extend them from the last column, which after right
+    padding is not the positions forward counts): pads are holes, so each row's new tokens continue its real tokens,
+    as the row's tokens followed by its new ones, without padding, give; a row of padding only runs along. (The
+    first new token of a right-padded row is read at a pad, as generate reads the last column: transformers warns.)"""
+    model = build(family)
+    rows = [tokens(1, n, seed=n)[0] for n in (6, 3, 0, 5)]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)], mask[i, :len(r)] = r, 1
+    options = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    batch = model.generate(ids, attention_mask=mask, **options)
+    steps = torch.stack(batch.logits)  # (new tokens, B, V)
+    for i, r in enumerate(rows):
+        new = batch.sequences[i, width:]
+        with torch.no_grad():
+            dense = model(torch.cat([r, new])[None]).logits[0]
+        first = 0 if len(r) == width else 1  # the step whose logits come from the row's own tokens
+        torch.testing.assert_close(steps[first:, i], dense[len(r) + first - 1:-1], **TOL)
+    alone = model.generate(rows[0][None], **options)  # the row without padding: exactly the row alone
+    assert torch.equal(batch.sequences[0], alone.sequences[0])
+
+
+def test_position_ids_the_caller_passes_are_still_checked(family):
+    """Only generate's own position_ids are left out: the caller's, to forward or to generate, are checked."""
+    model = build(family)
+    ids = tokens(2, 5)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    shifted = torch.arange(5).expand(2, 5) + 3
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask).logits
+        implicit = torch.tensor([[0, 1, 2, 3, 4], [0, 1, 2, 0, 0]])  # pads' positions are not read
+        torch.testing.assert_close(model(ids, attention_mask=mask, position_ids=implicit).logits, expected,
+                                   rtol=0, atol=0)
+        for call in (lambda: model(ids, attention_mask=mask, position_ids=shifted),
+                     lambda: model.generate(ids, attention_mask=mask, position_ids=shifted, max_new_tokens=2,
+                                            do_sample=False, pad_token_id=0)):
+            with pytest.raises(ValueError, match="position_ids must either mark packed sequences") as error:
+                call()
+            one_line_error(error, "leave position_ids out")
+
+
 @settings(max_examples=12, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lengths=st.lists(st.integers(1, 6), min_size=1, max_size=4), convention=st.sampled_from(
     ["cu_seqlens", "position_ids", "flash", "seq_idx"]))
@@ -256,3 +300,64 @@ def test_malformed_inputs_are_refused_naming_the_argument(family):
     cache = returned_cache(model(tokens(2, 3), use_cache=True))
     with pytest.raises(ValueError, match="holds 2 sequences but the input has 1"):
         model(ids[:, :1], past_key_values=cache)
+
+
+def test_inputs_embeds_take_the_dtype_input_ids_would_give(family):
+    """Floating inputs_embeds are cast to the embedding weight's dtype at the entry (a Linear would refuse them deep
+    in a layer); other dtypes are refused naming inputs_embeds."""
+    hidden = family.tiny["hidden_size"]
+    embeds = torch.randn(2, 5, hidden, generator=torch.Generator().manual_seed(3))
+    for model_dtype, embeds_dtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.float64)):
+        model = build(family).to(model_dtype)
+        given = embeds.to(embeds_dtype)
+        with torch.no_grad():
+            expected = model(inputs_embeds=given.to(model_dtype)).logits
+            out = model(inputs_embeds=given).logits
+        assert out.dtype == expected.dtype == model_dtype
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    for wrong in (embeds.long(), embeds.to(torch.complex64), embeds > 0):
+        with pytest.raises(ValueError, match="must be a float tensor") as error:
+            model(inputs_embeds=wrong)
+        one_line_error(error, "inputs_embeds", str(wrong.dtype))
+
+
+def test_malformed_labels_are_refused_before_the_forward(family, monkeypatch):
+    model = build(family)
+    ids = tokens(2, 6)
+    ids[0, :2] = torch.tensor([3, 60])  # the vocabulary's ends (token ids 3..60 are drawn)
+    embeds = model.get_input_embeddings()(ids).detach()
+    monkeypatch.setattr(model.model, "forward", lambda *args, **kwargs: pytest.fail("the forward ran"))
+    cases = [
+        (ids[..., None], "got torch.int64 of shape (2, 6, 1)"),  # a NaN loss before
+        (ids.flatten(), "got torch.int64 of shape (12,)"),  # targets shifted across rows before
+        (ids[:, :3], "shape (2, 6)"),  # failed in cross_entropy, not naming labels
+        (ids.float(), "got torch.float32"),
+        (ids.to(torch.int16), "got torch.int16"),
+        (ids.tolist(), "got list"),
+        (ids.masked_fill(ids == ids[0, 2], 61), "[0, 61) (vocab_size); got values other than -100 in [3, 61]"),
+        (ids.masked_fill(ids == ids[0, 2], -1), "got values other than -100 in [-1, 60]"),  # IndexErrors before
+        (torch.full_like(ids, -100).index_fill(1, torch.tensor([4]), -7), "in [-7, -7]"),
+    ]
+    for labels, words in cases:
+        for source in (dict(input_ids=ids), dict(inputs_embeds=embeds)):
+            with pytest.raises(ValueError) as error:
+                model(**source, labels=labels)
+            one_line_error(error, "labels", words)
+
+
+def test_valid_labels_give_the_loss_they_gave_before(family):
+    """-100 anywhere is ignored and int32 labels are widened: the loss is exactly transformers' loss of the logits."""
+    model = build(family)
+    ids = tokens(2, 7)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    labels[1, 5] = -100
+    with torch.no_grad():
+        out = model(ids, labels=labels)
+        expected = model.loss_function(logits=out.logits, labels=labels, vocab_size=model.config.vocab_size)
+        torch.testing.assert_close(out.loss, expected, rtol=0, atol=0)
+        shifted = labels[:, 1:].reshape(-1)
+        manual = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, out.logits.shape[-1]), shifted)
+        torch.testing.assert_close(out.loss, manual, **TOL)
+        torch.testing.assert_close(model(ids, labels=labels.int()).loss, out.loss, rtol=0, atol=0)
+        assert model(ids, labels=torch.full_like(ids, -100)).loss.isnan()  # nothing to predict: transformers' NaN
