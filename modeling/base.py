@@ -322,6 +322,9 @@ class SelectiveRopeForCausalLMBase(SelectiveRopePreTrainedModel, GenerationMixin
         (see ``SelectiveRopeModelBase.forward``)."""
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)  # the loss's; every other keyword is the model's
         labels = check_labels(labels, input_ids, inputs_embeds, self.config.vocab_size)
+        if labels is not None and not (isinstance(logits_to_keep, int) and logits_to_keep in (0, labels.shape[1])):
+            raise ValueError(f"labels need the logits of every position, but logits_to_keep={logits_to_keep!r} keeps "
+                             "fewer: pass logits_to_keep=0 (the default) with labels")
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

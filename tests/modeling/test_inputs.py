@@ -361,3 +361,8 @@ def test_valid_labels_give_the_loss_they_gave_before(family):
         torch.testing.assert_close(out.loss, manual, **TOL)
         torch.testing.assert_close(model(ids, labels=labels.int()).loss, out.loss, rtol=0, atol=0)
         assert model(ids, labels=torch.full_like(ids, -100)).loss.isnan()  # nothing to predict: transformers' NaN
+        # logits_to_keep: all of them (0, or the length) with labels; fewer is refused, naming both
+        torch.testing.assert_close(model(ids, labels=labels, logits_to_keep=7).loss, out.loss, rtol=0, atol=0)
+        for keep in (1, 6, torch.tensor([0, 2])):
+            with pytest.raises(ValueError, match="labels need the logits of every position, but logits_to_keep="):
+                model(ids, labels=labels, logits_to_keep=keep)
