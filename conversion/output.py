@@ -171,17 +171,30 @@ def signals_deferred() -> Iterator[None]:
 # ---------------------------------------------------------------------------------------------------------- staging
 
 
+def _mounted_paths() -> list[str] | None:
+    """Every mount point of this process (Linux's ``/proc/self/mountinfo``, octal escapes decoded), or None."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as table:
+            fields = [line.split(" ")[4] for line in table if line.count(" ") >= 5]
+    except OSError:
+        return None
+    return [re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), path) for path in fields]
+
+
 def mount_points(folder: Path) -> list[Path]:
-    """The directories under ``folder`` (itself excluded) where another filesystem is mounted (a bind mount, say):
-    never descended into by :func:`_remove`, and never replaced by ``--overwrite``."""
-    found = []
-    for root, directories, _ in os.walk(folder):  # (os.walk does not follow symlinks)
+    """The directories under ``folder`` (itself excluded) where a filesystem is mounted, a bind mount of someone's
+    folder included: never descended into by :func:`_remove`, and never replaced by ``--overwrite``. From the mount
+    table where there is one (a bind mount from the same filesystem has the same device number as its parent, so
+    ``os.path.ismount`` cannot see it), and by device numbers while walking the tree."""
+    root = os.path.realpath(folder)
+    found = {Path(path) for path in _mounted_paths() or () if path.startswith(root.rstrip("/") + "/")}
+    for directory, directories, _ in os.walk(root):  # (os.walk does not follow symlinks)
         for name in list(directories):
-            path = Path(root) / name
-            if os.path.ismount(path):
-                found.append(path)
+            path = Path(directory) / name
+            if path in found or os.path.ismount(path):
+                found.add(path)
                 directories.remove(name)
-    return found
+    return sorted(found)
 
 
 def _remove(path: Path) -> None:

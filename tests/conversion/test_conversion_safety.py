@@ -622,3 +622,49 @@ def test_a_source_config_transformers_refuses_is_one_line(field, value, named, s
     message = cli_error(str(bad), str(tmp_path / "out"))
     assert message.startswith(f"selective-rope convert: {bad / 'config.json'} is invalid: ") and named in message
     assert not (tmp_path / "out").exists()
+
+
+REAL_BIND_MOUNT = """
+import json, subprocess, sys
+from pathlib import Path
+from selective_rope.cli import main
+from selective_rope.conversion import output as output_module
+
+source, output, data = map(Path, sys.argv[1:4])
+(output / "data").mkdir()
+subprocess.run(["mount", "--bind", str(data), str(output / "data")], check=True)
+try:
+    main(["convert", str(source), str(output), "--overwrite", "--no-progress"])
+    refused = None
+except SystemExit as exit:
+    refused = exit.code
+try:
+    output_module._remove(output)
+    removed = "removed"
+except OSError as error:
+    removed = str(error)
+print(json.dumps({"refused": refused, "removed": removed, "data": sorted(p.name for p in data.iterdir())}))
+"""
+
+
+def test_a_real_bind_mount_inside_output_is_never_deleted(source, tmp_path):
+    """A folder bind-mounted into OUTPUT in a private mount namespace (``unshare -Urm``): --overwrite refuses, and
+    removing the tree stops at the mount point; the mounted folder's files are all still there."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    if not _can_mount_tmpfs(probe):
+        pytest.skip("cannot mount in a user namespace here (the simulated mount points above still run)")
+    output, data = tmp_path / "out", tmp_path / "data"
+    convert(source, output, progress=False)
+    data.mkdir()
+    (data / "theirs.txt").write_text("someone's file")
+    script = tmp_path / "bind_mount.py"
+    script.write_text(REAL_BIND_MOUNT)
+    run = subprocess.run(["unshare", "-Urm", sys.executable, str(script), str(source), str(output), str(data)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["refused"] == (f"selective-rope convert: OUTPUT {output} holds a mount point ({output / 'data'}): "
+                                 "--overwrite would delete what is mounted there; choose another OUTPUT")
+    assert result["removed"].endswith(f"not removed: {output / 'data'} is a mount point: '{output}'")
+    assert result["data"] == ["theirs.txt"] and (data / "theirs.txt").read_text() == "someone's file"
