@@ -216,7 +216,7 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
             logger.warning_once("use_cache=True is incompatible with gradient checkpointing; setting use_cache=False")
             use_cache = False
         cache = one_cache(past_key_values, cache)
-        check_cache(cache, len(self.layers))
+        check_cache(cache, len(self.layers), self.config.model_type)
         past_len = cache.get_seq_length() if cache is not None else 0
         mask = padding_mask(attention_mask, batch, seq_len, past_len)
         cu_seqlens = packed_offsets(cu_seqlens, position_ids, markers, batch, seq_len, mask, past_len)

@@ -174,6 +174,7 @@ class SelectiveRopeCache(Cache):
 
     def __init__(self, config):
         super().__init__(layers=[SelectiveRopeCacheLayer() for _ in range(config.num_hidden_layers)])
+        self.model_type = config.model_type  # a family's states mean nothing to another's model: refused there
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0

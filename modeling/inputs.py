@@ -119,13 +119,18 @@ def check_labels(labels, input_ids, inputs_embeds, vocab_size: int):
     return labels.long()
 
 
-def check_cache(cache, num_layers: int) -> None:
-    """``cache`` (or ``past_key_values``): None or a :class:`SelectiveRopeCache` with one layer per model layer."""
+def check_cache(cache, num_layers: int, model_type: str) -> None:
+    """``cache`` (or ``past_key_values``): None or a :class:`SelectiveRopeCache` built for this model type, with one
+    layer per model layer."""
     if cache is None:
         return
     if not isinstance(cache, SelectiveRopeCache):
         raise TypeError(f"the cache (cache / past_key_values) must be a SelectiveRopeCache (these models carry "
                         f"recurrent state), got {type(cache).__name__}")
+    built_for = getattr(cache, "model_type", model_type)  # (a cache pickled before it recorded one: not checked)
+    if built_for != model_type:
+        raise ValueError(f"the cache (cache / past_key_values) holds the states of a {built_for} model, not of this "
+                         f"{model_type} model: build it with SelectiveRopeCache(model.config)")
     if len(cache.layers) != num_layers:
         raise ValueError(f"the cache (cache / past_key_values) has {len(cache.layers)} layers but the model has "
                          f"{num_layers}: build it with SelectiveRopeCache(model.config)")

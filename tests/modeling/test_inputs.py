@@ -14,6 +14,8 @@ from transformers import DataCollatorWithFlattening
 from selective_rope import SelectiveRopeCache
 from selective_rope.modeling import returned_cache
 
+from families import FAMILIES
+
 TOL = dict(atol=1e-4, rtol=1e-4)
 
 
@@ -225,8 +227,6 @@ def test_every_packing_convention_equals_sequences_alone(gla_model, lengths, con
 
 @pytest.fixture(scope="module")
 def gla_model():
-    from families import FAMILIES
-
     torch.manual_seed(0)
     return build(FAMILIES["gla"], num_hidden_layers=1)
 
@@ -300,6 +300,15 @@ def test_malformed_inputs_are_refused_naming_the_argument(family):
     cache = returned_cache(model(tokens(2, 3), use_cache=True))
     with pytest.raises(ValueError, match="holds 2 sequences but the input has 1"):
         model(ids[:, :1], past_key_values=cache)
+    # Another family's cache with the same layer and row counts: its states mean nothing here.
+    other = next(f for f in FAMILIES.values() if f.name != family.name)
+    other_model = other.lm_class(other.config_class(**{**other.tiny,
+                                                       "num_hidden_layers": model.config.num_hidden_layers}))
+    foreign = returned_cache(other_model(tokens(1, 3), use_cache=True))
+    with pytest.raises(ValueError) as error:
+        model(ids, past_key_values=foreign)
+    one_line_error(error, "past_key_values", f"a {other.config_class.model_type} model",
+                   f"this {model.config.model_type} model")
 
 
 def test_inputs_embeds_take_the_dtype_input_ids_would_give(family):
