@@ -69,13 +69,21 @@ def refuse_overlap(source_dir: Path, output: Path) -> None:
                              f"{source_dir} reads ({file.name}): write the converted model somewhere else")
 
 
+def _is_empty_folder(path: Path) -> bool:
+    """A real directory (not a link to one) with nothing in it."""
+    if not path.is_dir() or path.is_symlink():
+        return False
+    with os.scandir(path) as entries:
+        return next(entries, None) is None
+
+
 def refuse_replacing(output: Path) -> None:
     """``ValueError`` unless ``--overwrite`` may replace ``output``: missing, a file, a symlink (the link goes, not its
     target), an empty folder, or a model folder (one with a ``config.json``: an earlier conversion, say) with no mount
     point inside. Any other folder is someone's (``--overwrite .`` in the wrong directory): not ours to delete."""
     if not (output.is_dir() and not output.is_symlink()):
         return
-    if next(os.scandir(output), None) is not None and not (output / "config.json").is_file():
+    if not _is_empty_folder(output) and not (output / "config.json").is_file():
         raise ValueError(f"OUTPUT {output} is a folder holding no model (no config.json): --overwrite only replaces a "
                          "model folder; choose another OUTPUT, or remove that folder yourself")
     mounted = mount_points(output)
@@ -252,7 +260,7 @@ def _missing_or_claimed(output: Path) -> bool:
     if not os.path.lexists(output):
         return True
     try:
-        return output.is_dir() and not output.is_symlink() and next(os.scandir(output), None) is None
+        return _is_empty_folder(output)
     except OSError:
         return False
 
