@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import secrets
 from pathlib import Path
 
 
@@ -75,8 +77,20 @@ def print_footer(results: dict, line: str) -> None:
 
 
 def write_results(path: Path, results: dict) -> None:
+    """Writes ``results`` as JSON to ``path`` whole or not at all: a benchmark killed mid-write (a time limit)
+    leaves the previous file, never a truncated one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    text = json.dumps(results, indent=2, default=str) + "\n"
+    partial = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.partial")
+    # os.open with O_EXCL: a new file of our own, with the umask's permissions (tempfile's would be 0600)
+    descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(descriptor, "w") as file:  # closing flushes: a full disk may show only there
+            file.write(text)
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink()  # still ours: os.replace is the last step and did not happen
+        raise
     log(f"saved {path}")
 
 

@@ -200,6 +200,15 @@ def with_ratios(rows: list[dict], key: str) -> list[dict]:
     return rows
 
 
+def record(results: dict, start: float, output: Path) -> None:
+    """Writes the results after every row, so a run cut short (a time limit, fla's autotuning) keeps what it
+    measured; the ratios are recomputed over all rows (``with_ratios`` matches within a family)."""
+    with_ratios(results["training"], "tokens_per_s")
+    with_ratios(results["decode"], "ms_per_token")
+    results["total_wall_s"] = round(time.perf_counter() - start, 1)
+    write_results(output, results)
+
+
 def print_summary(results: dict) -> None:
     log("=" * 100)
     plan = results["plan"]
@@ -259,23 +268,21 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
         log(f"[bench_models_gpu] {family} on {results['device']['gpu']}, "
             f"{results['model_config'][family]['num_parameters']:,} parameters")
-        training, decoding = [], []
         for backend in args.backends:
             with backend_override(backend):
                 for variant in VARIANTS:
                     layouts = [False] + ([True] if backend == "auto" and not args.no_packed else [])
                     for packed in layouts:
-                        training.append(bench_training(family, variant, backend, layers, args.batch_size, seq_len,
-                                                       train_steps, packed))
+                        results["training"].append(bench_training(family, variant, backend, layers,
+                                                                  args.batch_size, seq_len, train_steps, packed))
+                        record(results, start, args.output)
                         torch.cuda.empty_cache()  # the model and optimizer state of the previous row are gone
                 for batch in args.decode_batches:
                     for variant in VARIANTS:
-                        decoding.append(bench_decode(family, variant, backend, layers, batch, context, decode_steps))
+                        results["decode"].append(bench_decode(family, variant, backend, layers, batch, context,
+                                                              decode_steps))
+                        record(results, start, args.output)
                         torch.cuda.empty_cache()
-        results["training"] += with_ratios(training, "tokens_per_s")
-        results["decode"] += with_ratios(decoding, "ms_per_token")
-        results["total_wall_s"] = round(time.perf_counter() - start, 1)
-        write_results(args.output, results)  # after every family: a run cut short keeps what it measured
     print_summary(results)
     return 0
 

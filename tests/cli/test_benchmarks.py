@@ -161,3 +161,35 @@ def test_the_host_time_script_times_every_case_in_its_own_process():
     assert done.returncode == 0, done.stderr[-2000:]
     for case in ("decode rope", "decode selective_rope", "train eager autograd", "train custom op"):
         assert f"  {case} " in done.stdout, done.stdout
+
+
+def test_results_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A benchmark rewrites its JSON after every row; a write that fails (a kill, a full disk) must leave the previous
+    file as it was, and no partial file beside it."""
+    import os
+
+    from selective_rope.bench.report import write_results
+
+    path = tmp_path / "results.json"
+    write_results(path, {"rows": [1]})
+    assert json.loads(path.read_text()) == {"rows": [1]}
+    assert oct(path.stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+    write_results(path, {"rows": [1, 2]})
+    assert json.loads(path.read_text()) == {"rows": [1, 2]}
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_results(path, {"rows": [1, 2, 3]})
+    assert json.loads(path.read_text()) == {"rows": [1, 2]}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
+
+
+def _umask() -> int:
+    import os
+
+    current = os.umask(0)
+    os.umask(current)
+    return current
