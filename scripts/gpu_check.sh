@@ -8,9 +8,10 @@
 #      benchmarks/profile_rotary_module_gpu.py (a FoX layer's module in training: phase path against rotary op) and
 #      benchmarks/sweep_rotary_gpu.py (the prefill kernels' tiles and warps);
 #   3. 370M-class models of each family (benchmarks/bench_models_gpu.py), alone, with the time that is left (120 s,
-#      MODELS_LIMIT): GLA and Gated DeltaNet first (not yet measured: fla's autotuning of their training kernels
-#      filled every earlier slot), then FoX (measured in run 3; fla's attention kernel does not autotune); the
-#      order is MODEL_FAMILIES.
+#      MODELS_LIMIT), in MODEL_FAMILIES' order: FoX first (about two minutes: fla's attention kernel does not
+#      autotune), then GLA and Gated DeltaNet, whose training kernels fla autotunes on a bare machine (run 5: GLA's
+#      dense step 250 s, its packed step more than 390 s). MODELS_EXTRA adds options (e.g. --no-packed); the JSON is
+#      named after the families, so two model runs in one $OUT keep both.
 # Every section has its own time limit, so one that hangs or runs long cannot take the others with it, and a test
 # failure is printed when it happens (pytest prints failures at the end, which a time limit cuts off). On a bare
 # machine fla's kernels autotune on their first calls: on an H200 (27 Nov 2026) the first GLA training step did not
@@ -19,7 +20,8 @@
 #
 # Usage, from the repository root, with selective_rope, triton and flash-linear-attention importable:
 #   OUT=/tmp/gpu-check [AUTOTUNE_ARCHIVE=autotune.tgz from an earlier run, or empty for none] \
-#       [SECTIONS="tests models"] [MODELS_LIMIT=seconds] [MODEL_FAMILIES="gla fox"] bash scripts/gpu_check.sh
+#       [SECTIONS="tests models"] [MODELS_LIMIT=seconds] [MODEL_FAMILIES="gla fox"] [MODELS_EXTRA=--no-packed] \
+#       bash scripts/gpu_check.sh
 # SECTIONS picks what runs, in the order below (default: all of "tests bench profile module sweep models"); e.g.
 # SECTIONS="tests models" MODELS_LIMIT=420 leaves fla's autotuning of GLA and Gated DeltaNet the time it needs (their
 # training kernels try ~300 configurations, each compiled, in the first steps).
@@ -43,7 +45,7 @@ exec > >(tee -a "$OUT/log.txt") 2>&1
 TRITON_CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
 if [ -z "${AUTOTUNE_ARCHIVE+set}" ] && [ "$GPU_NAME" = "NVIDIA H200" ]; then
-    AUTOTUNE_ARCHIVE=$REPO/benchmarks/results/gpu/2026-11-27-h200/run4-fe4f981/fla_autotune_h200.tgz
+    AUTOTUNE_ARCHIVE=$REPO/benchmarks/results/gpu/2026-11-27-h200/run5-f27cc13/fla_autotune_h200.tgz
 fi
 if [ -n "${AUTOTUNE_ARCHIVE:-}" ] && [ -f "$AUTOTUNE_ARCHIVE" ]; then
     mkdir -p "$TRITON_CACHE" && tar xzf "$AUTOTUNE_ARCHIVE" -C "$TRITON_CACHE" \
@@ -115,10 +117,11 @@ fi
 
 if wanted models; then
 step "370M-class models: training (dense, packed) and decoding"
-# shellcheck disable=SC2086  # MODEL_FAMILIES is a list
-timeout "${MODELS_LIMIT:-120}" "$PYTHON" benchmarks/bench_models_gpu.py --families ${MODEL_FAMILIES:-gla gated_deltanet fox} \
+FAMILIES=${MODEL_FAMILIES:-fox gla gated_deltanet}
+# shellcheck disable=SC2086  # FAMILIES and MODELS_EXTRA are lists
+timeout "${MODELS_LIMIT:-120}" "$PYTHON" benchmarks/bench_models_gpu.py --families $FAMILIES \
     --backends auto --batch-size 4 --seq-len 4096 --context 4096 --decode-batches 1 --train-steps 10 \
-    --decode-steps 50 --output "$OUT/models_gpu.json"
+    --decode-steps 50 ${MODELS_EXTRA:-} --output "$OUT/models_${FAMILIES// /_}.json"
 fi
 
 step "fla's autotuning results so far, for the next run (AUTOTUNE_ARCHIVE=...)"
