@@ -27,6 +27,16 @@ from families import FAMILIES  # noqa: E402
 warnings.filterwarnings("ignore", message=".*Triton is not supported.*")
 
 
+if torch.cuda.is_available():
+    from autotuning import few_autotuning_candidates  # noqa: E402
+
+    @pytest.fixture(autouse=True, scope="session")
+    def _few_autotuning_candidates():
+        """On a GPU, fla's kernels time a few configurations, not ~300 (``tests/autotuning.py``)."""
+        with few_autotuning_candidates():
+            yield
+
+
 @pytest.fixture(params=sorted(FAMILIES), ids=str)
 def family(request):
     return FAMILIES[request.param]
