@@ -62,6 +62,12 @@ def accelerate_fsdp_on_cpu():
             state.distributed_type = DistributedType.MULTI_CPU
 
 
+# TrainingArguments' name for activation checkpointing: transformers 5.23 renamed `gradient_checkpointing` (kept as a
+# deprecated alias until v6), and this package supports transformers from 5.10.
+CHECKPOINTING = ("activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+                 else "gradient_checkpointing")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--strategy", choices=["ddp", "fsdp"], default="fsdp")
@@ -84,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         learning_rate=args.learning_rate, lr_scheduler_type="cosine", warmup_steps=10, bf16=args.bf16,
         save_strategy="steps", save_steps=args.save_steps, logging_steps=20, seed=args.seed, report_to="none",
         use_cpu=on_cpu, fsdp=fsdp, fsdp_config=FSDP_CONFIG if fsdp else None,
-        activation_checkpointing=not fsdp,  # under FSDP, fsdp_config's activation_checkpointing does it
+        **{CHECKPOINTING: not fsdp},  # under FSDP, fsdp_config's activation_checkpointing does it
         ddp_find_unused_parameters=False,  # every parameter gets a gradient at every step
     )
     if fsdp and training_args.world_size == 1:

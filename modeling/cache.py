@@ -126,6 +126,9 @@ class SelectiveRopeCacheLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    def get_max_cache_shape(self) -> int:  # get_max_length's name (abstract) before transformers 5.13
+        return -1
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seen_tokens + query_length, 0
 

@@ -110,7 +110,8 @@ def test_sharding_attributes(family):
     blocks = [m for m in model.modules() if type(m).__name__ in model._no_split_modules]
     assert len(blocks) == family.tiny["num_hidden_layers"]
     assert set(model._no_split_modules) == {"SelectiveRopeDecoderBlock"}
-    assert model.supports_gradient_checkpointing and not model.supports_context_parallel
+    # supports_context_parallel: transformers 5.17 on (no context parallelism before it)
+    assert model.supports_gradient_checkpointing and not getattr(model, "supports_context_parallel", False)
 
 
 if __name__ == "__main__":

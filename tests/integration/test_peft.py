@@ -170,8 +170,10 @@ def test_trainer_with_lora_and_activation_checkpointing(tmp_path):
     before = {n: p.detach().clone() for n, p in peft_model.named_parameters() if p.requires_grad}
     with torch.no_grad():
         loss_before = peft_model(input_ids=ids, labels=ids).loss.item()
+    checkpointing = ("activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+                     else "gradient_checkpointing")  # its name before transformers 5.23
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                             activation_checkpointing=True, max_steps=8, learning_rate=2e-2, use_cpu=True,
+                             **{checkpointing: True}, max_steps=8, learning_rate=2e-2, use_cpu=True,
                              report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True)
     Trainer(model=peft_model, args=args, train_dataset=[{"input_ids": row, "labels": row} for row in ids]).train()
     peft_model.eval()
