@@ -412,14 +412,16 @@ def write_weights(plan: SourcePlan, source: SourceTensors, directory: Path, opti
 
 def _save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """``save_file``, with its I/O failures (full disk, read-only filesystem) raised as the ``OSError`` they are:
-    safetensors reports them as its own error, carrying the errno only in the message."""
+    safetensors reports them as its own error, carrying the errno only in the message: "... (os error 28)" in recent
+    releases, "IoError(Os { code: 28, kind: StorageFull, ... })" in 0.4."""
     try:
         save_file(tensors, path, metadata={"format": "pt"})
     except SafetensorError as error:
-        code = re.search(r"os error (\d+)", str(error))
+        code = re.search(r"os error (\d+)|Os \{ code: (\d+)", str(error))
         if code is None:
             raise
-        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from error
+        errno = int(code[1] or code[2])
+        raise OSError(errno, os.strerror(errno), str(path)) from error
 
 
 # --------------------------------------------------------------------------------------------------------- probe

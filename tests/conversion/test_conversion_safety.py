@@ -176,15 +176,18 @@ def test_a_broken_source_shard_is_named(damage, tmp_path):
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 
-@pytest.mark.parametrize("failure", ["full disk at a shard", "read-only at a shard", "full disk at a code file"])
+@pytest.mark.parametrize("failure", ["full disk at a shard", "full disk at a shard, safetensors 0.4",
+                                     "read-only at a shard", "full disk at a code file"])
 def test_write_failures_are_one_line_and_keep_the_old_output(failure, source, tmp_path, monkeypatch):
     """An injected write failure; the real thing (a small tmpfs) is in the next test, where the machine allows."""
-    if failure.endswith("at a shard"):  # safetensors reports I/O failures as its own error type
+    if "at a shard" in failure:  # safetensors reports I/O failures as its own error type, the errno in the message
         code = 28 if failure.startswith("full") else 30
+        detail = (f"IoError(Os {{ code: {code}, kind: StorageFull, message: \"{os.strerror(code)}\" }})"
+                  if failure.endswith("0.4") else f"I/O error: {os.strerror(code)} (os error {code})")
 
         def failing_save(tensors, path, metadata=None):
             Path(path).write_bytes(b"half a shard")
-            raise SafetensorError(f"Error while serializing: I/O error: {os.strerror(code)} (os error {code})")
+            raise SafetensorError(f"Error while serializing: {detail}")
 
         monkeypatch.setattr(convert_module, "save_file", failing_save)
     else:
