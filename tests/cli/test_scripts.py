@@ -17,6 +17,7 @@ PYTHON = """#!/usr/bin/env bash
 echo "python $*" >> "$CALLS"
 if [ "$1" = "-c" ] && [ "$2" = "import torch" ]; then exit "${TORCH_MISSING:-0}"; fi
 if [ "$1" = "-m" ] && [ "$2" = "pytest" ]; then exit "${PYTEST_STATUS:-0}"; fi
+if [ "$1" = "-m" ] && [ "$2" = "venv" ]; then mkdir -p "$3/bin" && touch "$3/bin/activate"; fi
 if [ "$1" = "-c" ]; then echo "2.13.0+cu130"; fi
 """
 SELECTIVE_ROPE = """#!/usr/bin/env bash
@@ -67,10 +68,37 @@ def test_scripts_install_torch_where_there_is_none(tmp_path, script):
 
 @pytest.mark.parametrize("pytest_status", [0, 1, 5])
 def test_ci_runs_the_readme_test_command_and_fails_when_nothing_was_collected(tmp_path, pytest_status):
-    """.ci/run is scripts/test.sh with its status, except that pytest's "no tests collected" (5) is a failure with a
-    message, never a pass."""
+    """.ci/run is scripts/test.sh, then (if it passed) scripts/test_minimum_versions.sh, with their status, except that
+    pytest's "no tests collected" (5) is a failure with a message, never a pass."""
     env, calls = _stand_ins(tmp_path, pytest_status=pytest_status)
     run = subprocess.run(["bash", str(REPO / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60)
-    assert calls.read_text().splitlines()[-1] == "python -m pytest tests -p no:cacheprovider"
+    lines = calls.read_text().splitlines()
+    pytest_runs = [i for i, call in enumerate(lines) if call == "python -m pytest tests -p no:cacheprovider"]
+    assert len(pytest_runs) == (2 if pytest_status == 0 else 1) and pytest_runs[-1] == len(lines) - 1
     assert run.returncode == pytest_status
     assert ("pytest collected no tests" in run.stderr) == (pytest_status == 5)
+    if pytest_status == 0:  # the second run: its own venv, the floors as constraints
+        second = lines[pytest_runs[0] + 1:]
+        assert any(call.startswith("python scripts/minimum_versions.py ") for call in second)
+        venv = next(call for call in second if call.startswith("python -m venv "))
+        install = next(call for call in second if call.startswith("python -m pip install --quiet -e .[test] -c "))
+        assert second.index(venv) < second.index(install)
+
+
+def test_minimum_versions_pins_every_floor_but_torchs(tmp_path):
+    """scripts/minimum_versions.py: each runtime dependency's `>=` floor pinned with `==`, torch left out; a dependency
+    without a plain floor is refused, naming it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("minimum_versions", REPO / "scripts" / "minimum_versions.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    pins = module.minimum_pins(REPO / "pyproject.toml")
+    assert "transformers==5.10.1" in pins and not any(pin.startswith("torch==") for pin in pins)
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[project]\ndependencies = ["torch>=2.11", "transformers>=5.10.1,<6", "tqdm"]\n')
+    with pytest.raises(SystemExit, match="'tqdm' has no plain `>=` floor"):
+        module.minimum_pins(pyproject)
+    pyproject.write_text('[project]\ndependencies = ["torch>=2.11", "transformers>=5.10.1,<6", "peft>=0.18"]\n')
+    module.main([str(tmp_path / "pins.txt"), str(pyproject)])
+    assert (tmp_path / "pins.txt").read_text() == "transformers==5.10.1\npeft==0.18\n"

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The test suite against the lowest versions pyproject.toml allows of the runtime dependencies: each `>=` floor in
+# [project] dependencies is pinned with `==` (a pip constraints file) in a virtual environment of its own, made in a
+# temporary folder and removed afterwards. torch is the exception: it is installed as scripts/install_torch.sh does
+# (2.13.0) and its floor is the lowest version seen working (see pyproject.toml). The test extras (pytest, triton,
+# flash-linear-attention) stay at their newest. Arguments go to pytest. Needs Python >= 3.11 (tomllib) and the
+# package index. .ci/run runs it after the README's test command.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scratch=$(mktemp -d)
+trap 'rm -rf -- "$scratch"' EXIT  # the one folder this script made
+python scripts/minimum_versions.py "$scratch/minimum.txt"
+python -m venv "$scratch/venv"
+# shellcheck disable=SC1091  # the venv's own activation script
+source "$scratch/venv/bin/activate"
+source scripts/install_torch.sh
+python -m pip install --quiet -e ".[test]" -c "$scratch/minimum.txt"
+python -m pip list 2>/dev/null | grep -i -E "^(torch|transformers|accelerate|peft|huggingface.hub|safetensors|tqdm) " || true
+python -m pytest tests "$@"
