@@ -11,6 +11,7 @@ import torch
 from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
 from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from transformers import AutoModelForCausalLM
+from versions import CHECKPOINTING_ARGUMENT
 
 from selective_rope.lora import LORA_TARGET_MODULES
 
@@ -170,10 +171,8 @@ def test_trainer_with_lora_and_activation_checkpointing(tmp_path):
     before = {n: p.detach().clone() for n, p in peft_model.named_parameters() if p.requires_grad}
     with torch.no_grad():
         loss_before = peft_model(input_ids=ids, labels=ids).loss.item()
-    checkpointing = ("activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
-                     else "gradient_checkpointing")  # its name before transformers 5.23
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                             **{checkpointing: True}, max_steps=8, learning_rate=2e-2, use_cpu=True,
+                             **{CHECKPOINTING_ARGUMENT: True}, max_steps=8, learning_rate=2e-2, use_cpu=True,
                              report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True)
     Trainer(model=peft_model, args=args, train_dataset=[{"input_ids": row, "labels": row} for row in ids]).train()
     peft_model.eval()

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from transformers import Trainer, TrainingArguments
+from versions import CHECKPOINTING_ARGUMENT, is_activation_checkpointing
 
 # Label counts per row: any split of these 4 rows into two micro-batches of 2 gives different token counts, so a
 # per-micro-batch mean (the gradient-accumulation bug) would not match the full-batch gradient.
@@ -31,14 +32,9 @@ def _rows(family, seed=0):
     return ids, labels
 
 
-# transformers < 5.23 names it gradient_checkpointing (a deprecated alias from 5.23 on).
-CHECKPOINTING_ARG = ("activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
-                     else "gradient_checkpointing")
-
-
 def _args(tmp_path, **overrides):
     settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                    **{CHECKPOINTING_ARG: True}, use_cpu=True, report_to="none", save_strategy="no",
+                    **{CHECKPOINTING_ARGUMENT: True}, use_cpu=True, report_to="none", save_strategy="no",
                     logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0,
                     lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0)
     settings.update(overrides)
@@ -80,7 +76,7 @@ def test_trainer_gradient_accumulation_equals_the_full_batch_step(family, tmp_pa
                                               max_grad_norm=0.0), train_dataset=_dataset(ids, labels))
     assert trainer.model_accepts_loss_kwargs  # forward takes **kwargs: Trainer passes num_items_in_batch
     trainer.train()
-    assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
+    assert is_activation_checkpointing(model)
     assert len(calls) == 4  # 2 micro-batches, each block recomputed in the backward pass
     for name, param in model.named_parameters():
         if name in expected:

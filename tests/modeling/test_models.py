@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from versions import enable_activation_checkpointing
 
 from selective_rope import SelectiveRopeCache
 from selective_rope.modeling import CACHE_FIELD, returned_cache
@@ -425,8 +426,7 @@ def test_activation_checkpointing_gives_the_same_gradients(family):
     model(ids, labels=ids).loss.backward()
     plain = [p.grad.clone() for p in params]
     model.zero_grad()
-    # gradient_checkpointing_enable: its name before transformers 5.23
-    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    enable_activation_checkpointing(model)
     model(ids, labels=ids).loss.backward()
     for p, g in zip(params, plain):
         torch.testing.assert_close(p.grad, g)
