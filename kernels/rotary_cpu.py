@@ -14,7 +14,8 @@ in vector registers, takes ~14 ms (~9.5 ms on two threads, against ~35 ms). Fewe
 How. The C source below (``C_SOURCE``, a string so that it travels with a saved model's remote code, which carries
 only ``.py`` files) is compiled on first use by the system's C compiler (``$CC``, else ``cc``, ``gcc`` or
 ``clang``; ~1.5 s, once) into a shared library cached under ``$SELECTIVE_ROPE_CACHE`` (default
-``~/.cache/selective_rope``), named by a hash of the source and the compiler, and called through ``ctypes``. On
+``~/.cache/selective_rope``), named by a hash of the source and the compiler, and called through ``ctypes``, or
+where Python's C headers exist through a small CPython extension that makes the same call (``rotary_cpu_entry``). On
 x86-64 with glibc the hot functions are built for AVX-512, AVX2 and the baseline, chosen when the library loads.
 A row of at least 1024 real tokens is split between ``torch.get_num_threads()`` threads (at least 512 tokens each;
 see ``row_threaded``), with the same results bit for bit. They are torch's own OpenMP threads: the library is built
@@ -705,25 +706,35 @@ def build(directory: Path, compiler: list[str] | str) -> Path:
     compiler and flags is reused. It is built with OpenMP where the compiler has it, else without (one thread).
     Raises ``OSError`` (e.g. an unwritable directory, no such compiler) or ``RuntimeError`` (the compiler failed; its
     output is in the message)."""
+    # without OpenMP (e.g. clang lacking libomp) the library runs on one thread
+    return compile_cached(directory, compiler, C_SOURCE, "rotary", ".so", _FLAGS, [[_OPENMP_FLAG], []], ["-lm"])
+
+
+def compile_cached(directory: Path, compiler: list[str] | str, source: str, name: str, suffix: str, flags: list[str],
+                   variants: list[list[str]], libraries: list[str]) -> Path:
+    """Compile ``source`` into ``directory / f"{name}_{key}{suffix}"`` (``key``: a hash of the source, the compiler
+    and ``flags``) unless that file exists, and return its path. ``variants``: extra flags tried in turn (the first
+    that compiles wins; ``[[]]``: none). Shared by the kernel (``build``) and its CPython entry
+    (``rotary_cpu_entry.build_entry``); raises as ``build`` says."""
     command = [compiler] if isinstance(compiler, str) else list(compiler)
-    key = hashlib.sha256("\0".join([C_SOURCE, *command, *_FLAGS, platform.machine()]).encode()).hexdigest()[:16]
-    target = directory / f"rotary_{key}.so"
+    key = hashlib.sha256("\0".join([source, *command, *flags, platform.machine()]).encode()).hexdigest()[:16]
+    target = directory / f"{name}_{key}{suffix}"
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
     # Fresh names for this build (mkstemp creates each file, so it is ours), in the cache directory itself so that the
     # final rename is atomic. Only these two files are ever removed, by the process that created them, and the library
     # only while it still has its temporary name.
-    fd, source = tempfile.mkstemp(prefix=f".{target.stem}.", suffix=".c", dir=directory)
+    fd, source_path = tempfile.mkstemp(prefix=f".{name}_{key}.", suffix=".c", dir=directory)
     partial, published = None, False
     try:
         with os.fdopen(fd, "w") as file:
-            file.write(C_SOURCE)
-        fd, partial = tempfile.mkstemp(prefix=f".{target.stem}.", suffix=".so", dir=directory)
+            file.write(source)
+        fd, partial = tempfile.mkstemp(prefix=f".{name}_{key}.", suffix=".so", dir=directory)
         os.close(fd)
-        for extra in ([_OPENMP_FLAG], []):  # without OpenMP (e.g. clang lacking libomp) the library runs on one thread
-            result = subprocess.run([*command, *_FLAGS, *extra, "-o", partial, source, "-lm"], capture_output=True,
-                                    text=True, timeout=300)
+        for extra in variants:
+            result = subprocess.run([*command, *flags, *extra, "-o", partial, source_path, *libraries],
+                                    capture_output=True, text=True, timeout=300)
             if result.returncode == 0:
                 break
         else:
@@ -735,7 +746,7 @@ def build(directory: Path, compiler: list[str] | str) -> Path:
     finally:
         if partial is not None and not published:  # (a failing compiler may have removed it already)
             Path(partial).unlink(missing_ok=True)
-        Path(source).unlink(missing_ok=True)
+        Path(source_path).unlink(missing_ok=True)
     return target
 
 
@@ -917,14 +928,15 @@ class RotaryPlan:
                                     or not lengths.is_contiguous() or not lengths.is_cpu):
             raise ValueError(f"lengths must be a contiguous CPU int64 tensor of shape ({batch},)")
 
-        q_out = torch.empty((batch, seq_len, num_query_heads, head_dim), dtype=q.dtype)
-        k_out = torch.empty((batch, seq_len, num_key_heads, head_dim), dtype=q.dtype)
+        # (device named: a default device set with torch.set_default_device must not place them elsewhere)
+        q_out = torch.empty((batch, seq_len, num_query_heads, head_dim), dtype=q.dtype, device="cpu")
+        k_out = torch.empty((batch, seq_len, num_key_heads, head_dim), dtype=q.dtype, device="cpu")
         # The C code reads each row's old state before writing its new one, so the two may be the same memory.
         new_phase, new_history = phase, conv_state  # (conv_state is contiguous, checked above)
         if not overwrite_state or phase is None or not phase.is_contiguous():
-            new_phase = torch.empty(phase_shape, dtype=torch.float64)
+            new_phase = torch.empty(phase_shape, dtype=torch.float64, device="cpu")
         if self.has_conv and (not overwrite_state or conv_state is None):
-            new_history = torch.empty(history_shape, dtype=torch.float64)
+            new_history = torch.empty(history_shape, dtype=torch.float64, device="cpu")
         call = array.array("q", (batch, seq_len, x.data_ptr(), x_dtype, *x_strides[:2], q.data_ptr(), k.data_ptr(),
                                  qk_dtype, *q_strides[:3], *k_strides[:3], q_out.data_ptr(), k_out.data_ptr(),
                                  *((0, 0, 0, 0) if phase is None else (phase.data_ptr(), *phase.stride())),
