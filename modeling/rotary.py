@@ -48,6 +48,7 @@ from ..kernels.rotary import (
 )
 from ..kernels.rotary_cpu import RotaryPlan
 from ..kernels.rotary_cpu import available as cpu_kernel_available
+from ..kernels.rotary_cpu_entry import entry_for
 from ..kernels.rotary_torch import phase_dtype, rotary_angles, rotate_query_and_key
 from .layers import ShortConvolution
 from .layout import SequenceLayout, valid_mask
@@ -439,6 +440,12 @@ class SelectiveRotaryEmbedding(nn.Module):
             return q, k, {}
         if backend is None:
             backend = resolve_backend(self.backend, q.device)
+        if backend == "torch+c" and cu_seqlens is None and not torch.compiler.is_compiling():
+            cached = self.__dict__.get("_cpu_plan")  # the compiled path's checks and call in C, where it can
+            if cached is not None and cached.entry_call is not None and len(self.__dict__) == cached.instance_entries:
+                result = cached.entry_call(cached.entry_spec, x, q, k, state, lengths, overwrite_state)
+                if result is not None:
+                    return result  # else: the same call through Python, which decides (rotary_cpu_entry)
         if cu_seqlens is not None and backend != "triton":  # the torch op takes one dense row per sequence
             return self._forward_packed(x, q, k, state, cu_seqlens, backend)
         state = state or {}
@@ -549,6 +556,9 @@ class SelectiveRotaryEmbedding(nn.Module):
         cached = self.__dict__.get("_cpu_plan")
         if cached is None or not cached.valid(sizes):
             cached = self._cpu_plan = self._make_cpu_plan(sizes)
+            # Anything set on the instance later (e.g. a method patched for a diagnostic, as
+            # examples/synthetic/phase_drift.py does) sends the calls back through the Python methods.
+            cached.instance_entries = len(self.__dict__)
         return cached.plan_if_unhooked()
 
     def _make_cpu_plan(self, sizes: tuple[int, int, int]) -> _CachedPlan:
@@ -677,6 +687,10 @@ class _CachedPlan:
         counted = [owner] + [module for module in modules if type(module) is nn.Sequential]
         self.counts = tuple((c, len(c)) for module in counted
                             for c in (module._parameters, module._buffers, module._modules))
+        # The same checks and the kernel's call as one C function, where Python's headers allow (rotary_cpu_entry)
+        entry = None if plan is None else entry_for(plan, self.bindings, self.counts, self.modules)
+        self.entry_call, self.entry_spec = entry or (None, None)
+        self.instance_entries = None  # the owner's number of instance attributes once planned (_kernel_plan)
 
     # Both checks run per layer and decoding step, where each costs microseconds (issue 21): plain loops, since
     # any()/all() over generators cost more than the checks themselves here.

@@ -338,7 +338,7 @@ def test_long_decoding_matches_prefill_and_exact_angles(decode_step):
     torch.testing.assert_close(state["phase"], state_full["phase"], rtol=0, atol=1e-6)
     torch.testing.assert_close(torch.cat(q_steps, 1), q_full, rtol=0, atol=1e-5)
     torch.testing.assert_close(torch.cat(k_steps, 1), k_full, rtol=0, atol=1e-5)
-    if decode_step == "compiled":  # one piece of C for both, run over the tokens in order: identical
+    if decode_step != "torch":  # one piece of C for both, run over the tokens in order: identical
         assert torch.equal(torch.cat(q_steps, 1), q_full) and torch.equal(state["phase"], state_full["phase"])
 
     increment, _ = module.phase_increment(x, None, None, None)  # (1, T, Hk, R) float32
