@@ -1,12 +1,13 @@
 """Selective RoPE's decoding overhead over NoPE as the model widens: GLA and Gated DeltaNet on the CPU.
 
-The issue-21 comparisons (``bench_gla_cpu.py`` / ``bench_gated_deltanet_cpu.py --compare-only``) use hidden 256,
-where a decoding step takes ~0.5 ms per layer and the rotary module's fixed cost per layer and token (~20 us through
-its CPython entry, ~40 through ctypes: docs/cpu_performance.md, "Seventh round") is 4-8 % of it. That cost grows with the hidden size times the phase projection's
-rank, a layer's with the hidden size squared. This script runs the same interleaved decoding comparison (cached
-greedy steps after 256 tokens, NoPE and Selective RoPE of the same seed taking turns, ratios paired by round) at
-each width: 256 is the issue-21 model itself, 1024 flash-linear-attention's 340M recipes (the paper's width), both
-with 4 layers and a 1024-token vocabulary, fp32, batch 1. It reports; it has no target.
+The issue-21 comparisons (``bench_gla_cpu.py`` / ``bench_gated_deltanet_cpu.py --compare-only``) use hidden 256, where
+a decoding step takes ~0.5 ms per layer and the rotary module's fixed cost per layer and token (~20 us through its
+CPython entry, ~40 through ctypes: docs/cpu_performance.md, "Seventh round") is 4-8 % of it. That cost grows with the
+hidden size times the phase projection's rank, a layer's with the hidden size squared. This script runs the same
+interleaved decoding comparison (cached greedy steps after 256 tokens, NoPE and Selective RoPE of the same seed taking
+turns, ratios paired by round) at each width: 256 is the issue-21 model itself, 1024 flash-linear-attention's 340M
+recipes (the paper's width), both with 4 layers and a 1024-token vocabulary, fp32, batch 1. It reports; it has no
+target.
 
 Usage::
 
