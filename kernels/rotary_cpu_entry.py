@@ -121,11 +121,12 @@ static int has_shape(const Meta *m, int64_t ndim, const int64_t *shape) {
     return 1;
 }
 
-/* torch's default-format contiguity: dims of size 1 may have any stride. */
+/* torch's default-format contiguity: an empty tensor is contiguous, dims of size 1 may have any stride. */
 static int contiguous(const Meta *m) {
+    for (int64_t i = 0; i < m->ndim; i++)
+        if (m->shape[i] == 0) return 1;
     int64_t expected = 1;
     for (int64_t i = m->ndim - 1; i >= 0; i--) {
-        if (m->shape[i] == 0) return 1;
         if (m->shape[i] == 1) continue;
         if (m->stride[i] != expected) return 0;
         expected *= m->shape[i];
