@@ -1,6 +1,7 @@
 import atexit
 import os
 import shutil
+import signal
 import tempfile
 import warnings
 
@@ -25,6 +26,12 @@ from selective_rope.kernels import rotary_cpu, rotary_cpu_entry  # noqa: E402
 from families import FAMILIES  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*Triton is not supported.*")
+
+# Tests interrupt child processes with SIGINT and expect Python's handling of it. A suite started in the background by
+# a non-interactive shell (`pytest &` in a script) inherits SIGINT ignored, and so would every child: they would sleep
+# through the signal. A handler here is reset to the default in each child at exec.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 if torch.cuda.is_available():

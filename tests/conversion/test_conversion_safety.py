@@ -4,6 +4,7 @@ sources, bad numbers."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import logging
@@ -401,10 +402,17 @@ class Launcher:
                 pytest.fail(f"the conversion ended before {stop_at!r}: {line!r}, {stderr.read_text()[-3000:]}")
 
     def finish(self, signum: int) -> int:
-        """Send ``signum`` to the paused child; its exit status (-N when a signal N ended it)."""
-        os.kill(self.child, signum)
-        self.child = None
-        return json.loads(self._line())["exit"]
+        """Send ``signum`` to the paused child; its exit status (-N when a signal N ended it). A child that does not
+        end is killed, so that the launcher (waiting for it) serves the next test."""
+        child, self.child = self.child, None
+        os.kill(child, signum)
+        try:
+            return json.loads(self._line())["exit"]
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+            self._line()  # its exit
+            raise
 
     def close(self) -> None:
         if self.child is not None:  # a failed test left one paused
