@@ -627,7 +627,7 @@ def test_interrupted_build_publishes_no_partial_library(tmp_path, sig):
     (cache / "notes.txt").write_text("mine")
     script = textwrap.dedent(f"""
         from pathlib import Path
-        from selective_rope.kernels import rotary_cpu, rotary_cpu_entry
+        from selective_rope.kernels import rotary_cpu
         rotary_cpu.build(Path({str(cache)!r}), {str(slow)!r})
     """)
     process = subprocess.Popen([sys.executable, "-c", script])

@@ -45,14 +45,14 @@ def python_path(module):
         cached.entry_call = saved
 
 
-def planned(module, batch=2, heads=(4, 2), dtype=torch.float32, cached_tokens=5):
+def planned(module, batch=2, heads=(4, 2), dtype=torch.float32, cached_tokens=5, entry=True):
     """Plans ``module`` with a prefill of ``cached_tokens`` (through Python: the first call plans) and returns the
-    state it left and the next token's ``(x, q, k)``."""
+    state it left and the next token's ``(x, q, k)``; the plan has an entry, or (``entry=False``) none."""
     x = torch.randn(batch, cached_tokens + 1, HIDDEN)
     q, k = torch.randn(batch, cached_tokens + 1, heads[0], 8), torch.randn(batch, cached_tokens + 1, heads[1], 8)
     with torch.no_grad():
         _, _, state = module(x[:, :cached_tokens], q[:, :cached_tokens], k[:, :cached_tokens])
-    assert module.__dict__["_cpu_plan"].entry_call is not None
+    assert (module.__dict__["_cpu_plan"].entry_call is not None) == entry
     return state, (x[:, cached_tokens:], q[:, cached_tokens:].to(dtype), k[:, cached_tokens:].to(dtype))
 
 
@@ -264,11 +264,13 @@ def test_models_decode_through_the_entry(family):
     with_entry = model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True,
                                 return_dict_in_generate=True)
     assert served() - before >= 5 * config.num_hidden_layers
-    for module in model.modules():
-        if "_cpu_plan" in module.__dict__:
-            module.__dict__["_cpu_plan"].entry_call = None
     before = served()
-    without = model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with contextlib.ExitStack() as stack:
+        for module in model.modules():
+            if "_cpu_plan" in module.__dict__:
+                stack.enter_context(python_path(module))
+        without = model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
     assert served() == before
     assert torch.equal(with_entry.sequences, without.sequences)
     assert all(torch.equal(a, b) for a, b in zip(with_entry.logits, without.logits))
@@ -283,21 +285,13 @@ def test_no_python_headers_means_the_ctypes_call_without_a_warning(tmp_path, mon
     module = make_rotary(4, 2, dtype=torch.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        state, step = planned_without_entry(module)
+        state, step = planned(module, entry=False)
         before = served()
         with torch.no_grad():
             module(*step, state=state)
     assert served() == before and module.__dict__["_cpu_plan"].plan is not None
     assert rotary_cpu_entry._entry is False
     assert not any(p.name.startswith("entry_") for p in (tmp_path / "cache").glob("*"))
-
-
-def planned_without_entry(module):
-    x, q, k = torch.randn(2, 6, HIDDEN), torch.randn(2, 6, 4, 8), torch.randn(2, 6, 2, 8)
-    with torch.no_grad():
-        _, _, state = module(x[:, :5], q[:, :5], k[:, :5])
-    assert module.__dict__["_cpu_plan"].entry_call is None
-    return state, (x[:, 5:], q[:, 5:], k[:, 5:])
 
 
 def test_a_failed_build_warns_once_and_the_ctypes_call_serves(tmp_path, monkeypatch):
@@ -308,11 +302,11 @@ def test_a_failed_build_warns_once_and_the_ctypes_call_serves(tmp_path, monkeypa
     monkeypatch.setattr(rotary_cpu_entry, "_entry", None)
     module = make_rotary(4, 2, dtype=torch.float32)
     with pytest.warns(RuntimeWarning, match="CPython entry .* unavailable.*boom"):
-        state, step = planned_without_entry(module)
+        state, step = planned(module, entry=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         other = make_rotary(4, 2, dtype=torch.float32)
-        planned_without_entry(other)
+        planned(other, entry=False)
         with torch.no_grad():
             expected = module(*step, state=state, backend="torch")
             got = module(*step, state=state)
