@@ -551,19 +551,22 @@ def convert(
             Qwen2 or Qwen3; flash-linear-attention GLA, Gated DeltaNet or Forgetting Transformer; one of ours with
             ``position_embedding="rope"`` or ``"nope"``; or a checkpoint of the paper's own code (GLA, Gated
             DeltaNet, softmax attention), whose Selective RoPE is ported as it is (:mod:`.official`).
-        output: the directory to create, apart from the source (not the source, inside it or containing it); an
-            existing one is refused unless ``overwrite``, and replaced only once the new model is complete.
+        output: the directory to create, apart from the source (not the source, inside it or containing it, by
+            any path); an existing one is refused unless ``overwrite``, and replaced only once the new model is
+            complete, and only if this tool could have written it (a ``config.json`` with a ``model_type`` and
+            model files, no subfolders: :func:`.output.refuse_replacing`) or it is an empty folder.
         options: which Selective RoPE parts to switch on (:class:`RetrofitOptions`).
         dtype: output dtype for the source's tensors (``"float32"``, ``"bfloat16"``, ``"float16"``; default: as the
             source). Selective RoPE parameters are always float32.
-        max_shard_size: largest output shard (``"5GB"``, ``"500MB"``, bytes).
+        max_shard_size: largest output shard (``"5GB"``, ``"500MB"``, bytes; at least 1 byte).
         tolerance: the largest probe logit difference accepted (fp32; finite, >= 0).
         base_model: the source's Hub id for the model card's ``base_model`` (default: the Hub id converted from; a
             local source gets none unless given: a folder's name is not a Hub id).
         license: the converted model's license for its card (default: the source's, from the ``license:`` of its
             README.md or its config.json; ``ValueError`` when it names none and this is not given).
 
-    Raises ``ValueError`` (unsupported source or options, a corrupt source file, an OUTPUT overlapping the source),
+    Raises ``ValueError`` (unsupported source or options, a corrupt source file or a FIFO in a source file's place,
+    an OUTPUT overlapping the source, an OUTPUT that ``overwrite`` may not replace),
     ``FileExistsError`` (output exists, or appeared while converting), ``FileNotFoundError`` (no source),
     ``OSError`` (OUTPUT cannot be written: full disk, read-only filesystem) and :class:`ConversionError` (the probe
     failed); nothing is left behind and an existing OUTPUT is unchanged. Partial outputs of killed conversions into

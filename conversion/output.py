@@ -186,18 +186,18 @@ def refuse_replacing(output: Path) -> None:
     if os.path.islink(output) or not os.path.isdir(output):
         raise ValueError(f"OUTPUT {output} is {_kind(os.lstat(output).st_mode)}, not a model folder: --overwrite "
                          "only replaces a model folder; choose another OUTPUT, or remove it yourself")
-    if _is_empty_folder(output):
-        return
     if _is_mount_point(output):
         raise ValueError(f"OUTPUT {output} is a mount point: --overwrite would delete what is mounted there; choose "
                          "another OUTPUT")
+    if _is_empty_folder(output):
+        return
     mounted = mount_points(output)
     if mounted:
         raise ValueError(f"OUTPUT {output} holds a mount point ({mounted[0]}): --overwrite would delete what is "
                          "mounted there; choose another OUTPUT")
     foreign = _not_model_files(output)
     if _model_type(output / "config.json") is None:
-        reason = "a config.json with no model_type" if "config.json" in os.listdir(output) else "no config.json"
+        reason = "a config.json with no model_type" if os.path.lexists(output / "config.json") else "no config.json"
         foreign = sorted(entry.name + ("/" if entry.is_dir(follow_symlinks=False) else "")
                          for entry in os.scandir(output))  # all of it would go
     elif foreign:
