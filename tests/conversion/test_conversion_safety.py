@@ -277,7 +277,7 @@ def _training_run(output: Path) -> None:  # a Trainer's output_dir: a real model
     ("file", "is a file, not a model folder: --overwrite only replaces a model folder; choose another OUTPUT, or "
              "remove it yourself"),
     ("symlink", "is a symlink, not a model folder: --overwrite only replaces a model folder; choose another "
-                "OUTPUT, or remove it yourself")])
+                "OUTPUT, or remove it yourself")], ids=lambda value: value if len(value) < 30 else "")
 def test_overwrite_refuses_what_this_tool_could_not_have_written(existing, what, source, tmp_path):
     """A config.json is no proof of a model folder: a project, a training run, anything with a subfolder or a file
     that is not a model file is refused whole, naming what would have been deleted; so is a file or a link."""
