@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import fields
 
 from ..configuration.position_embedding import PHASE_CONV_TYPES, PHASE_GATE_TYPES, PHASE_PROJECTIONS
-from .convert import DTYPES, SUPPORTED_SOURCES, ConversionError, convert
+from .convert import DTYPES, SUPPORTED_SOURCES, ConversionError, convert, parse_size
 from .retrofit import RetrofitOptions
 
 DESCRIPTION = f"""\
@@ -31,8 +31,9 @@ this on a probe batch (max logit difference, fp32) and fails, leaving nothing be
 
 OUTPUT must lie apart from SOURCE (not SOURCE, inside it or containing it). Everything is written to a staging folder
 beside OUTPUT that is renamed to OUTPUT at the very end, never over an existing OUTPUT unless --overwrite (which swaps
-old and new in one step, and only replaces a model folder: one with a config.json). A failure, Ctrl-C or SIGTERM
-removes the staging folder; after a SIGKILL the next run for the same OUTPUT removes it (and says so).
+old and new in one step, and only replaces a folder this tool could have written: a config.json with a model_type
+and model files, no subfolders). A failure, Ctrl-C or SIGTERM removes the staging folder; after a SIGKILL the next
+run for the same OUTPUT removes it (and says so).
 """
 
 
@@ -43,7 +44,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("source", help="a save_pretrained directory (or a Hub id when the network allows)")
     parser.add_argument("output", help="the directory to create (apart from SOURCE)")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace OUTPUT if it exists (a model folder, with a config.json, or a file)")
+                        help="replace OUTPUT if it exists and is a model folder (a config.json with a model_type, "
+                        "model files only, no subfolders)")
     parts = parser.add_argument_group("Selective RoPE parts")
     parts.add_argument("--no-selective", dest="selective", action="store_false",
                        help="keep the source's position embedding (a plain port into our classes)")
@@ -69,7 +71,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
     out = parser.add_argument_group("output")
     out.add_argument("--dtype", choices=DTYPES, default=None,
                      help="dtype of the converted weights (default: as the source; Selective RoPE stays float32)")
-    out.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
+    out.add_argument("--max-shard-size", type=_shard_size, default="5GB",
+                     help="largest safetensors shard (default 5GB)")
     out.add_argument("--base-model", default=None,
                      help="the source's Hub id for the model card's base_model (default: the Hub id converted from; "
                      "a local source gets none)")
@@ -87,6 +90,13 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text} must be >= 1")
     return value
+
+
+def _shard_size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _non_negative_int(text: str) -> int:

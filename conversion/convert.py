@@ -60,7 +60,15 @@ from .official import (
     rope_frequencies,
 )
 from .official import notes as official_notes
-from .output import refuse_overlap, refuse_replacing, remove_stale_partials, staged_output
+from .output import (
+    TOKENIZER_FILES,
+    refuse_overlap,
+    refuse_replacing,
+    refuse_special_file,
+    refuse_special_files,
+    remove_stale_partials,
+    staged_output,
+)
 from .retrofit import RetrofitOptions, starting_parameters
 from .source_card import check_base_model, check_license, source_license
 
@@ -72,8 +80,6 @@ OUR_MODEL_TYPES = tuple(OUR_FAMILIES)
 # The paper's own checkpoints reuse fla's model types; their config.json has a `position_embedding` dict.
 SUPPORTED_SOURCES = [*LLAMA_FAMILY, *FLA_MODEL_TYPES, *OUR_MODEL_TYPES,
                      *(f"{kind} (the paper's code)" for kind in OFFICIAL_MODEL_TYPES)]
-TOKENIZER_FILES = re.compile(r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\..*|merges\.txt|"
-                             r"chat_template\..*|.*\.tiktoken|spiece\.model)$")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -250,7 +256,10 @@ def _sharded_files(index: Path) -> dict[str, Path]:
     weight_map = _read_json(index).get("weight_map")
     if not isinstance(weight_map, dict):
         raise ValueError(f"{index} has no weight_map")
-    return {name: index.parent / file for name, file in weight_map.items()}
+    files = {name: index.parent / file for name, file in weight_map.items()}
+    for file in set(files.values()):  # (those beside the index were checked with the folder)
+        refuse_special_file(file)
+    return files
 
 
 class SafetensorsSource:
@@ -506,15 +515,19 @@ def resolve_source(source: str | os.PathLike) -> tuple[Path, str | None]:
 
 
 def parse_size(size: str | int) -> int:
-    """``"5GB"``, ``"500MB"``, ``1000`` -> bytes."""
-    if isinstance(size, int):
-        return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*", size.upper())
-    if not match:
-        raise ValueError(f"max shard size {size!r}: expected bytes or a size such as '5GB' or '500MB'")
-    units = {None: 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-    return int(float(match[1]) * units[match[2]])
+    """``"5GB"``, ``"500MB"``, ``1000`` -> bytes (at least one)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*", str(size).upper())
+        if not match:
+            raise ValueError(f"max shard size {size!r}: expected bytes or a size such as '5GB' or '500MB'")
+        units = {None: 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+                 "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+        value = int(float(match[1]) * units[match[2]])
+    if value < 1:
+        raise ValueError(f"max shard size {size!r} is invalid: must be at least 1 byte")
+    return value
 
 
 def convert(
@@ -538,19 +551,22 @@ def convert(
             Qwen2 or Qwen3; flash-linear-attention GLA, Gated DeltaNet or Forgetting Transformer; one of ours with
             ``position_embedding="rope"`` or ``"nope"``; or a checkpoint of the paper's own code (GLA, Gated
             DeltaNet, softmax attention), whose Selective RoPE is ported as it is (:mod:`.official`).
-        output: the directory to create, apart from the source (not the source, inside it or containing it); an
-            existing one is refused unless ``overwrite``, and replaced only once the new model is complete.
+        output: the directory to create, apart from the source (not the source, inside it or containing it, by
+            any path); an existing one is refused unless ``overwrite``, and replaced only once the new model is
+            complete, and only if this tool could have written it (a ``config.json`` with a ``model_type`` and
+            model files, no subfolders: :func:`.output.refuse_replacing`) or it is an empty folder.
         options: which Selective RoPE parts to switch on (:class:`RetrofitOptions`).
         dtype: output dtype for the source's tensors (``"float32"``, ``"bfloat16"``, ``"float16"``; default: as the
             source). Selective RoPE parameters are always float32.
-        max_shard_size: largest output shard (``"5GB"``, ``"500MB"``, bytes).
+        max_shard_size: largest output shard (``"5GB"``, ``"500MB"``, bytes; at least 1 byte).
         tolerance: the largest probe logit difference accepted (fp32; finite, >= 0).
         base_model: the source's Hub id for the model card's ``base_model`` (default: the Hub id converted from; a
             local source gets none unless given: a folder's name is not a Hub id).
         license: the converted model's license for its card (default: the source's, from the ``license:`` of its
             README.md or its config.json; ``ValueError`` when it names none and this is not given).
 
-    Raises ``ValueError`` (unsupported source or options, a corrupt source file, an OUTPUT overlapping the source),
+    Raises ``ValueError`` (unsupported source or options, a corrupt source file or a FIFO in a source file's place,
+    an OUTPUT overlapping the source, an OUTPUT that ``overwrite`` may not replace),
     ``FileExistsError`` (output exists, or appeared while converting), ``FileNotFoundError`` (no source),
     ``OSError`` (OUTPUT cannot be written: full disk, read-only filesystem) and :class:`ConversionError` (the probe
     failed); nothing is left behind and an existing OUTPUT is unchanged. Partial outputs of killed conversions into
@@ -576,8 +592,9 @@ def convert(
         check_base_model(base_model)
     source_dir, hub_id = resolve_source(source)
     refuse_overlap(source_dir, output)  # again for a Hub source: its snapshot lives in the Hugging Face cache
+    refuse_special_files(source_dir)  # before anything opens them: a FIFO blocks forever
     if overwrite:
-        refuse_replacing(output)  # only a model folder (or a file, a link, an empty folder), no mount point inside
+        refuse_replacing(output)  # only a model folder this tool could have written (or an empty one)
     base_model = base_model or hub_id
     source_name = base_model or source_dir.resolve().name
     try:

@@ -2,18 +2,20 @@
 
 A conversion writes into a staging directory beside OUTPUT and publishes it with one rename:
 
-    OUTPUT.parent/.{OUTPUT.name}.partial-<16 hex digits>/
+    OUTPUT.parent/.{OUTPUT.name}.partial-<16 hex digits>/   (a long name cut short, see partial_prefix)
         .selective-rope-convert.lock   our marker; the running conversion holds an flock on it
         model/                         the converted model, renamed to OUTPUT once everything succeeded
         previous/                      (only where no atomic exchange exists) the replaced OUTPUT, until the new
                                        model is in place
 
-- OUTPUT must lie apart from the source: not the source, not inside it, not containing it (:func:`refuse_overlap`).
+- OUTPUT must lie apart from the source: not the source, not inside it, not containing it, compared by identity
+  (``st_dev``, ``st_ino``), so no bind mount or other alias gets past (:func:`refuse_overlap`). The source's model
+  files must be regular files: a FIFO would block the read forever (:func:`refuse_special_files`).
 - Publishing never replaces anything unless asked (``renameat2(RENAME_NOREPLACE)``): an OUTPUT that appeared while
   converting is left alone. ``overwrite`` swaps the old and the new model in one step (``RENAME_EXCHANGE``), so a
   kill at any instant leaves one of them at OUTPUT; the old one is deleted only once the new one is in place. It
-  replaces only a model folder (with a ``config.json``), a file or a link, and never deletes across a mount point
-  (:func:`refuse_replacing`, :func:`_remove`).
+  replaces only a folder this tool could have written (a ``config.json`` with a ``model_type``, model files, no
+  subfolders) or an empty one, and never deletes across a mount point (:func:`refuse_replacing`, :func:`_remove`).
 - A failure, or SIGINT / SIGTERM (which the command raises as ``KeyboardInterrupt``), removes the staging directory
   and the parent folders the run created. SIGKILL cannot be handled in the process: the next run for the same OUTPUT
   removes the partials whose lock no process holds, and only directories with our name *and* our marker.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -51,22 +54,81 @@ TOOL = "selective-rope convert"
 
 # ------------------------------------------------------------------------------------------------ source and output
 
+# The files a model folder holds at its top level: what this tool writes (config, generation config, card, weights
+# and their index, tokenizer files, the flat code bundle of modeling/remote_code.py) and what save_pretrained
+# writes. `--overwrite` replaces nothing else, and the source's files of these names must be regular files.
+TOKENIZER_FILES = re.compile(r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\..*|merges\.txt|"
+                             r"chat_template\..*|.*\.tiktoken|spiece\.model)$")
+MODEL_FILES = re.compile(r"(config|generation_config)\.json|README\.md|"
+                         r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)|"
+                         r"(model\.safetensors|pytorch_model\.bin)\.index\.json|"
+                         r"(configuration|modeling|kernels)_\w+\.py")
+
+
+def is_model_file(name: str) -> bool:
+    return MODEL_FILES.fullmatch(name) is not None or TOKENIZER_FILES.match(name) is not None
+
+
+def _identity(path: str | os.PathLike) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of what ``path`` reaches (symlinks followed), or None where nothing is there. One
+    directory seen at two paths (a bind mount, a filesystem mounted twice, a case-insensitive name) has one
+    identity, which path strings cannot tell."""
+    try:
+        status = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return status.st_dev, status.st_ino
+
+
+def _ancestry(path: str | os.PathLike) -> list[tuple[int, int]]:
+    """The identities of ``path``'s existing ancestors (itself excluded), nearest first."""
+    real = Path(os.path.realpath(path))  # `..` after a symlink goes where the kernel goes
+    return [identity for parent in real.parents if (identity := _identity(parent)) is not None]
+
 
 def refuse_overlap(source_dir: Path, output: Path) -> None:
     """``ValueError`` naming both unless ``output`` lies apart from the source: it must not be the source directory
-    or a file the source reads (symlinks resolved: a Hub snapshot's files live in the cache's ``blobs/``), contain
-    one of them, or lie inside the source directory. ``--overwrite`` would otherwise delete the source."""
-    target = Path(os.path.realpath(output))
-    source = Path(os.path.realpath(source_dir))
-    if target == source or target in source.parents or source in target.parents:
-        relation = "is" if target == source else "contains" if target in source.parents else "lies inside"
+    or a file the source reads (a Hub snapshot's files are links into the cache's ``blobs/``), contain one of them,
+    or lie inside the source directory. ``--overwrite`` would otherwise delete the source. Directories are compared
+    by identity, not by path, so no other path to the source (a symlink, a bind mount of it or of a folder above it,
+    a filesystem mounted twice) gets past."""
+    target, source = _identity(output), _identity(source_dir)
+    relation = ("is" if target is not None and target == source
+                else "contains" if target is not None and target in _ancestry(source_dir)
+                else "lies inside" if source is not None and source in _ancestry(output) else None)
+    if relation:
         raise ValueError(f"OUTPUT {output} {relation} the source {source_dir}: write the converted model somewhere "
                          "else (OUTPUT must not be, contain or lie inside SOURCE)")
+    if target is None:
+        return
     for file in source_dir.iterdir():
-        real = Path(os.path.realpath(file))
-        if target == real or target in real.parents:
-            raise ValueError(f"OUTPUT {output} {'is' if target == real else 'contains'} {real}, which the source "
-                             f"{source_dir} reads ({file.name}): write the converted model somewhere else")
+        if target == _identity(file) or target in _ancestry(file):
+            real = Path(os.path.realpath(file))
+            raise ValueError(f"OUTPUT {output} {'is' if target == _identity(file) else 'contains'} {real}, which the "
+                             f"source {source_dir} reads ({file.name}): write the converted model somewhere else")
+
+
+def _kind(mode: int) -> str:
+    kinds = {stat.S_ISREG: "a file", stat.S_ISDIR: "a folder", stat.S_ISLNK: "a symlink", stat.S_ISFIFO: "a FIFO",
+             stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device"}
+    return next((kind for test, kind in kinds.items() if test(mode)), "a special file")
+
+
+def refuse_special_file(path: Path) -> None:
+    """``ValueError`` unless ``path`` (symlinks followed) is a regular file or missing: opening a FIFO waits for a
+    writer forever, a device reads without end."""
+    with contextlib.suppress(OSError):
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"{path} is {_kind(mode)}, not a regular file: convert reads only regular files")
+
+
+def refuse_special_files(source_dir: Path) -> None:
+    """``ValueError`` naming the first of the source's model files (config, weights, tokenizer files, card; the
+    names :func:`is_model_file` knows) that is not a regular file. Nothing else in the folder is ever opened."""
+    for file in sorted(source_dir.iterdir()):
+        if is_model_file(file.name):
+            refuse_special_file(file)
 
 
 def _is_empty_folder(path: Path) -> bool:
@@ -77,19 +139,74 @@ def _is_empty_folder(path: Path) -> bool:
         return next(entries, None) is None
 
 
+def _model_type(config: Path) -> str | None:
+    """The ``model_type`` of a regular ``config.json`` (not a link; opened without blocking, so a FIFO in its place
+    cannot hang us), or None."""
+    try:
+        fd = os.open(config, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        try:
+            content = json.loads(file.read())
+        except ValueError:
+            return None
+    model_type = content.get("model_type") if isinstance(content, dict) else None
+    return model_type if isinstance(model_type, str) and model_type else None
+
+
+def _not_model_files(folder: Path) -> list[str]:
+    """What in ``folder`` this tool never writes: subfolders (named with a trailing ``/``), links, FIFOs and other
+    special files, and files whose names are not model files; sorted."""
+    foreign = []
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                foreign.append(entry.name + "/")
+            elif not (entry.is_file(follow_symlinks=False) and is_model_file(entry.name)):
+                foreign.append(entry.name)
+    return sorted(foreign)
+
+
+def _listing(names: list[str], at_most: int = 8) -> str:
+    shown = ", ".join(names[:at_most])
+    return shown + (f" and {len(names) - at_most} more" if len(names) > at_most else "")
+
+
 def refuse_replacing(output: Path) -> None:
-    """``ValueError`` unless ``--overwrite`` may replace ``output``: missing, a file, a symlink (the link goes, not its
-    target), an empty folder, or a model folder (one with a ``config.json``: an earlier conversion, say) with no mount
-    point inside. Any other folder is someone's (``--overwrite .`` in the wrong directory): not ours to delete."""
-    if not (output.is_dir() and not output.is_symlink()):
+    """``ValueError`` unless ``--overwrite`` may replace ``output``: missing, an empty folder, or a folder this tool
+    could have written, with no mount point in it or at it: a ``config.json`` holding a ``model_type``, and at its
+    top level only regular model files (weights, index, tokenizer files, card, generation config, code bundle), no
+    subfolders. Anything else (a project with a ``config.json``, a training run with its checkpoints, a file, a
+    link) is someone's: the message lists what would have been deleted."""
+    if not os.path.lexists(output):
         return
-    if not _is_empty_folder(output) and not (output / "config.json").is_file():
-        raise ValueError(f"OUTPUT {output} is a folder holding no model (no config.json): --overwrite only replaces a "
-                         "model folder; choose another OUTPUT, or remove that folder yourself")
+    if os.path.islink(output) or not os.path.isdir(output):
+        raise ValueError(f"OUTPUT {output} is {_kind(os.lstat(output).st_mode)}, not a model folder: --overwrite "
+                         "only replaces a model folder; choose another OUTPUT, or remove it yourself")
+    if _is_mount_point(output):
+        raise ValueError(f"OUTPUT {output} is a mount point: --overwrite would delete what is mounted there; choose "
+                         "another OUTPUT")
+    if _is_empty_folder(output):
+        return
     mounted = mount_points(output)
     if mounted:
         raise ValueError(f"OUTPUT {output} holds a mount point ({mounted[0]}): --overwrite would delete what is "
                          "mounted there; choose another OUTPUT")
+    foreign = _not_model_files(output)
+    if _model_type(output / "config.json") is None:
+        reason = "a config.json with no model_type" if os.path.lexists(output / "config.json") else "no config.json"
+        foreign = sorted(entry.name + ("/" if entry.is_dir(follow_symlinks=False) else "")
+                         for entry in os.scandir(output))  # all of it would go
+    elif foreign:
+        reason = "it holds more than model files"
+    else:
+        return
+    raise ValueError(f"OUTPUT {output} is not a model folder ({reason}): --overwrite would delete {_listing(foreign)}"
+                     "; it only replaces a folder this tool could have written (a config.json with a model_type and "
+                     "model files, no subfolders): choose another OUTPUT, or remove them yourself")
 
 
 # ---------------------------------------------------------------------------------------------------------- renames
@@ -205,6 +322,12 @@ def mount_points(folder: Path) -> list[Path]:
     return sorted(found)
 
 
+def _is_mount_point(path: Path) -> bool:
+    """``path`` itself is a mount point, a bind mount from the same filesystem included (only the mount table shows
+    those)."""
+    return os.path.ismount(path) or os.path.realpath(path) in (_mounted_paths() or ())
+
+
 def _remove(path: Path) -> None:
     """Remove a file, a symlink (not its target) or a directory tree, but never across a mount point: a tree holding
     one (a bind mount of someone's folder) raises ``OSError`` and keeps everything under it."""
@@ -273,7 +396,7 @@ def remove_stale_partials(output: str | os.PathLike) -> None:
     if fcntl is None:
         return
     output = Path(os.path.abspath(output))
-    name = re.compile(rf"\.{re.escape(output.name)}\.partial-[0-9a-f]{{16}}")
+    name = re.compile(rf"{re.escape(partial_prefix(output.name))}\.partial-[0-9a-f]{{16}}")
     try:
         entries = [entry for entry in os.scandir(output.parent)
                    if name.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)]
@@ -301,6 +424,23 @@ def remove_stale_partials(output: str | os.PathLike) -> None:
             os.close(fd)
 
 
+NAME_MAX = 255  # the longest file name, in bytes, on Linux's usual filesystems (ext4, xfs, btrfs, tmpfs)
+PARTIAL_ROOM = NAME_MAX - len(".partial-") - 16  # for the staging name's prefix
+
+
+def partial_prefix(name: str) -> str:
+    """The start of the staging folder's name for an OUTPUT named ``name``: ``.<name>``, or where the staging name
+    would exceed NAME_MAX (OUTPUT names of 230-255 bytes are legal), ``.<name cut short>~<digest of name>``: one
+    prefix per OUTPUT name either way, which is how the next run finds the partials of a killed one."""
+    prefix = f".{name}"
+    if len(os.fsencode(prefix)) <= PARTIAL_ROOM:
+        return prefix
+    digest = "~" + hashlib.sha256(os.fsencode(name)).hexdigest()[:16]
+    while len(os.fsencode(prefix + digest)) > PARTIAL_ROOM:
+        prefix = prefix[:-1]  # whole characters, so the name stays valid text
+    return prefix + digest
+
+
 def _missing_folders(folder: Path) -> list[Path]:
     """``folder`` and its ancestors that do not exist yet, deepest first."""
     missing = []
@@ -319,7 +459,7 @@ class Staging:
 
     def __init__(self, output: Path, overwrite: bool):
         self.output, self.overwrite = output, overwrite
-        self.partial = output.parent / f".{output.name}.partial-{secrets.token_hex(8)}"
+        self.partial = output.parent / f"{partial_prefix(output.name)}.partial-{secrets.token_hex(8)}"
         self.directory = self.partial / "model"  # where the model is written
         self.previous = self.partial / "previous"
         self.missing = _missing_folders(output.parent)  # deepest first

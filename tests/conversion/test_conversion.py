@@ -72,7 +72,7 @@ def llama_source(directory: Path, architecture: str, rope: str = "default", seed
 
 
 def tree(root: Path) -> dict[str, str]:
-    """Everything under ``root``: relative path -> content hash, "dir", or the symlink's target."""
+    """Everything under ``root``: relative path -> content hash, "dir", "special" or the symlink's target."""
     listing = {}
     for path in sorted(root.rglob("*")):
         name = str(path.relative_to(root))
@@ -80,9 +80,18 @@ def tree(root: Path) -> dict[str, str]:
             listing[name] = "-> " + os.readlink(path)
         elif path.is_dir():
             listing[name] = "dir"
+        elif not path.is_file():  # a FIFO: reading it would wait for a writer
+            listing[name] = "special"
         else:
             listing[name] = hashlib.sha256(path.read_bytes()).hexdigest()
     return listing
+
+
+def earlier_model(folder: Path) -> None:
+    """An earlier model in ``folder``, which --overwrite may replace: a config.json with a model_type, weights."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    (folder / "model.safetensors").write_text("the previous model")
 
 
 def leftovers(parent: Path) -> list[str]:
@@ -322,25 +331,26 @@ def test_existing_output_needs_overwrite(tmp_path):
         convert(tmp_path / "source", tmp_path / "out", progress=False)
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
     # --overwrite replaces a model folder only: a folder of other files is someone's (`--overwrite .`, say)
-    with pytest.raises(ValueError, match="is a folder holding no model .no config.json.: --overwrite only replaces"):
+    with pytest.raises(ValueError, match=r"is not a model folder \(no config.json\): --overwrite would delete "
+                                         "keep.txt; it only replaces"):
         convert(tmp_path / "source", tmp_path / "out", overwrite=True, progress=False)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["keep.txt"] and leftovers(tmp_path) == []
-    (tmp_path / "out" / "config.json").write_text("{}")  # an earlier model
+    (tmp_path / "out" / "keep.txt").unlink()
+    earlier_model(tmp_path / "out")
     convert(tmp_path / "source", tmp_path / "out", overwrite=True, progress=False)
-    assert not (tmp_path / "out" / "keep.txt").exists() and (tmp_path / "out" / "config.json").exists()
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() != b"the previous model"
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "selective_rope_fox"
     assert leftovers(tmp_path) == []
 
 
 def test_a_failed_probe_leaves_nothing_and_keeps_the_old_output(tmp_path):
     llama_source(tmp_path / "source", "llama")
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "keep.txt").write_text("mine")
-    (tmp_path / "out" / "config.json").write_text("{}")  # an earlier model, which --overwrite may replace
+    earlier_model(tmp_path / "out")  # which --overwrite may replace
+    before = tree(tmp_path / "out")
     failing = RetrofitOptions(forget_gate_bias=0.0)  # forgets half of everything per token: the probe fails
     with pytest.raises(ConversionError, match="does not reproduce the source"):
         convert(tmp_path / "source", tmp_path / "out", failing, overwrite=True, progress=False)
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "keep.txt"]
+    assert tree(tmp_path / "out") == before
     assert leftovers(tmp_path) == []
 
 

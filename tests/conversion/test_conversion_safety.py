@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from safetensors import SafetensorError
-from test_conversion import leftovers, llama_source, tree
+from test_conversion import earlier_model, leftovers, llama_source, tree
 
 from selective_rope.cli import main as cli_main
 from selective_rope.conversion import ConversionError, RetrofitOptions, convert
@@ -95,6 +95,115 @@ def test_an_output_holding_a_file_the_source_reads_is_refused(tmp_path):
     assert tree(tmp_path) == before
 
 
+REAL_ALIASES = """
+import json, subprocess, sys
+from pathlib import Path
+from selective_rope.cli import main
+
+models, alias, data, out = map(Path, sys.argv[1:5])
+mount = lambda *args: subprocess.run(["mount", "--bind", *map(str, args)], check=True)
+mount(models, alias)  # the same folder at a second path, as a container volume or a second mount would be
+mount(data, out)  # OUTPUT is itself a mount point
+results = {}
+for output in [alias / "llama", alias, alias / "llama" / "converted", out]:
+    try:
+        main(["convert", str(models / "llama"), str(output), "--overwrite", "--no-progress"])
+        results[str(output)] = "converted"
+    except SystemExit as exit:
+        results[str(output)] = exit.code
+print(json.dumps(results))
+"""
+
+
+def test_overwrite_never_replaces_the_source_seen_through_a_bind_mount_or_a_link(source, tmp_path):
+    """SOURCE reached by another path: a real bind mount of its parent (``unshare -Urm``, a private mount
+    namespace) and a symlink. Paths differ, identities do not: each is refused, and nothing is touched."""
+    models, alias, data, out = (tmp_path / name for name in ("models", "alias", "data", "out"))
+    shutil.copytree(source, models / "llama")
+    (tmp_path / "link").symlink_to(models)
+    earlier_model(data)
+    for folder in (alias, out):
+        folder.mkdir()
+    before = tree(tmp_path)
+    for output, relation in [(tmp_path / "link" / "llama", "is"), (tmp_path / "link", "contains"),
+                             (tmp_path / "link" / "llama" / "converted", "lies inside")]:
+        assert cli_error(str(models / "llama"), str(output), "--overwrite") == (
+            f"selective-rope convert: OUTPUT {output} {relation} the source {models / 'llama'}: write the converted "
+            "model somewhere else (OUTPUT must not be, contain or lie inside SOURCE)")
+    assert tree(tmp_path) == before
+    if not _can_mount_tmpfs(alias):
+        pytest.skip("cannot mount in a user namespace here (the symlinked alias above still ran)")
+    script = tmp_path / "aliases.py"
+    script.write_text(REAL_ALIASES)
+    before = tree(tmp_path)
+    run = subprocess.run(["unshare", "-Urm", sys.executable, str(script), *map(str, (models, alias, data, out))],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    source_line = f"the source {models / 'llama'}: write the converted model somewhere else (OUTPUT must not be, " \
+                  "contain or lie inside SOURCE)"
+    assert results == {
+        str(alias / "llama"): f"selective-rope convert: OUTPUT {alias / 'llama'} is {source_line}",
+        str(alias): f"selective-rope convert: OUTPUT {alias} contains {source_line}",
+        str(alias / "llama" / "converted"): f"selective-rope convert: OUTPUT {alias / 'llama' / 'converted'} lies "
+                                            f"inside {source_line}",
+        str(out): f"selective-rope convert: OUTPUT {out} is a mount point: --overwrite would delete what is mounted "
+                  "there; choose another OUTPUT"}
+    assert tree(tmp_path) == before
+
+
+FIFO_SOURCES = """
+import json, os, shutil, sys
+from pathlib import Path
+from safetensors import safe_open
+from selective_rope.cli import main
+
+source, work = map(Path, sys.argv[1:3])
+results = {}
+for name in ["config.json", "model.safetensors", "tokenizer.json", "shards/model-00001-of-00001.safetensors",
+             "notes.fifo"]:
+    copy, output = work / "source", work / "out"
+    shutil.copytree(source, copy)
+    if name.startswith("shards/"):  # a sharded source whose index names a FIFO in a subfolder
+        with safe_open(copy / "model.safetensors", "pt") as weights:
+            index = {"metadata": {}, "weight_map": dict.fromkeys(weights.keys(), name)}
+        (copy / "model.safetensors.index.json").write_text(json.dumps(index))
+        (copy / "model.safetensors").unlink()
+        (copy / "shards").mkdir()
+    (copy / name).unlink(missing_ok=True)
+    os.mkfifo(copy / name)
+    try:
+        main(["convert", str(copy), str(output), "--no-progress"])
+        results[name] = "converted"
+    except SystemExit as exit:
+        results[name] = exit.code
+    shutil.rmtree(copy)
+    shutil.rmtree(output, ignore_errors=True)
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_in_the_source_never_hangs_the_command(source, tmp_path):
+    """A real FIFO (``os.mkfifo``) in the source folder, in a child process with a time limit, so that a regression
+    fails instead of hanging: in a model file's place it is refused by name before anything is opened (reading it
+    would wait for a writer forever); anywhere else it is never opened."""
+    script = tmp_path / "fifo.py"
+    script.write_text(FIFO_SOURCES)
+    (tmp_path / "work").mkdir()
+    run = subprocess.run([sys.executable, str(script), str(source), str(tmp_path / "work")], capture_output=True,
+                         text=True, timeout=300)  # killed (and the test failed) should it hang
+    assert run.returncode == 0, run.stderr
+    fifo = "is a FIFO, not a regular file: convert reads only regular files"
+    work = tmp_path / "work" / "source"
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == {
+        **{name: f"selective-rope convert: {work / name} {fifo}"
+           for name in ["config.json", "model.safetensors", "tokenizer.json",
+                        "shards/model-00001-of-00001.safetensors"]},
+        "notes.fifo": "converted"}
+    assert sorted(p.name for p in (tmp_path / "work").iterdir()) == []
+
+
 # -------------------------------------------------------------------------------------------- case 2: publish
 
 
@@ -124,24 +233,134 @@ def test_an_output_that_appears_while_converting_is_never_replaced(appears, publ
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
-@pytest.mark.parametrize("existing", ["directory", "file", "symlink"])
+@pytest.mark.parametrize("existing", ["earlier model", "empty folder"])
 def test_overwrite_replaces_output_and_leaves_nothing_else(existing, publishing, source, tmp_path):
     output = tmp_path / "out"
-    (tmp_path / "elsewhere").mkdir()
-    (tmp_path / "elsewhere" / "keep.txt").write_text("linked to, not replaced")
-    if existing == "directory":
-        output.mkdir()
-        (output / "old.txt").write_text("old")
-        (output / "config.json").write_text("{}")  # a model folder: what --overwrite replaces
-    elif existing == "file":
-        output.write_text("old")
-    else:
-        output.symlink_to(tmp_path / "elsewhere")
+    output.mkdir()
+    if existing == "earlier model":
+        earlier_model(output)
     convert(source, output, overwrite=True, progress=False)
-    assert output.is_dir() and not output.is_symlink() and (output / "config.json").exists()
-    assert not (output / "old.txt").exists() and not (output / "keep.txt").exists()
-    assert (tmp_path / "elsewhere" / "keep.txt").read_text() == "linked to, not replaced"  # the link's target
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "out"]  # no .partial-*, no .replaced-*
+    assert output.is_dir() and json.loads((output / "config.json").read_text())["model_type"] == "selective_rope_fox"
+    assert (output / "model.safetensors").read_bytes() != b"the previous model"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no .partial-*, no .replaced-*
+
+
+NOT_OURS = ("; it only replaces a folder this tool could have written (a config.json with a model_type and model "
+            "files, no subfolders): choose another OUTPUT, or remove them yourself")
+
+
+def _project(output: Path) -> None:  # someone's project that happens to hold a config.json
+    (output / "app" / ".git").mkdir(parents=True)
+    (output / "config.json").write_text('{"debug": true}')
+    (output / "app" / "main.py").write_text("print('hello')")
+    (output / "app" / ".git" / "HEAD").write_text("ref: refs/heads/main")
+    (output / "notes.txt").write_text("my notes")
+
+
+def _training_run(output: Path) -> None:  # a Trainer's output_dir: a real model config, and much more
+    earlier_model(output)
+    (output / "checkpoint-1000").mkdir()
+    (output / "checkpoint-1000" / "optimizer.pt").write_bytes(b"optimizer state")
+    (output / "trainer_state.json").write_text("{}")
+    (output / "training_args.bin").write_bytes(b"args")
+
+
+@pytest.mark.parametrize("existing, what", [
+    ("project", "is not a model folder (a config.json with no model_type): --overwrite would delete app/, "
+                "config.json, notes.txt" + NOT_OURS),
+    ("training run", "is not a model folder (it holds more than model files): --overwrite would delete "
+                     "checkpoint-1000/, trainer_state.json, training_args.bin" + NOT_OURS),
+    ("model and a subfolder", "is not a model folder (it holds more than model files): --overwrite would delete "
+                              "original/" + NOT_OURS),
+    ("model and a FIFO", "is not a model folder (it holds more than model files): --overwrite would delete "
+                         "tokenizer.json" + NOT_OURS),
+    ("file", "is a file, not a model folder: --overwrite only replaces a model folder; choose another OUTPUT, or "
+             "remove it yourself"),
+    ("symlink", "is a symlink, not a model folder: --overwrite only replaces a model folder; choose another "
+                "OUTPUT, or remove it yourself")], ids=lambda value: value if len(value) < 30 else "")
+def test_overwrite_refuses_what_this_tool_could_not_have_written(existing, what, source, tmp_path):
+    """A config.json is no proof of a model folder: a project, a training run, anything with a subfolder or a file
+    that is not a model file is refused whole, naming what would have been deleted; so is a file or a link."""
+    output = tmp_path / "out"
+    if existing in ("file", "symlink"):
+        (tmp_path / "elsewhere").mkdir()
+        earlier_model(tmp_path / "elsewhere")
+        output.write_text("mine") if existing == "file" else output.symlink_to(tmp_path / "elsewhere")
+    else:
+        output.mkdir()
+        {"project": _project, "training run": _training_run}.get(existing, earlier_model)(output)
+        if existing == "model and a subfolder":
+            (output / "original").mkdir()
+            (output / "original" / "consolidated.00.pth").write_bytes(b"the original weights")
+        elif existing == "model and a FIFO":
+            os.mkfifo(output / "tokenizer.json")  # a model file's name, but no file we write
+    before = tree(tmp_path)
+    assert cli_error(str(source), str(output), "--overwrite") == f"selective-rope convert: OUTPUT {output} {what}"
+    with pytest.raises(ValueError) as refused:
+        convert(source, output, overwrite=True, progress=False)
+    assert str(refused.value) == f"OUTPUT {output} {what}"
+    assert tree(tmp_path) == before  # nothing deleted, nothing left behind
+
+
+def test_a_folder_this_tool_wrote_is_replaced(source, tmp_path):
+    """A genuine earlier output of convert, and a transformers save_pretrained folder with tokenizer files, are
+    model folders: --overwrite replaces them."""
+    output, saved = tmp_path / "out", tmp_path / "saved"
+    convert(source, output, progress=False)
+    earlier = tree(output)
+    convert(source, output, RetrofitOptions(seed=1), overwrite=True, progress=False)  # other starting factors
+    assert tree(output) != earlier and tree(output).keys() == earlier.keys()
+    shutil.copytree(source, saved)
+    (saved / "tokenizer.json").write_text("{}")
+    (saved / "tokenizer_config.json").write_text("{}")
+    convert(source, saved, overwrite=True, progress=False)
+    assert json.loads((saved / "config.json").read_text())["model_type"] == "selective_rope_fox"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "saved"]
+
+
+def test_files_added_to_output_while_converting_are_never_deleted(publishing, source, tmp_path, monkeypatch):
+    """OUTPUT is checked again right before it is replaced: a file someone put into it meanwhile keeps it."""
+    output = tmp_path / "out"
+    earlier_model(output)
+    real_save = convert_module.save_file
+
+    def save_while_someone_writes_into_output(*args, **kwargs):
+        real_save(*args, **kwargs)
+        (output / "notes.txt").write_text("mine")
+
+    monkeypatch.setattr(convert_module, "save_file", save_while_someone_writes_into_output)
+    with pytest.raises(ValueError, match=f"OUTPUT {output} is not a model folder .* would delete notes.txt;"):
+        convert(source, output, overwrite=True, progress=False)
+    assert sorted(p.name for p in output.iterdir()) == ["config.json", "model.safetensors", "notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize("name", ["x" * 255, "ü" * 127 + "x"], ids=["ascii", "two-byte"])  # 255 bytes: legal
+def test_an_output_name_of_255_bytes_works(name, source, tmp_path, caplog):
+    """The staging folder's name adds 26 bytes to OUTPUT's: a long name is cut short and a digest of the whole added,
+    so it fits NAME_MAX, and the next run still finds a killed run's partial by it."""
+    output = tmp_path / name
+    assert len(os.fsencode(output.name)) == 255
+    convert(source, output, progress=False)
+    dead = tmp_path / f"{output_module.partial_prefix(name)}.partial-{'0' * 16}"  # as a SIGKILLed run leaves it
+    (dead / "model").mkdir(parents=True)
+    (dead / output_module.MARKER).write_text(json.dumps({"tool": output_module.TOOL}))
+    with caplog.at_level(logging.WARNING, logger=output_module.__name__):
+        convert(source, output, RetrofitOptions(seed=1), overwrite=True, progress=False)
+    assert [r.getMessage() for r in caplog.records if r.name == output_module.__name__] == [
+        f"removed {dead}: the partial output of an interrupted conversion (no running conversion holds its lock)"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+def test_staging_names_fit_and_stay_one_per_output():
+    """Every OUTPUT name up to 255 bytes gets a staging name within 255 bytes; short names keep the plain
+    ``.<name>.partial-`` form; long names that differ only at the end get different ones."""
+    for character in ("x", "ü", "字"):
+        for length in range(1, 256 // len(character.encode()) + 1):
+            staging = f"{output_module.partial_prefix(character * length)}.partial-{'0' * 16}"
+            assert len(staging.encode()) <= 255
+    assert output_module.partial_prefix("out") == ".out"
+    assert output_module.partial_prefix("x" * 254 + "a") != output_module.partial_prefix("x" * 254 + "b")
 
 
 def test_a_failed_run_removes_the_folders_it_created_and_only_those(source, tmp_path):
@@ -200,9 +419,7 @@ def test_write_failures_are_one_line_and_keep_the_old_output(failure, source, tm
 
         monkeypatch.setattr(convert_module, "write_code_bundle", failing_bundle)
     output = tmp_path / "out"
-    output.mkdir()
-    (output / "old.txt").write_text("the previous model")
-    (output / "config.json").write_text("{}")
+    earlier_model(output)
     before = tree(tmp_path)
     message = cli_error(str(source), str(output), "--overwrite")
     assert message == (f"selective-rope convert: cannot write {output}: {os.strerror(code)}; the existing {output} "
@@ -287,7 +504,12 @@ def test_bad_numbers_are_refused_by_the_command_and_the_api(source, tmp_path, ca
                                    ("--forget-gate-bias", "nan", "nan must be a finite number"),
                                    ("--tolerance", "nan", "nan must be a finite number"),
                                    ("--tolerance", "-1", "-1 must be >= 0"),
-                                   ("--tolerance", "x", "'x' is not a number")]:
+                                   ("--tolerance", "x", "'x' is not a number"),
+                                   ("--max-shard-size", "0", "max shard size '0' is invalid: must be at least 1 byte"),
+                                   ("--max-shard-size", "0.5B", "max shard size '0.5B' is invalid: must be at least "
+                                                                "1 byte"),
+                                   ("--max-shard-size", "5XB", "max shard size '5XB': expected bytes or a size such "
+                                                               "as '5GB' or '500MB'")]:
         with pytest.raises(SystemExit) as exit:
             cli_main(["convert", str(source), str(tmp_path / "out"), option, value])
         assert exit.value.code == 2
@@ -296,6 +518,9 @@ def test_bad_numbers_are_refused_by_the_command_and_the_api(source, tmp_path, ca
     for tolerance in (math.nan, -1.0, math.inf):
         with pytest.raises(ValueError, match=rf"tolerance={tolerance!r} is invalid: must be a finite number >= 0"):
             convert(source, tmp_path / "out", tolerance=tolerance, progress=False)
+    for size in (0, -5, "0KB", True):
+        with pytest.raises(ValueError, match=f"max shard size {size!r}"):
+            convert(source, tmp_path / "out", max_shard_size=size, progress=False)
     with pytest.raises(ValueError, match="probe_length=0 is invalid: must be an integer >= 1"):
         convert(source, tmp_path / "out", probe_length=0, progress=False)
     with pytest.raises(ValueError, match="`forget_gate_bias`=inf is invalid: must be finite"):
@@ -514,9 +739,7 @@ def test_a_kill_during_overwrite_leaves_the_old_or_the_new_model(stop_at, paused
     if stop_at == "exchange" and output_module._renameat2 is None:
         pytest.skip("renameat2 is not available here")
     output = tmp_path / "out"
-    output.mkdir()
-    (output / "old.txt").write_text("the previous model")
-    (output / "config.json").write_text("{}")
+    earlier_model(output)
     old = tree(output)
     finish = paused_conversion(stop_at, source, output, "--overwrite")
     code, _ = finish(signal.SIGKILL)
