@@ -292,7 +292,13 @@ class SelectiveRotaryEmbedding(nn.Module):
 
     Its parameters stay float32 when the model is cast to a lower precision (``model.to(torch.bfloat16)``,
     ``.half()``): see ``_apply``.
+
+    Under tensor parallelism (``modeling/tensor_parallel.py``) the module holds the per-head parameters of this rank's
+    key heads and ``head_shard`` is ``(rank, ranks)``: it rotates only its own heads (q and k arrive sharded by the
+    attention projections), with the phases one process computes for them, from the whole (replicated) input ``x``.
     """
+
+    head_shard: tuple[int, int] | None = None  # (rank, ranks) when tensor parallelism shards the heads
 
     def __init__(self, config: SelectiveRopeConfigBase, num_query_heads: int, num_key_heads: int, head_dim: int):
         super().__init__()
@@ -368,6 +374,26 @@ class SelectiveRotaryEmbedding(nn.Module):
         return nn.Sequential(PhaseLinear(hidden_size, config.phase_gate_rank, bias=False),
                              PhaseLinear(config.phase_gate_rank, width, bias=True))
 
+    def per_head_parameters(self) -> list[str]:
+        """The parameters indexed by key head along their first dim (tensor parallelism splits them with the heads):
+        the per-head projection, the convolution's channels, the bias, the gate's last layer. The temperature and the
+        first layer of a low-rank gate are shared by every head."""
+        if self.position_embedding != "selective_rope":
+            return []
+        if self.phase_proj.kind == "dense_low_rank":
+            raise ValueError("phase_proj='dense_low_rank' is not supported with tensor parallelism (its projection mixes "
+                             "every head's input chunk); use 'low_rank', 'full_rank' or 'scalar'")
+        names = [f"phase_proj.{name}" for name, _ in self.phase_proj.named_parameters()]
+        if isinstance(self.phase_conv, PhaseConvolution):
+            names.append("phase_conv.weight")
+        if self.phase_bias is not None:
+            names.append("phase_bias")
+        if isinstance(self.phase_gate_proj, nn.Sequential):
+            names += [f"phase_gate_proj.1.{name}" for name, _ in self.phase_gate_proj[1].named_parameters()]
+        elif self.phase_gate_proj is not None:
+            names += [f"phase_gate_proj.{name}" for name, _ in self.phase_gate_proj.named_parameters()]
+        return names
+
     def initial_temperature(self) -> torch.Tensor:
         kind, theta, scale, seed = self.temperature_config
         return rotary_temperature(kind, theta, self.rotary_dim, scale, seed)
@@ -385,14 +411,14 @@ class SelectiveRotaryEmbedding(nn.Module):
             return (ones if valid is None else ones * valid[..., None, None]), None
 
         u = self._normalized_chunks(x)
-        a = self.phase_proj(u)  # (B, T, Hk, R)
+        a = self.phase_proj(self._own_heads(u))  # (B, T, Hk, R)
         if valid is not None:
             a = a * valid[..., None, None]  # pads never enter the convolution history
         new_conv_state = None
         if self.phase_conv is not None:
             flat, new_conv_state = self.phase_conv(a.reshape(batch, seq_len, -1), conv_state, lengths, dtype=u.dtype,
                                                    cu_seqlens=cu_seqlens)
-            a = flat.view(batch, seq_len, self.num_key_heads, self.rotary_pairs)
+            a = flat.view(batch, seq_len, -1, self.rotary_pairs)
         if self.phase_bias is not None:
             a = a + self.phase_bias.to(u.dtype).exp()
         if self.phase_gate_proj is not None:
@@ -402,12 +428,21 @@ class SelectiveRotaryEmbedding(nn.Module):
         return a.float(), new_conv_state
 
     def _normalized_chunks(self, x: torch.Tensor) -> torch.Tensor:
-        """``u``: ``(B, T, D)`` -> ``(B, T, Hk, D / Hk)`` in ``phase_dtype`` (float64), each chunk L2-normalised."""
+        """``u``: ``(B, T, D)`` -> ``(B, T, Hk, D / Hk)`` in ``phase_dtype`` (float64), each chunk L2-normalised (every
+        key head's, also under tensor parallelism: the gate reads them all)."""
         batch, seq_len, _ = x.shape
         chunks = x.to(phase_dtype(x.device)).view(batch, seq_len, self.num_key_heads, self.chunk_dim)
         if torch.is_grad_enabled() and chunks.requires_grad:
             return L2NormalizeChunks.apply(chunks)[0]
         return F.normalize(chunks, dim=-1)
+
+    def _own_heads(self, u: torch.Tensor) -> torch.Tensor:
+        """The chunks of this rank's key heads, ``(B, T, Hk / ranks, Dc)`` (all of them without tensor parallelism)."""
+        if self.head_shard is None:
+            return u
+        rank, ranks = self.head_shard
+        heads = self.num_key_heads // ranks
+        return u[:, :, rank * heads:(rank + 1) * heads]
 
     def _gate(self, u: torch.Tensor) -> torch.Tensor:
         """``G(u)`` in ``u``'s dtype, shaped to broadcast against ``(B, T, Hk, R)``.
@@ -415,8 +450,9 @@ class SelectiveRotaryEmbedding(nn.Module):
         The module is called (not its weights read), so hooks and adapters on it take effect.
         """
         batch, seq_len = u.shape[:2]
-        gate = self.phase_gate_proj(u.flatten(2))  # (B, T, Hk) or (B, T, Hk * R)
-        return gate.view(batch, seq_len, self.num_key_heads, -1)
+        gate = self.phase_gate_proj(u.flatten(2))  # (B, T, Hk) or (B, T, Hk * R): this rank's heads under TP
+        heads = self.num_key_heads if self.head_shard is None else self.num_key_heads // self.head_shard[1]
+        return gate.view(batch, seq_len, heads, -1)
 
     def forward(
         self,
@@ -500,7 +536,7 @@ class SelectiveRotaryEmbedding(nn.Module):
         projection ``(B, Hk, R)`` and the gate logits ``(B, Hk, 1 or R)`` (``None`` without a gate)."""
         with no_autocast(x):
             u = self._normalized_chunks(x)  # (B, 1, Hk, Dc) float64
-            projection = self.phase_proj(u)[:, 0]  # (B, Hk, R) float64
+            projection = self.phase_proj(self._own_heads(u))[:, 0]  # (B, Hk, R) float64
             gate_logits = None if self.phase_gate_proj is None else self._gate(u)[:, 0]  # (B, Hk, 1 or R)
         return projection, gate_logits
 
@@ -510,6 +546,8 @@ class SelectiveRotaryEmbedding(nn.Module):
         (a PEFT adapter replaces one) or something observes the modules (hooks on them, or global ones: they would not
         see the modules run). Then the modules are called."""
         proj, gate = self.phase_proj, self.phase_gate_proj
+        if self.head_shard is not None:  # the fused step reads every head's input chunk from its own weights
+            return None
         if type(proj) is not PhaseProjection or proj.kind != "low_rank":
             return None
         if gate is not None and (type(gate) is not PhaseLinear or gate.bias is None):  # the per-head gate only
@@ -552,6 +590,8 @@ class SelectiveRotaryEmbedding(nn.Module):
         cannot be built here, forward hooks on the phase modules or global ones (they must see their module run), a
         phase module it does not know (e.g. one wrapped by a PEFT adapter), or parameters of mixed dtypes."""
         if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+            return None
+        if self.head_shard is not None:  # the kernel is planned for every key head
             return None
         cached = self.__dict__.get("_cpu_plan")
         if cached is None or not cached.valid(sizes):
@@ -611,7 +651,7 @@ class SelectiveRotaryEmbedding(nn.Module):
         if previous is not None and previous.dtype != dtype:
             previous = previous.to(dtype)
         phase = increment if previous is None else increment + previous
-        phase = phase.expand(batch, self.num_key_heads, self.rotary_pairs).contiguous()  # (B, Hk, R)
+        phase = phase.expand(batch, k.shape[2], self.rotary_pairs).contiguous()  # (B, Hk, R)
         angle = rotary_angles(phase, self.temperature)[:, None]  # (B, 1, Hk, R)
         q_out, k_out = rotate_query_and_key(q, k, angle.cos(), angle.sin())
         return q_out, k_out, self._state(phase, conv_state)
@@ -620,7 +660,7 @@ class SelectiveRotaryEmbedding(nn.Module):
         """``c_t`` for one token per row, float64 ``(B, Hk, R)`` (not yet rounded), and the new convolution history;
         ``valid`` ``(B, 1, 1)`` or None."""
         u = self._normalized_chunks(x)  # (B, 1, Hk, Dc) float64
-        a = self.phase_proj(u)[:, 0]  # (B, Hk, R)
+        a = self.phase_proj(self._own_heads(u))[:, 0]  # (B, Hk, R)
         if valid is not None:
             a = a * valid  # pads never enter the convolution history
         conv_state = None
