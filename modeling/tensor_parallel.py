@@ -22,11 +22,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from transformers.utils.import_utils import is_torch_distributed_available
 
-try:  # the DTensor tensor-parallel API (transformers.distributed); older releases shard with local tensors
-    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
-    from transformers.distributed.tensor_parallel import TensorParallelLayer
+try:  # the DTensor tensor-parallel API (transformers.distributed, from 5.16 on); 5.15 and older shard with local tensors
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, TensorParallelLayer
 except ImportError:
     ALL_PARALLEL_STYLES = TensorParallelLayer = None
 
@@ -35,7 +33,7 @@ HEADS, LOW_RANK_HEADS, PHASE = "selective_rope_heads", "selective_rope_low_rank_
 
 def tensor_parallel_supported() -> bool:
     """Whether this transformers shards models with DTensors (``transformers.distributed``), which our styles need."""
-    return TensorParallelLayer is not None and is_torch_distributed_available()
+    return TensorParallelLayer is not None and torch.distributed.is_available()
 
 
 if tensor_parallel_supported():
@@ -175,9 +173,6 @@ def check_tensor_parallel(config, tp_size: int) -> None:
     tensor parallelism does not support (before any weight is loaded)."""
     if tp_size <= 1:
         return
-    if not tensor_parallel_supported():
-        raise ValueError("tensor parallelism of selective-rope models needs transformers' DTensor tensor-parallel API "
-                         "(transformers.distributed, in recent 5.x releases); upgrade transformers")
     for field, heads in config.tensor_parallel_heads.items():
         if heads % tp_size:
             raise ValueError(f"`{field}`={heads} cannot be split across tp_size={tp_size} tensor-parallel ranks: "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,17 +27,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: families
 
 from families import FAMILIES  # noqa: E402
 
-from selective_rope.modeling.tensor_parallel import tensor_parallel_supported  # noqa: E402
+from selective_rope.modeling.tensor_parallel import check_tensor_parallel, tensor_parallel_supported  # noqa: E402
+from families import OPTION_VARIANTS  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
+needs_dtensor_api = pytest.mark.skipif(
     not tensor_parallel_supported(),
-    reason="tensor parallelism of these models needs transformers' DTensor API (transformers.distributed), which "
-           "this transformers lacks (5.10.1 shards with local tensors and has no such module)")
+    reason="tensor parallelism of these models needs transformers' DTensor API (transformers.distributed, 5.16 on), "
+           "which this transformers lacks (5.15 and older, e.g. the 5.10.1 floor, shard with local tensors)")
 
+# A vocabulary two ranks split evenly (transformers 5.16 requires it of a gathered colwise LM head; 5.24 does not).
 OPTIONS = {
-    "gla": dict(phase_gate_type="low_rank", phase_bias=True),
-    "gated_deltanet": dict(phase_gate_type="channel"),
-    "fox": dict(phase_bias=True),
+    "gla": dict(vocab_size=64, phase_gate_type="low_rank", phase_bias=True),
+    "gated_deltanet": dict(vocab_size=64, phase_gate_type="channel"),
+    "fox": dict(vocab_size=64, phase_bias=True),
 }
 # FoX with one key/value head: two ranks cannot split it.
 UNSPLITTABLE = dict(num_key_value_heads=1)
@@ -98,6 +101,7 @@ def worker(root: Path) -> None:
     (root / f"rank{rank}.json").write_text(json.dumps(report))
 
 
+@needs_dtensor_api
 def test_two_process_tensor_parallel_equals_one_process(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -105,11 +109,12 @@ def test_two_process_tensor_parallel_equals_one_process(tmp_path):
     for name, options in OPTIONS.items():
         family = FAMILIES[name]
         torch.manual_seed(0)
-        model = family.lm_class(family.config_class(**family.tiny, **options))
+        model = family.lm_class(family.config_class(**{**family.tiny, **options}))
         model.save_pretrained(tmp_path / name)
         references[name] = measure(model)
     fox = FAMILIES["fox"]
-    fox.lm_class(fox.config_class(**{**fox.tiny, **UNSPLITTABLE})).save_pretrained(tmp_path / "unsplittable")
+    fox.lm_class(fox.config_class(**{**fox.tiny, **OPTIONS["fox"], **UNSPLITTABLE})).save_pretrained(
+        tmp_path / "unsplittable")
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("CUDA_VISIBLE_DEVICES", None)
@@ -123,7 +128,7 @@ def test_two_process_tensor_parallel_equals_one_process(tmp_path):
         assert "num_key_value_heads" in report["unsplittable"] and "tp_size=2" in report["unsplittable"], report
     for name, reference in references.items():
         family = FAMILIES[name]
-        heads = family.config_class(**family.tiny, **OPTIONS[name])
+        heads = family.config_class(**{**family.tiny, **OPTIONS[name]})
         for rank in (0, 1):
             split = torch.load(tmp_path / f"{name}_rank{rank}.pt")
             # each rank holds half of the query heads
@@ -148,6 +153,54 @@ def test_two_process_tensor_parallel_equals_one_process(tmp_path):
         assert original.state_dict().keys() == saved.state_dict().keys()
         for key, tensor in original.state_dict().items():
             assert torch.equal(saved.state_dict()[key], tensor), f"{name}: {key}"
+
+
+def all_configs():
+    """Every family with its tiny config, its variants, the options the 2-process test uses, and RoPE / NoPE."""
+    for name, family in FAMILIES.items():
+        options = [{}, OPTIONS[name], *family.variants.values(), dict(position_embedding="rope"),
+                   dict(position_embedding="nope"), dict(phase_gate=False, phase_conv_size=0),
+                   dict(phase_proj="full_rank", phase_conv_type="difference"), dict(phase_proj="scalar")]
+        for option in options:
+            yield name, family, family.config_class(**{**family.tiny, **option})
+
+
+def test_plans_name_what_the_model_has():
+    """Every rule of a plan names a module or parameter of the model, as transformers matches them (layer numbers
+    as ``*``): the plans are built from the config, so no rule is left unapplied (transformers warns about those)."""
+    for name, family, config in all_configs():
+        model = family.lm_class(config)
+        names = {re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), n)
+                 for n, _ in (*model.model.named_modules(), *model.model.named_parameters())}
+        unmatched = set(config.base_model_tp_plan) - names
+        assert not unmatched, (name, config.to_diff_dict(), unmatched)
+        assert type(model)._tp_plan == {"lm_head": "colwise_gather_output"}  # as Llama's
+
+
+def test_per_head_phase_parameters_split_with_the_heads():
+    """The Selective RoPE parameters tensor parallelism splits are indexed by key head on their first dim; the ones it
+    keeps whole are the temperature and a low-rank gate's first layer."""
+    for name, family, config in all_configs():
+        rotary = family.lm_class(config).model.layers[0].attn.rotary
+        split = rotary.per_head_parameters()
+        for key in split:
+            assert rotary.get_parameter(key).shape[0] % config.num_phase_heads == 0, (name, key)
+        whole = {key for key, _ in rotary.named_parameters()} - set(split)
+        assert whole <= {"phase_gate_proj.0.weight"}, (name, whole)
+
+
+def test_configs_that_cannot_split_are_refused():
+    for name, family in FAMILIES.items():
+        config = family.config_class(**family.tiny)
+        check_tensor_parallel(config, 2)  # the tiny configs split in two
+        heads = config.tensor_parallel_heads
+        field = next(field for field, count in heads.items() if count % 3)  # the first one three ranks cannot split
+        with pytest.raises(ValueError, match=rf"^`{field}`={heads[field]} cannot be split across tp_size=3 "):
+            check_tensor_parallel(config, 3)
+        for options, message in ((dict(phase_proj="dense_low_rank"), "dense_low_rank"),
+                                 (dict(temperature_trainable=True), "temperature_trainable")):
+            with pytest.raises(ValueError, match=message):
+                check_tensor_parallel(family.config_class(**family.tiny, **options), 2)
 
 
 if __name__ == "__main__":
