@@ -145,7 +145,7 @@ class SelectiveRopePreTrainedModel(HubMixin, PreTrainedModel):
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
         """transformers' sharding (``from_pretrained(..., tp_plan="auto")`` or ``distributed_config=``), after a
         one-line error where the config cannot be split by heads across the tensor-parallel ranks."""
-        if distributed_config is not None:
+        if distributed_config is not None and model.config.base_model_tp_plan:  # (transformers refuses a model without)
             check_tensor_parallel(model.config, distributed_config.tp_size)
         return super().maybe_distribute_model(model, distributed_config, mesh_manager)
 

@@ -203,7 +203,8 @@ class DenseLowRankPhaseProjection(nn.Module):
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         """``u``: ``(B, T, Hk, Dc)`` -> ``(B, T, Hk, R)``, computed in ``u``'s dtype (float64 on the phase path)."""
         low = F.linear(u.flatten(2), self.down.to(u.dtype))  # (B, T, rank)
-        return F.linear(low, self.up.to(u.dtype)).unflatten(-1, (self.num_key_heads, self.rotary_pairs))
+        # (B, T, Hk, R); this rank's heads under tensor parallelism (``up``'s rows are split by head)
+        return F.linear(low, self.up.to(u.dtype)).unflatten(-1, (-1, self.rotary_pairs))
 
     def extra_repr(self) -> str:
         return f"num_key_heads={self.num_key_heads}, rotary_pairs={self.rotary_pairs}, rank={self.down.shape[0]}"
@@ -235,9 +236,9 @@ class PhaseConvolution(ShortConvolution):
         identity[..., -1] = 1.0
         init.copy_(self.weight, identity)
 
-    def taps(self, device: torch.device) -> torch.Tensor:
+    def taps(self, device: torch.device, channels: int | None = None) -> torch.Tensor:
         """``(C, K)``, the last tap multiplying the current token (what the fused decode step reads; learned taps
-        are where the weight is, ``device`` is for :class:`PhaseDifference`'s fixed ones)."""
+        are where the weight is, ``device`` and ``channels`` are for :class:`PhaseDifference`'s fixed ones)."""
         return self.weight.squeeze(1)
 
 
@@ -258,12 +259,13 @@ class PhaseDifference(nn.Module):
         super().__init__()
         self.channels, self.activation = channels, activation
 
-    def taps(self, device: torch.device) -> torch.Tensor:
-        """``(C, 2)``: ``-1`` on the previous input, ``+1`` on the current one (exact in every dtype).
+    def taps(self, device: torch.device, channels: int | None = None) -> torch.Tensor:
+        """``(C, 2)``: ``-1`` on the previous input, ``+1`` on the current one (exact in every dtype). ``channels``:
+        ``C`` if not the module's (this rank's heads' channels under tensor parallelism).
 
         Made on the device, not copied from a host list: ``torch.tensor([...], device="cuda")`` waits for the GPU
         to finish its queued work, on every call of every layer."""
-        return (2 * torch.arange(2, device=device, dtype=torch.float32) - 1).expand(self.channels, 2)
+        return (2 * torch.arange(2, device=device, dtype=torch.float32) - 1).expand(channels or self.channels, 2)
 
     def forward(self, x: torch.Tensor, state: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
                 dtype: torch.dtype | None = None,
@@ -271,7 +273,8 @@ class PhaseDifference(nn.Module):
         """As ``ShortConvolution.forward``: ``x`` ``(B, T, C)`` -> ``(B, T, C)`` and the new history ``(B, 1, C)``."""
         if dtype is not None:
             x = x.to(dtype)
-        return causal_conv1d(x, self.taps(x.device), state, lengths, self.activation, cu_seqlens=cu_seqlens)
+        return causal_conv1d(x, self.taps(x.device, x.shape[-1]), state, lengths, self.activation,
+                             cu_seqlens=cu_seqlens)
 
     def extra_repr(self) -> str:
         return f"channels={self.channels}, taps=(-1, 1), activation={self.activation}"
@@ -376,14 +379,14 @@ class SelectiveRotaryEmbedding(nn.Module):
 
     def per_head_parameters(self) -> list[str]:
         """The parameters indexed by key head along their first dim (tensor parallelism splits them with the heads):
-        the per-head projection, the convolution's channels, the bias, the gate's last layer. The temperature and the
-        first layer of a low-rank gate are shared by every head."""
+        the per-head projection (the dense one's last map), the convolution's channels, the bias, the gate's last layer.
+        The temperature and the first maps of the dense projection and of a low-rank gate are shared by every head."""
         if self.position_embedding != "selective_rope":
             return []
         if self.phase_proj.kind == "dense_low_rank":
-            raise ValueError("phase_proj='dense_low_rank' is not supported with tensor parallelism (its projection mixes "
-                             "every head's input chunk); use 'low_rank', 'full_rank' or 'scalar'")
-        names = [f"phase_proj.{name}" for name, _ in self.phase_proj.named_parameters()]
+            names = ["phase_proj.up"]
+        else:
+            names = [f"phase_proj.{name}" for name, _ in self.phase_proj.named_parameters()]
         if isinstance(self.phase_conv, PhaseConvolution):
             names.append("phase_conv.weight")
         if self.phase_bias is not None:
@@ -411,7 +414,7 @@ class SelectiveRotaryEmbedding(nn.Module):
             return (ones if valid is None else ones * valid[..., None, None]), None
 
         u = self._normalized_chunks(x)
-        a = self.phase_proj(self._own_heads(u))  # (B, T, Hk, R)
+        a = self._project(u)  # (B, T, Hk, R)
         if valid is not None:
             a = a * valid[..., None, None]  # pads never enter the convolution history
         new_conv_state = None
@@ -436,13 +439,14 @@ class SelectiveRotaryEmbedding(nn.Module):
             return L2NormalizeChunks.apply(chunks)[0]
         return F.normalize(chunks, dim=-1)
 
-    def _own_heads(self, u: torch.Tensor) -> torch.Tensor:
-        """The chunks of this rank's key heads, ``(B, T, Hk / ranks, Dc)`` (all of them without tensor parallelism)."""
-        if self.head_shard is None:
-            return u
+    def _project(self, u: torch.Tensor) -> torch.Tensor:
+        """``P(u)``: ``(B, T, Hk, Dc)`` -> ``(B, T, Hk, R)``. Under tensor parallelism, this rank's heads: a per-head
+        projection reads their own chunks, the dense one reads every chunk."""
+        if self.head_shard is None or self.phase_proj.kind == "dense_low_rank":
+            return self.phase_proj(u)
         rank, ranks = self.head_shard
         heads = self.num_key_heads // ranks
-        return u[:, :, rank * heads:(rank + 1) * heads]
+        return self.phase_proj(u[:, :, rank * heads:(rank + 1) * heads])
 
     def _gate(self, u: torch.Tensor) -> torch.Tensor:
         """``G(u)`` in ``u``'s dtype, shaped to broadcast against ``(B, T, Hk, R)``.
@@ -516,7 +520,7 @@ class SelectiveRotaryEmbedding(nn.Module):
         step_state = dict(
             phase=state.get("phase"),
             conv_state=None if conv is None else state.get("phase_conv"),
-            conv_weight=None if conv is None else conv.taps(x.device),
+            conv_weight=None if conv is None else conv.taps(x.device, k.shape[2] * self.rotary_pairs),
             conv_activation=None if conv is None else conv.activation,
             bias=self.phase_bias,
             valid=valid,
@@ -536,7 +540,7 @@ class SelectiveRotaryEmbedding(nn.Module):
         projection ``(B, Hk, R)`` and the gate logits ``(B, Hk, 1 or R)`` (``None`` without a gate)."""
         with no_autocast(x):
             u = self._normalized_chunks(x)  # (B, 1, Hk, Dc) float64
-            projection = self.phase_proj(self._own_heads(u))[:, 0]  # (B, Hk, R) float64
+            projection = self._project(u)[:, 0]  # (B, Hk, R) float64
             gate_logits = None if self.phase_gate_proj is None else self._gate(u)[:, 0]  # (B, Hk, 1 or R)
         return projection, gate_logits
 
@@ -660,7 +664,7 @@ class SelectiveRotaryEmbedding(nn.Module):
         """``c_t`` for one token per row, float64 ``(B, Hk, R)`` (not yet rounded), and the new convolution history;
         ``valid`` ``(B, 1, 1)`` or None."""
         u = self._normalized_chunks(x)  # (B, 1, Hk, Dc) float64
-        a = self.phase_proj(self._own_heads(u))[:, 0]  # (B, Hk, R)
+        a = self._project(u)[:, 0]  # (B, Hk, R)
         if valid is not None:
             a = a * valid  # pads never enter the convolution history
         conv_state = None
@@ -679,8 +683,8 @@ class SelectiveRotaryEmbedding(nn.Module):
         ``(B, K-1, C)``. The taps are summed oldest first, as ``causal_conv1d`` sums them (one reduction over the
         window rather than K products and K-1 additions: fewer ops)."""
         batch = a.shape[0]
-        taps = self.phase_conv.taps(a.device).to(a.dtype)  # (C, K), the last tap on the current token
         current = a.reshape(batch, 1, -1)  # (B, 1, C)
+        taps = self.phase_conv.taps(a.device, current.shape[-1]).to(a.dtype)  # (C, K), the last tap on the current one
         if history is None:
             history = current.new_zeros(batch, taps.shape[1] - 1, current.shape[-1])
         history = history.to(a.dtype)

@@ -1,20 +1,19 @@
-"""Tensor parallelism (``from_pretrained(path, tp_plan="auto")`` under ``torchrun``): the two parallel styles our
-plans name besides transformers' own (``configuration/tensor_parallel.py``), and the checks a model runs before it is
-split.
+"""Tensor parallelism (``from_pretrained(path, tp_plan="auto")`` under ``torchrun``): the parallel styles our plans
+name besides transformers' own (``configuration/tensor_parallel.py``), and the check a model runs before it is split.
 
-transformers (5.x with ``transformers.distributed``) shards the weights its plan names as DTensors and runs its
+transformers (5.16 on: ``transformers.distributed``) shards the weights its plan names as DTensors and runs its
 ``colwise`` / ``rowwise`` linear layers on them; everything else in a model computes on plain tensors. Our tensors
-indexed by head that are not a ``Linear``'s weight (short convolutions, Gated DeltaNet's decay, the Selective RoPE
-phase path) are sharded on their first dim by ``"selective_rope_heads"`` and their module's forward runs on the local
-shards, so the module sees this rank's heads only and derives every head count from its tensors' shapes.
+indexed by head that are not a ``Linear``'s weight are sharded on their first dim and their module's forward runs on
+the local shards, so a module sees this rank's heads only and derives every head count from its tensors' shapes:
 
-``"selective_rope_phase"`` goes on the Selective RoPE module: as ``"selective_rope_heads"``, and
-
-- its mixer input ``x`` is replicated while its outputs (rotated q and k, phases) are this rank's heads: the gradient
-  each rank sends back to ``x`` is its heads' share, so it is all-reduced (Megatron's ``f``), as ``colwise`` does for
-  its own input;
-- the module learns which heads are its own (``head_shard``: rank and number of ranks), since its per-head phase
-  projection reads the input chunk of each of its heads.
+- ``"selective_rope_heads"``: short convolutions over q/k/v channels, Gated DeltaNet's ``A_log`` / ``dt_bias``;
+- ``"selective_rope_low_rank_heads"``: an ``nn.Sequential`` of a replicated low-rank map and a per-head one (GLA's
+  forget gate; transformers' plans cannot name a Sequential's children apart);
+- ``"selective_rope_phase"``: the Selective RoPE module as one unit. Its input ``x`` is replicated while its outputs
+  (rotated q and k, phases) are this rank's heads, so the gradient each rank sends back to ``x`` is its heads' share
+  and is all-reduced (Megatron's ``f``, as ``colwise`` does for its input); so is the gradient of the parameters every
+  head shares (the temperature, the first maps of a low-rank gate or of the dense projection). The module learns which
+  heads are its own (``head_shard``: rank and number of ranks): its per-head projection reads their input chunks.
 """
 
 from __future__ import annotations
@@ -169,20 +168,14 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def check_tensor_parallel(config, tp_size: int) -> None:
-    """Refuse, with a one-line ``ValueError``, a config that ``tp_size`` ranks cannot split by heads, and the options
-    tensor parallelism does not support (before any weight is loaded)."""
+    """Refuse, with a one-line ``ValueError``, a config that ``tp_size`` ranks cannot split by heads (before any
+    weight is loaded)."""
     if tp_size <= 1:
         return
     for field, heads in config.tensor_parallel_heads.items():
         if heads % tp_size:
             raise ValueError(f"`{field}`={heads} cannot be split across tp_size={tp_size} tensor-parallel ranks: "
                              f"each rank must hold whole heads (use a tp_size dividing {heads})")
-    if config.position_embedding == "selective_rope" and config.phase_proj == "dense_low_rank":
-        raise ValueError("phase_proj='dense_low_rank' is not supported with tensor parallelism (its projection mixes "
-                         "every head's input chunk); use 'low_rank', 'full_rank' or 'scalar'")
-    if config.position_embedding != "nope" and config.temperature_trainable:
-        raise ValueError("temperature_trainable=True is not supported with tensor parallelism (the temperature is shared "
-                         "by heads on different ranks)")
 
 
 register_parallel_styles()

@@ -7,8 +7,9 @@ loads every family split by heads, computes the same things, saves the split mod
 two ranks cannot split; the test then compares, and reloads each saved model in this process.
 
 The families' options differ so that every per-head part of Selective RoPE is split at least once: GQA (GLA, FoX),
-grouped value heads (Gated DeltaNet), the phase bias, the head, low-rank and channel gates, short convolutions, the FoX
-"Pro" options.
+grouped value heads (Gated DeltaNet), the phase bias, the head and low-rank gates, the per-head and the dense low-rank
+projections, the learned and the difference convolutions, a trainable temperature, short convolutions, the FoX "Pro"
+options.
 """
 
 from __future__ import annotations
@@ -25,10 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: families.py
 
-from families import FAMILIES  # noqa: E402
+from families import FAMILIES, OPTION_VARIANTS  # noqa: E402
 
 from selective_rope.modeling.tensor_parallel import check_tensor_parallel, tensor_parallel_supported  # noqa: E402
-from families import OPTION_VARIANTS  # noqa: E402
 
 needs_dtensor_api = pytest.mark.skipif(
     not tensor_parallel_supported(),
@@ -37,8 +37,8 @@ needs_dtensor_api = pytest.mark.skipif(
 
 # A vocabulary two ranks split evenly (transformers 5.16 requires it of a gathered colwise LM head; 5.24 does not).
 OPTIONS = {
-    "gla": dict(vocab_size=64, phase_gate_type="low_rank", phase_bias=True),
-    "gated_deltanet": dict(vocab_size=64, phase_gate_type="channel"),
+    "gla": dict(vocab_size=64, phase_gate_type="low_rank", phase_bias=True, temperature_trainable=True),
+    "gated_deltanet": {**OPTION_VARIANTS["official"], "vocab_size": 64, "phase_gate_type": "channel"},
     "fox": dict(vocab_size=64, phase_bias=True),
 }
 # FoX with one key/value head: two ranks cannot split it.
@@ -160,7 +160,8 @@ def all_configs():
     for name, family in FAMILIES.items():
         options = [{}, OPTIONS[name], *family.variants.values(), dict(position_embedding="rope"),
                    dict(position_embedding="nope"), dict(phase_gate=False, phase_conv_size=0),
-                   dict(phase_proj="full_rank", phase_conv_type="difference"), dict(phase_proj="scalar")]
+                   dict(phase_proj="full_rank", phase_conv_type="difference"), dict(phase_proj="scalar"),
+                   OPTION_VARIANTS["official"], dict(temperature_trainable=True)]
         for option in options:
             yield name, family, family.config_class(**{**family.tiny, **option})
 
@@ -179,14 +180,14 @@ def test_plans_name_what_the_model_has():
 
 def test_per_head_phase_parameters_split_with_the_heads():
     """The Selective RoPE parameters tensor parallelism splits are indexed by key head on their first dim; the ones it
-    keeps whole are the temperature and a low-rank gate's first layer."""
+    keeps whole are the temperature and the first maps of a low-rank gate and of the dense projection."""
     for name, family, config in all_configs():
         rotary = family.lm_class(config).model.layers[0].attn.rotary
         split = rotary.per_head_parameters()
         for key in split:
             assert rotary.get_parameter(key).shape[0] % config.num_phase_heads == 0, (name, key)
         whole = {key for key, _ in rotary.named_parameters()} - set(split)
-        assert whole <= {"phase_gate_proj.0.weight"}, (name, whole)
+        assert whole <= {"temperature", "phase_gate_proj.0.weight", "phase_proj.down"}, (name, whole)
 
 
 def test_configs_that_cannot_split_are_refused():
@@ -197,10 +198,6 @@ def test_configs_that_cannot_split_are_refused():
         field = next(field for field, count in heads.items() if count % 3)  # the first one three ranks cannot split
         with pytest.raises(ValueError, match=rf"^`{field}`={heads[field]} cannot be split across tp_size=3 "):
             check_tensor_parallel(config, 3)
-        for options, message in ((dict(phase_proj="dense_low_rank"), "dense_low_rank"),
-                                 (dict(temperature_trainable=True), "temperature_trainable")):
-            with pytest.raises(ValueError, match=message):
-                check_tensor_parallel(family.config_class(**family.tiny, **options), 2)
 
 
 if __name__ == "__main__":
