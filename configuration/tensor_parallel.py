@@ -16,7 +16,10 @@ module told which heads are its own).
 
 The plans are built from the config (a model lists exactly the modules it has, so transformers warns about no rule that
 matches nothing) and per part: one function per mixer kind, the MLP and the rotary module, each returning entries under
-a prefix. A model stacking several mixers (the hybrid) composes the entries of its layers' mixers.
+a prefix. Their ``config`` is whatever the mixer is built from: it reads the same fields (``position_embedding``, and
+``use_short_conv``, ``use_gate``, ``use_output_gate``, ``use_forget_gate``, ``qk_norm``, ... as each mixer has them).
+A model stacking several mixers (the hybrid) composes the entries of its layers' mixers: where two mixer kinds sit
+under the same prefix, the rules they share agree (``q_proj`` colwise, ``o_proj`` rowwise, ``rotary`` ...).
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ def mlp_plan(prefix: str = f"{LAYERS}.mlp") -> dict[str, str]:
 
 def rotary_plan(config, prefix: str) -> dict[str, str]:
     """The Selective RoPE module ``prefix`` (``....rotary``), one unit: its per-head parameters follow the heads, the
-    others (the temperature, the first layer of a low-rank gate) stay whole. RoPE and NoPE have no parameters."""
+    others (the temperature, the first maps of a low-rank gate and of the dense projection) stay whole. RoPE and NoPE
+    have no parameters to split."""
     return {prefix: PHASE} if config.position_embedding == "selective_rope" else {}
 
 
