@@ -10,6 +10,7 @@ from typing import Literal
 from huggingface_hub.dataclasses import validated_field
 
 from .position_embedding import Number, SelectiveRopeConfigBase, _require, at_least, interval, positive, strict_config
+from .tensor_parallel import attention_mixer_plan, base_model_plan
 
 
 @strict_config
@@ -88,6 +89,16 @@ class SelectiveRopeFoXConfig(SelectiveRopeConfigBase):
     @property
     def num_phase_heads(self) -> int:
         return self.num_key_value_heads
+
+    @property
+    def base_model_tp_plan(self) -> dict[str, str]:
+        """transformers' tensor-parallel plan of the base model (``configuration/tensor_parallel.py``)."""
+        return base_model_plan(attention_mixer_plan(self))
+
+    @property
+    def tensor_parallel_heads(self) -> dict[str, int]:
+        """The head counts tensor parallelism splits (each must divide by the number of ranks)."""
+        return {"num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads}
 
     def validate_fox(self) -> None:
         _require(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",

@@ -19,6 +19,7 @@ from .position_embedding import (
     positive,
     strict_config,
 )
+from .tensor_parallel import base_model_plan, gated_deltanet_mixer_plan
 
 
 @strict_config
@@ -90,6 +91,17 @@ class SelectiveRopeGatedDeltaNetConfig(SelectiveRopeConfigBase):
     @property
     def num_phase_heads(self) -> int:
         return self.num_heads
+
+    @property
+    def base_model_tp_plan(self) -> dict[str, str]:
+        """transformers' tensor-parallel plan of the base model (``configuration/tensor_parallel.py``)."""
+        return base_model_plan(gated_deltanet_mixer_plan(self))
+
+    @property
+    def tensor_parallel_heads(self) -> dict[str, int]:
+        """The head counts tensor parallelism splits (each must divide by the number of ranks; the value heads then
+        split in whole groups)."""
+        return {"num_heads": self.num_heads, "num_v_heads": self.num_v_heads}
 
     def validate_gated_deltanet(self) -> None:
         _require(self.num_v_heads % self.num_heads == 0, "num_v_heads", self.num_v_heads,

@@ -268,6 +268,12 @@ class SelectiveRopeConfigBase(PreTrainedConfig):
         """The number of key heads, each with its own phase (set by each family)."""
         raise NotImplementedError
 
+    @property
+    def tensor_parallel_heads(self) -> dict[str, int]:
+        """The head counts tensor parallelism splits, by field name (set by each family with its
+        ``base_model_tp_plan``: ``configuration/tensor_parallel.py``)."""
+        raise NotImplementedError
+
     def validate_position_embedding(self) -> None:
         """The rules between fields that matter when rotating (strict runs it after the family's ``validate_*``
         checks, in name order, so the head sizes it reads are valid)."""

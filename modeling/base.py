@@ -40,6 +40,7 @@ from .layers import GatedMLP, RMSNorm
 from .layout import SequenceLayout
 from .mixer import LayerState, Mixer
 from .rotary import SelectiveRotaryEmbedding
+from .tensor_parallel import check_tensor_parallel
 
 logger = logging.get_logger(__name__)
 
@@ -139,6 +140,14 @@ class SelectiveRopePreTrainedModel(HubMixin, PreTrainedModel):
             is_new = isinstance(module, SelectiveRotaryEmbedding) and not isinstance(module, FSDPModule)
             if is_new and module.position_embedding != "nope":  # NoPE has no parameters
                 fully_shard(module.float(), mesh=mesh, mp_policy=policy)
+
+    @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
+        """transformers' sharding (``from_pretrained(..., tp_plan="auto")`` or ``distributed_config=``), after a
+        one-line error where the config cannot be split by heads across the tensor-parallel ranks."""
+        if distributed_config is not None and model.config.base_model_tp_plan:  # (transformers refuses a model without)
+            check_tensor_parallel(model.config, distributed_config.tp_size)
+        return super().maybe_distribute_model(model, distributed_config, mesh_manager)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -285,6 +294,7 @@ class SelectiveRopeForCausalLMBase(SelectiveRopePreTrainedModel, GenerationMixin
 
     model_class: type[SelectiveRopeModelBase]
     _tied_weights_keys = {"lm_head.weight": "model.embeddings.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}  # as Llama's: each rank its vocabulary rows, logits gathered
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -101,9 +101,11 @@ class ForgettingAttention(nn.Module):
         batch, seq_len, _ = x.shape
         valid = valid_mask(lengths, seq_len) if lengths is not None else None  # (B, T)
 
-        q = self.q_proj(x).view(batch, seq_len, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim)
+        # Head counts from the projections' outputs, not the config: under tensor parallelism each rank computes its
+        # own heads (configuration/tensor_parallel.py).
+        q = self.q_proj(x).view(batch, seq_len, -1, self.head_dim)  # (B, T, Hq, D)
+        k = self.k_proj(x).view(batch, seq_len, -1, self.head_dim)  # (B, T, Hk, D)
+        v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim)
         if self.k_shift_proj is not None:  # the shift state is the last unshifted key / value
             if state.keep:
                 state.set("k_shift", last_real(k, lengths, state.get("k_shift"), cu_seqlens))
@@ -130,7 +132,7 @@ class ForgettingAttention(nn.Module):
 
         if self.o_norm is not None:
             o = self.o_norm(o)
-        o = o.reshape(batch, seq_len, self.num_heads * self.head_dim)
+        o = o.reshape(batch, seq_len, -1)  # (B, T, Hq * D)
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o)
@@ -145,7 +147,7 @@ class ForgettingAttention(nn.Module):
             else:  # no padding so far: every cached slot
                 seen = torch.full((x.shape[0],), state.get("key").shape[1], dtype=phase_dtype(x.device),
                                   device=x.device)
-            previous = {"phase": seen[:, None, None].expand(-1, self.num_kv_heads, self.rotary.rotary_pairs)}
+            previous = {"phase": seen[:, None, None].expand(-1, k.shape[2], self.rotary.rotary_pairs)}
         else:
             previous = rotary_state.previous()
         q, k, new_rotary_state = self.rotary(x, q, k, previous, lengths, cu_seqlens, backend=backend,

@@ -29,6 +29,7 @@ from .layers import QKVShortConvolutions, RMSNorm
 from .layout import valid_mask
 from .mixer import LayerState
 from .rotary import SelectiveRotaryEmbedding
+from .tensor_parallel import local_tensor
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -82,18 +83,20 @@ class GatedDeltaNet(QKVShortConvolutions):
         """``x``: ``(B, T, D)`` right-padded rows -> ``(B, T, D)``; the new state goes into ``state``.
         Packed sequences: ``x`` ``(1, total, D)`` with ``cu_seqlens`` (fla path only), one state row per sequence."""
         batch, seq_len, _ = x.shape
-
+        # Head counts from the projections' outputs, not the config: under tensor parallelism each rank computes its
+        # own heads (configuration/tensor_parallel.py), whole groups of value heads behind their query/key head.
         q, k, v = self.short_convolutions(self.q_proj(x), self.k_proj(x), self.v_proj(x), state, lengths, cu_seqlens)
         if not self.use_short_conv:  # the SiLU the convolutions would apply
             q, k, v = F.silu(q), F.silu(k), F.silu(v)
-        q = l2_normalize(q.view(batch, seq_len, self.num_heads, self.head_k_dim)).to(x.dtype)
-        k = l2_normalize(k.view(batch, seq_len, self.num_heads, self.head_k_dim)).to(x.dtype)
-        v = v.view(batch, seq_len, self.num_v_heads, self.head_v_dim)
+        q = l2_normalize(q.view(batch, seq_len, -1, self.head_k_dim)).to(x.dtype)  # (B, T, H, Dk)
+        k = l2_normalize(k.view(batch, seq_len, -1, self.head_k_dim)).to(x.dtype)
+        v = v.view(batch, seq_len, -1, self.head_v_dim)  # (B, T, HV, Dv)
 
         beta = torch.sigmoid(self.b_proj(x).float())  # (B, T, HV)
         if self.allow_neg_eigval:
             beta = beta * 2
-        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())  # (B, T, HV)
+        A_log, dt_bias = local_tensor(self.A_log), local_tensor(self.dt_bias)  # this rank's value heads under TP
+        g = -A_log.float().exp() * F.softplus(self.a_proj(x).float() + dt_bias.float())  # (B, T, HV)
 
         rotary_state = state.scope("rotary")
         q, k, new_rotary_state = self.rotary(x, q, k, rotary_state.previous(), lengths, cu_seqlens, backend=backend,
@@ -111,9 +114,9 @@ class GatedDeltaNet(QKVShortConvolutions):
 
         o = self.o_norm(o)  # (B, T, HV, Dv)
         if self.g_proj is not None:
-            gate = self.g_proj(x).view(batch, seq_len, self.num_v_heads, self.head_v_dim)
+            gate = self.g_proj(x).view(batch, seq_len, -1, self.head_v_dim)
             o = o * (torch.sigmoid(gate) if self.gate_activation == "sigmoid" else F.silu(gate))
-        o = o.reshape(batch, seq_len, self.num_v_heads * self.head_v_dim)
+        o = o.reshape(batch, seq_len, -1)  # (B, T, HV * Dv)
         return self.o_proj(o)
 
 

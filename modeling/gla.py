@@ -56,15 +56,16 @@ class GatedLinearAttention(QKVShortConvolutions):
         """``x``: ``(B, T, D)`` right-padded rows -> ``(B, T, D)``; the new state goes into ``state``.
         Packed sequences: ``x`` ``(1, total, D)`` with ``cu_seqlens`` (fla path only), one state row per sequence."""
         batch, seq_len, _ = x.shape
-
+        # Head counts from the projections' outputs, not the config: under tensor parallelism each rank computes its
+        # own heads (configuration/tensor_parallel.py).
         q, k, v = self.short_convolutions(self.q_proj(x), self.k_proj(x), self.v_proj(x), state, lengths, cu_seqlens)
-        q = q.view(batch, seq_len, self.num_heads, self.head_k_dim)
-        k = k.view(batch, seq_len, self.num_kv_heads, self.head_k_dim)
-        v = v.view(batch, seq_len, self.num_kv_heads, self.head_v_dim)
+        q = q.view(batch, seq_len, -1, self.head_k_dim)  # (B, T, Hq, Dk)
+        k = k.view(batch, seq_len, -1, self.head_k_dim)  # (B, T, Hk, Dk)
+        v = v.view(batch, seq_len, -1, self.head_v_dim)  # (B, T, Hk, Dv)
         gk = F.logsigmoid(self.gk_proj(x).float()) / self.gate_logit_normalizer
         if self.clamp_min is not None:
             gk = gk.clamp_min(self.clamp_min)
-        gk = gk.view(batch, seq_len, self.num_kv_heads, self.head_k_dim)
+        gk = gk.view(batch, seq_len, -1, self.head_k_dim)
 
         rotary_state = state.scope("rotary")
         q, k, new_rotary_state = self.rotary(x, q, k, rotary_state.previous(), lengths, cu_seqlens, backend=backend,
@@ -82,7 +83,7 @@ class GatedLinearAttention(QKVShortConvolutions):
             state.set("recurrent", recurrent_state)
 
         o = self.g_norm(o)  # (B, T, H, Dv)
-        o = o.reshape(batch, seq_len, self.num_heads * self.head_v_dim)
+        o = o.reshape(batch, seq_len, -1)  # (B, T, H * Dv)
         if self.g_proj is not None:
             o = o * F.silu(self.g_proj(x))
         return self.o_proj(o)

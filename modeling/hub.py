@@ -57,11 +57,15 @@ class HubMixin:
         self.config.validate()  # transformers validates the config too, but only after the files below are written
         base_class, lm_class = self._auto_classes()
         self.config.auto_map = auto_map(lm_class, type(self.config), base_class)
-        if is_main_process:
+        # Under tensor parallelism every rank calls save_pretrained (the shards are gathered) and transformers writes
+        # on rank 0 only (5.16 on): the code and the card follow the same rule.
+        writes = self.should_save_on_this_rank(is_main_process) if hasattr(self, "should_save_on_this_rank") \
+            else is_main_process
+        if writes:
             os.makedirs(save_directory, exist_ok=True)
             self._save_code(save_directory)
         result = super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
-        if model_card not in (None, False) and is_main_process:
+        if model_card not in (None, False) and writes:
             name = os.path.basename(os.path.normpath(os.fspath(save_directory)))
             self._resolve_card(model_card, name).save(os.path.join(save_directory, "README.md"))
         return result

@@ -203,7 +203,8 @@ class DenseLowRankPhaseProjection(nn.Module):
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         """``u``: ``(B, T, Hk, Dc)`` -> ``(B, T, Hk, R)``, computed in ``u``'s dtype (float64 on the phase path)."""
         low = F.linear(u.flatten(2), self.down.to(u.dtype))  # (B, T, rank)
-        return F.linear(low, self.up.to(u.dtype)).unflatten(-1, (self.num_key_heads, self.rotary_pairs))
+        # (B, T, Hk, R); this rank's heads under tensor parallelism (``up``'s rows are split by head)
+        return F.linear(low, self.up.to(u.dtype)).unflatten(-1, (-1, self.rotary_pairs))
 
     def extra_repr(self) -> str:
         return f"num_key_heads={self.num_key_heads}, rotary_pairs={self.rotary_pairs}, rank={self.down.shape[0]}"
@@ -235,9 +236,9 @@ class PhaseConvolution(ShortConvolution):
         identity[..., -1] = 1.0
         init.copy_(self.weight, identity)
 
-    def taps(self, device: torch.device) -> torch.Tensor:
+    def taps(self, device: torch.device, channels: int | None = None) -> torch.Tensor:
         """``(C, K)``, the last tap multiplying the current token (what the fused decode step reads; learned taps
-        are where the weight is, ``device`` is for :class:`PhaseDifference`'s fixed ones)."""
+        are where the weight is, ``device`` and ``channels`` are for :class:`PhaseDifference`'s fixed ones)."""
         return self.weight.squeeze(1)
 
 
@@ -258,12 +259,13 @@ class PhaseDifference(nn.Module):
         super().__init__()
         self.channels, self.activation = channels, activation
 
-    def taps(self, device: torch.device) -> torch.Tensor:
-        """``(C, 2)``: ``-1`` on the previous input, ``+1`` on the current one (exact in every dtype).
+    def taps(self, device: torch.device, channels: int | None = None) -> torch.Tensor:
+        """``(C, 2)``: ``-1`` on the previous input, ``+1`` on the current one (exact in every dtype). ``channels``:
+        ``C`` if not the module's (this rank's heads' channels under tensor parallelism).
 
         Made on the device, not copied from a host list: ``torch.tensor([...], device="cuda")`` waits for the GPU
         to finish its queued work, on every call of every layer."""
-        return (2 * torch.arange(2, device=device, dtype=torch.float32) - 1).expand(self.channels, 2)
+        return (2 * torch.arange(2, device=device, dtype=torch.float32) - 1).expand(channels or self.channels, 2)
 
     def forward(self, x: torch.Tensor, state: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
                 dtype: torch.dtype | None = None,
@@ -271,7 +273,8 @@ class PhaseDifference(nn.Module):
         """As ``ShortConvolution.forward``: ``x`` ``(B, T, C)`` -> ``(B, T, C)`` and the new history ``(B, 1, C)``."""
         if dtype is not None:
             x = x.to(dtype)
-        return causal_conv1d(x, self.taps(x.device), state, lengths, self.activation, cu_seqlens=cu_seqlens)
+        return causal_conv1d(x, self.taps(x.device, x.shape[-1]), state, lengths, self.activation,
+                             cu_seqlens=cu_seqlens)
 
     def extra_repr(self) -> str:
         return f"channels={self.channels}, taps=(-1, 1), activation={self.activation}"
@@ -292,7 +295,13 @@ class SelectiveRotaryEmbedding(nn.Module):
 
     Its parameters stay float32 when the model is cast to a lower precision (``model.to(torch.bfloat16)``,
     ``.half()``): see ``_apply``.
+
+    Under tensor parallelism (``modeling/tensor_parallel.py``) the module holds the per-head parameters of this rank's
+    key heads and ``head_shard`` is ``(rank, ranks)``: it rotates only its own heads (q and k arrive sharded by the
+    attention projections), with the phases one process computes for them, from the whole (replicated) input ``x``.
     """
+
+    head_shard: tuple[int, int] | None = None  # (rank, ranks) when tensor parallelism shards the heads
 
     def __init__(self, config: SelectiveRopeConfigBase, num_query_heads: int, num_key_heads: int, head_dim: int):
         super().__init__()
@@ -368,6 +377,26 @@ class SelectiveRotaryEmbedding(nn.Module):
         return nn.Sequential(PhaseLinear(hidden_size, config.phase_gate_rank, bias=False),
                              PhaseLinear(config.phase_gate_rank, width, bias=True))
 
+    def per_head_parameters(self) -> list[str]:
+        """The parameters indexed by key head along their first dim (tensor parallelism splits them with the heads):
+        the per-head projection (the dense one's last map), the convolution's channels, the bias, the gate's last layer.
+        The temperature and the first maps of the dense projection and of a low-rank gate are shared by every head."""
+        if self.position_embedding != "selective_rope":
+            return []
+        if self.phase_proj.kind == "dense_low_rank":
+            names = ["phase_proj.up"]
+        else:
+            names = [f"phase_proj.{name}" for name, _ in self.phase_proj.named_parameters()]
+        if isinstance(self.phase_conv, PhaseConvolution):
+            names.append("phase_conv.weight")
+        if self.phase_bias is not None:
+            names.append("phase_bias")
+        if isinstance(self.phase_gate_proj, nn.Sequential):
+            names += [f"phase_gate_proj.1.{name}" for name, _ in self.phase_gate_proj[1].named_parameters()]
+        elif self.phase_gate_proj is not None:
+            names += [f"phase_gate_proj.{name}" for name, _ in self.phase_gate_proj.named_parameters()]
+        return names
+
     def initial_temperature(self) -> torch.Tensor:
         kind, theta, scale, seed = self.temperature_config
         return rotary_temperature(kind, theta, self.rotary_dim, scale, seed)
@@ -385,14 +414,14 @@ class SelectiveRotaryEmbedding(nn.Module):
             return (ones if valid is None else ones * valid[..., None, None]), None
 
         u = self._normalized_chunks(x)
-        a = self.phase_proj(u)  # (B, T, Hk, R)
+        a = self._project(u)  # (B, T, Hk, R)
         if valid is not None:
             a = a * valid[..., None, None]  # pads never enter the convolution history
         new_conv_state = None
         if self.phase_conv is not None:
             flat, new_conv_state = self.phase_conv(a.reshape(batch, seq_len, -1), conv_state, lengths, dtype=u.dtype,
                                                    cu_seqlens=cu_seqlens)
-            a = flat.view(batch, seq_len, self.num_key_heads, self.rotary_pairs)
+            a = flat.view(batch, seq_len, -1, self.rotary_pairs)
         if self.phase_bias is not None:
             a = a + self.phase_bias.to(u.dtype).exp()
         if self.phase_gate_proj is not None:
@@ -402,12 +431,22 @@ class SelectiveRotaryEmbedding(nn.Module):
         return a.float(), new_conv_state
 
     def _normalized_chunks(self, x: torch.Tensor) -> torch.Tensor:
-        """``u``: ``(B, T, D)`` -> ``(B, T, Hk, D / Hk)`` in ``phase_dtype`` (float64), each chunk L2-normalised."""
+        """``u``: ``(B, T, D)`` -> ``(B, T, Hk, D / Hk)`` in ``phase_dtype`` (float64), each chunk L2-normalised (every
+        key head's, also under tensor parallelism: the gate reads them all)."""
         batch, seq_len, _ = x.shape
         chunks = x.to(phase_dtype(x.device)).view(batch, seq_len, self.num_key_heads, self.chunk_dim)
         if torch.is_grad_enabled() and chunks.requires_grad:
             return L2NormalizeChunks.apply(chunks)[0]
         return F.normalize(chunks, dim=-1)
+
+    def _project(self, u: torch.Tensor) -> torch.Tensor:
+        """``P(u)``: ``(B, T, Hk, Dc)`` -> ``(B, T, Hk, R)``. Under tensor parallelism, this rank's heads: a per-head
+        projection reads their own chunks, the dense one reads every chunk."""
+        if self.head_shard is None or self.phase_proj.kind == "dense_low_rank":
+            return self.phase_proj(u)
+        rank, ranks = self.head_shard
+        heads = self.num_key_heads // ranks
+        return self.phase_proj(u[:, :, rank * heads:(rank + 1) * heads])
 
     def _gate(self, u: torch.Tensor) -> torch.Tensor:
         """``G(u)`` in ``u``'s dtype, shaped to broadcast against ``(B, T, Hk, R)``.
@@ -415,8 +454,9 @@ class SelectiveRotaryEmbedding(nn.Module):
         The module is called (not its weights read), so hooks and adapters on it take effect.
         """
         batch, seq_len = u.shape[:2]
-        gate = self.phase_gate_proj(u.flatten(2))  # (B, T, Hk) or (B, T, Hk * R)
-        return gate.view(batch, seq_len, self.num_key_heads, -1)
+        gate = self.phase_gate_proj(u.flatten(2))  # (B, T, Hk) or (B, T, Hk * R): this rank's heads under TP
+        heads = self.num_key_heads if self.head_shard is None else self.num_key_heads // self.head_shard[1]
+        return gate.view(batch, seq_len, heads, -1)
 
     def forward(
         self,
@@ -480,7 +520,7 @@ class SelectiveRotaryEmbedding(nn.Module):
         step_state = dict(
             phase=state.get("phase"),
             conv_state=None if conv is None else state.get("phase_conv"),
-            conv_weight=None if conv is None else conv.taps(x.device),
+            conv_weight=None if conv is None else conv.taps(x.device, k.shape[2] * self.rotary_pairs),
             conv_activation=None if conv is None else conv.activation,
             bias=self.phase_bias,
             valid=valid,
@@ -500,7 +540,7 @@ class SelectiveRotaryEmbedding(nn.Module):
         projection ``(B, Hk, R)`` and the gate logits ``(B, Hk, 1 or R)`` (``None`` without a gate)."""
         with no_autocast(x):
             u = self._normalized_chunks(x)  # (B, 1, Hk, Dc) float64
-            projection = self.phase_proj(u)[:, 0]  # (B, Hk, R) float64
+            projection = self._project(u)[:, 0]  # (B, Hk, R) float64
             gate_logits = None if self.phase_gate_proj is None else self._gate(u)[:, 0]  # (B, Hk, 1 or R)
         return projection, gate_logits
 
@@ -510,6 +550,8 @@ class SelectiveRotaryEmbedding(nn.Module):
         (a PEFT adapter replaces one) or something observes the modules (hooks on them, or global ones: they would not
         see the modules run). Then the modules are called."""
         proj, gate = self.phase_proj, self.phase_gate_proj
+        if self.head_shard is not None:  # the fused step reads every head's input chunk from its own weights
+            return None
         if type(proj) is not PhaseProjection or proj.kind != "low_rank":
             return None
         if gate is not None and (type(gate) is not PhaseLinear or gate.bias is None):  # the per-head gate only
@@ -552,6 +594,8 @@ class SelectiveRotaryEmbedding(nn.Module):
         cannot be built here, forward hooks on the phase modules or global ones (they must see their module run), a
         phase module it does not know (e.g. one wrapped by a PEFT adapter), or parameters of mixed dtypes."""
         if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+            return None
+        if self.head_shard is not None:  # the kernel is planned for every key head
             return None
         cached = self.__dict__.get("_cpu_plan")
         if cached is None or not cached.valid(sizes):
@@ -611,7 +655,7 @@ class SelectiveRotaryEmbedding(nn.Module):
         if previous is not None and previous.dtype != dtype:
             previous = previous.to(dtype)
         phase = increment if previous is None else increment + previous
-        phase = phase.expand(batch, self.num_key_heads, self.rotary_pairs).contiguous()  # (B, Hk, R)
+        phase = phase.expand(batch, k.shape[2], self.rotary_pairs).contiguous()  # (B, Hk, R)
         angle = rotary_angles(phase, self.temperature)[:, None]  # (B, 1, Hk, R)
         q_out, k_out = rotate_query_and_key(q, k, angle.cos(), angle.sin())
         return q_out, k_out, self._state(phase, conv_state)
@@ -620,7 +664,7 @@ class SelectiveRotaryEmbedding(nn.Module):
         """``c_t`` for one token per row, float64 ``(B, Hk, R)`` (not yet rounded), and the new convolution history;
         ``valid`` ``(B, 1, 1)`` or None."""
         u = self._normalized_chunks(x)  # (B, 1, Hk, Dc) float64
-        a = self.phase_proj(u)[:, 0]  # (B, Hk, R)
+        a = self._project(u)[:, 0]  # (B, Hk, R)
         if valid is not None:
             a = a * valid  # pads never enter the convolution history
         conv_state = None
@@ -639,8 +683,8 @@ class SelectiveRotaryEmbedding(nn.Module):
         ``(B, K-1, C)``. The taps are summed oldest first, as ``causal_conv1d`` sums them (one reduction over the
         window rather than K products and K-1 additions: fewer ops)."""
         batch = a.shape[0]
-        taps = self.phase_conv.taps(a.device).to(a.dtype)  # (C, K), the last tap on the current token
         current = a.reshape(batch, 1, -1)  # (B, 1, C)
+        taps = self.phase_conv.taps(a.device, current.shape[-1]).to(a.dtype)  # (C, K), the last tap on the current one
         if history is None:
             history = current.new_zeros(batch, taps.shape[1] - 1, current.shape[-1])
         history = history.to(a.dtype)

@@ -1,0 +1,209 @@
+"""Tensor parallelism: ``from_pretrained(path, tp_plan="auto")`` under torchrun, two CPU processes over gloo.
+
+The test saves one tiny checkpoint per family, computes what one process gives (logits, a training step's loss and
+gradients, a cached greedy ``generate`` of a left-padded batch), and launches this file once as the worker script
+(``python -m torch.distributed.run --nproc_per_node 2 tests/integration/test_tensor_parallel.py DIR``). Each rank
+loads every family split by heads, computes the same things, saves the split model, and tries a checkpoint whose heads
+two ranks cannot split; the test then compares, and reloads each saved model in this process.
+
+The families' options differ so that every per-head part of Selective RoPE is split at least once: GQA (GLA, FoX),
+grouped value heads (Gated DeltaNet), the phase bias, the head and low-rank gates, the per-head and the dense low-rank
+projections, the learned and the difference convolutions, a trainable temperature, short convolutions, the FoX "Pro"
+options.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: families.py
+
+from families import FAMILIES, OPTION_VARIANTS  # noqa: E402
+
+from selective_rope.modeling.tensor_parallel import check_tensor_parallel, tensor_parallel_supported  # noqa: E402
+
+needs_dtensor_api = pytest.mark.skipif(
+    not tensor_parallel_supported(),
+    reason="tensor parallelism of these models needs transformers' DTensor API (transformers.distributed, 5.16 on), "
+           "which this transformers lacks (5.15 and older, e.g. the 5.10.1 floor, shard with local tensors)")
+
+# A vocabulary two ranks split evenly (transformers 5.16 requires it of a gathered colwise LM head; 5.24 does not).
+OPTIONS = {
+    "gla": dict(vocab_size=64, phase_gate_type="low_rank", phase_bias=True, temperature_trainable=True),
+    "gated_deltanet": {**OPTION_VARIANTS["official"], "vocab_size": 64, "phase_gate_type": "channel"},
+    "fox": dict(vocab_size=64, phase_bias=True),
+}
+# FoX with one key/value head: two ranks cannot split it.
+UNSPLITTABLE = dict(num_key_value_heads=1)
+NEW_TOKENS = 4
+
+
+def inputs(vocab_size: int):
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab_size, (2, 9), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding, as generate gets it
+    return ids, mask
+
+
+def measure(model) -> dict:
+    """What the test compares: logits, the loss and gradients of one training step (every gradient as a whole
+    tensor), a cached greedy generate (tokens and per-step logits) and the shapes of the cache's first layer."""
+    from torch.distributed.tensor import DTensor
+
+    full = (lambda t: t.full_tensor()) if torch.distributed.is_initialized() else (lambda t: t)
+    ids, mask = inputs(model.config.vocab_size)
+    model.eval()
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, use_cache=True)
+        logits = out.logits
+        cache = out.past_key_values if getattr(out, "past_key_values", None) is not None else out.cache
+        cache_shapes = {name: list(t.shape) for name, t in cache.layers[0].states.items()}
+        generated = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                   return_dict_in_generate=True, output_logits=True, pad_token_id=0)
+    model.train()
+    model.zero_grad()
+    loss = model(ids, attention_mask=mask, labels=ids).loss
+    loss.backward()
+    grads = {name: (full(p.grad) if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+             for name, p in model.named_parameters() if p.grad is not None}
+    return {"logits": logits, "loss": loss.detach(), "grads": grads, "tokens": generated.sequences,
+            "step_logits": torch.stack(generated.logits), "cache_shapes": cache_shapes}
+
+
+def worker(root: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    import selective_rope  # noqa: F401  (registers the families and our parallel styles)
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    report = {}
+    for name in OPTIONS:
+        model = AutoModelForCausalLM.from_pretrained(root / name, tp_plan="auto")
+        results = measure(model)
+        model.save_pretrained(root / f"{name}_saved_from_tp")
+        torch.save(results, root / f"{name}_rank{rank}.pt")
+        report[name] = {"q_proj": list(model.model.layers[0].attn.q_proj.weight.to_local().shape)}
+    try:
+        AutoModelForCausalLM.from_pretrained(root / "unsplittable", tp_plan="auto")
+        report["unsplittable"] = "loaded"
+    except ValueError as error:
+        report["unsplittable"] = str(error)
+    (root / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+@needs_dtensor_api
+def test_two_process_tensor_parallel_equals_one_process(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    references = {}
+    for name, options in OPTIONS.items():
+        family = FAMILIES[name]
+        torch.manual_seed(0)
+        model = family.lm_class(family.config_class(**{**family.tiny, **options}))
+        model.save_pretrained(tmp_path / name)
+        references[name] = measure(model)
+    fox = FAMILIES["fox"]
+    fox.lm_class(fox.config_class(**{**fox.tiny, **OPTIONS["fox"], **UNSPLITTABLE})).save_pretrained(
+        tmp_path / "unsplittable")
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
+               str(tmp_path)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-6000:]
+
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for report in reports:
+        assert "num_key_value_heads" in report["unsplittable"] and "tp_size=2" in report["unsplittable"], report
+    for name, reference in references.items():
+        family = FAMILIES[name]
+        heads = family.config_class(**{**family.tiny, **OPTIONS[name]})
+        for rank in (0, 1):
+            split = torch.load(tmp_path / f"{name}_rank{rank}.pt")
+            # each rank holds half of the query heads
+            q_rows = reference["grads"]["model.layers.0.attn.q_proj.weight"].shape[0]
+            assert reports[rank][name]["q_proj"][0] == q_rows // 2, name
+            torch.testing.assert_close(split["logits"], reference["logits"], atol=1e-5, rtol=0, msg=name)
+            torch.testing.assert_close(split["loss"], reference["loss"], atol=1e-6, rtol=0, msg=name)
+            assert split["grads"].keys() == reference["grads"].keys(), name
+            # float32 sums in another order (each rank sums its heads, then the ranks' shares are added): within
+            # 2e-5 of each gradient's largest entry (measured: at most 9e-6 of it)
+            for key, grad in reference["grads"].items():
+                difference = (split["grads"][key] - grad).abs().max().item()
+                assert difference <= 2e-5 * max(1.0, grad.abs().max().item()), (name, key, difference)
+            assert torch.equal(split["tokens"], reference["tokens"]), name
+            torch.testing.assert_close(split["step_logits"], reference["step_logits"], atol=1e-5, rtol=0, msg=name)
+            # the cache holds this rank's heads: half of one process's along the head dim of the phase
+            phase, one_process = split["cache_shapes"]["rotary.phase"], reference["cache_shapes"]["rotary.phase"]
+            assert phase[1] * 2 == one_process[1] == heads.num_phase_heads, (name, phase, one_process)
+        # the model saved from the split one is whole again, and loads in one process as it was
+        original = AutoModelForCausalLM.from_pretrained(tmp_path / name)
+        saved = AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}_saved_from_tp")
+        assert original.state_dict().keys() == saved.state_dict().keys()
+        for key, tensor in original.state_dict().items():
+            assert torch.equal(saved.state_dict()[key], tensor), f"{name}: {key}"
+
+
+def all_configs():
+    """Every family with its tiny config, its variants, the options the 2-process test uses, and RoPE / NoPE."""
+    for name, family in FAMILIES.items():
+        options = [{}, OPTIONS[name], *family.variants.values(), dict(position_embedding="rope"),
+                   dict(position_embedding="nope"), dict(phase_gate=False, phase_conv_size=0),
+                   dict(phase_proj="full_rank", phase_conv_type="difference"), dict(phase_proj="scalar"),
+                   OPTION_VARIANTS["official"], dict(temperature_trainable=True)]
+        for option in options:
+            yield name, family, family.config_class(**{**family.tiny, **option})
+
+
+def test_plans_name_what_the_model_has():
+    """Every rule of a plan names a module or parameter of the model, as transformers matches them (layer numbers
+    as ``*``): the plans are built from the config, so no rule is left unapplied (transformers warns about those)."""
+    for name, family, config in all_configs():
+        model = family.lm_class(config)
+        names = {re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), n)
+                 for n, _ in (*model.model.named_modules(), *model.model.named_parameters())}
+        unmatched = set(config.base_model_tp_plan) - names
+        assert not unmatched, (name, config.to_diff_dict(), unmatched)
+        assert type(model)._tp_plan == {"lm_head": "colwise_gather_output"}  # as Llama's
+
+
+def test_per_head_phase_parameters_split_with_the_heads():
+    """The Selective RoPE parameters tensor parallelism splits are indexed by key head on their first dim; the ones it
+    keeps whole are the temperature and the first maps of a low-rank gate and of the dense projection."""
+    for name, family, config in all_configs():
+        rotary = family.lm_class(config).model.layers[0].attn.rotary
+        split = rotary.per_head_parameters()
+        for key in split:
+            assert rotary.get_parameter(key).shape[0] % config.num_phase_heads == 0, (name, key)
+        whole = {key for key, _ in rotary.named_parameters()} - set(split)
+        assert whole <= {"temperature", "phase_gate_proj.0.weight", "phase_proj.down"}, (name, whole)
+
+
+def test_configs_that_cannot_split_are_refused():
+    for name, family in FAMILIES.items():
+        config = family.config_class(**family.tiny)
+        check_tensor_parallel(config, 2)  # the tiny configs split in two
+        heads = config.tensor_parallel_heads
+        field = next(field for field, count in heads.items() if count % 3)  # the first one three ranks cannot split
+        with pytest.raises(ValueError, match=rf"^`{field}`={heads[field]} cannot be split across tp_size=3 "):
+            check_tensor_parallel(config, 3)
+
+
+if __name__ == "__main__":
+    worker(Path(sys.argv[1]))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
