@@ -86,3 +86,15 @@ class SequenceLayout:
         out = rows.new_zeros(batch * seq_len, *rows.shape[2:])
         out = out.index_put((self.index[valid],), rows[valid])
         return out.view(batch, seq_len, *rows.shape[2:])
+
+    def attention_from_rows(self, weights: torch.Tensor, past: int) -> torch.Tensor:
+        """Attention weights over rows ``(N, H, L, past + L)`` -> over the caller's grid ``(B, H, T, past + T)``, for
+        a padding layout (``from_attention_mask``: row n is batch row n, ``L == T``). Queries and this call's keys
+        go back to their columns; the ``past`` cached key slots stay in the order the cache holds them. Zero at
+        padding."""
+        batch, seq_len = self.grid
+        columns = self.index - torch.arange(batch, device=self.index.device)[:, None] * seq_len  # (B, T) per slot
+        target = (past + columns)[:, None, None, :].expand(*weights.shape[:3], -1)  # (B, H, T, T): a permutation
+        keys = torch.cat([weights[..., :past], torch.zeros_like(weights[..., past:])], dim=-1)
+        keys = keys.scatter(-1, target, weights[..., past:])  # this call's keys back to their columns
+        return self.from_rows(keys.transpose(1, 2)).transpose(1, 2)  # queries back to their rows
