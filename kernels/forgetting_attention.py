@@ -42,11 +42,12 @@ def forgetting_attention(q, k, v, log_fgate=None, key_valid=None, *, cu_seqlens=
     return o.to(q.dtype)
 
 
-def forgetting_attention_and_weights(q, k, v, log_fgate=None, key_valid=None):
-    """``(o, weights)``: the attention of :func:`forgetting_attention` with its ``(B, Hq, Tq, Tk)`` weights, for
-    ``output_attentions=True``. No fused kernel returns the weights (fla's does not either), so this is the eager
-    PyTorch op on every backend and device (``forgetting_attention_torch.forgetting_attention_with_weights``)."""
-    return forgetting_attention_with_weights(q, k, v, log_fgate, key_valid=key_valid)
+def forgetting_attention_and_weights(q, k, v, log_fgate=None, key_valid=None, layout=None):
+    """``(o, weights)``: the attention of :func:`forgetting_attention` with its ``(B, Hq, Tq, Tk)`` weights (in the
+    caller's ``layout``), for ``output_attentions=True``. No fused kernel returns the weights (fla's does not either),
+    so this is the eager PyTorch op on every backend and device
+    (``forgetting_attention_torch.forgetting_attention_with_weights``)."""
+    return forgetting_attention_with_weights(q, k, v, log_fgate, key_valid=key_valid, layout=layout)
 
 
 def _is_right_padded(key_valid: torch.Tensor) -> bool:

@@ -187,6 +187,7 @@ def forgetting_attention_with_weights(
     log_fgate: torch.Tensor | None = None,
     scale: float | None = None,
     key_valid: torch.Tensor | None = None,
+    layout=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager forgetting attention that also returns its weights (what ``output_attentions=True`` asks for).
 
@@ -194,6 +195,11 @@ def forgetting_attention_with_weights(
     ``(B, Hq, Tq, Tk)`` score matrix plus the forget-gate bias ``c_{p_i} - c_τ`` (from the float64 cumulative sum,
     whose differences are exact to float64 rounding), softmax, then ``P v``. Memory grows as ``Tq x Tk`` per head:
     meant for inspecting weights, not for long sequences. Differentiable.
+
+    ``layout``: an object whose ``to_caller(weights)`` gives the weights in the caller's layout and ``from_caller``
+    takes them back exactly (a permutation of real entries; see ``modeling.layout.AttentionLayout``). The weights are
+    returned in the caller's layout and the output is computed from that very tensor, so gradients reach it (as
+    with transformers' eager attention, whose returned weights are the ones multiplied with the values).
 
     Returns:
         o: (B, Tq, Hq, Dv) in q.dtype; weights: (B, Hq, Tq, Tk) in q.dtype, each visible query's row summing to 1,
@@ -221,8 +227,11 @@ def forgetting_attention_with_weights(
     weights = torch.softmax(scores.masked_fill(~visible, MASKED), dim=-1)
     if key_valid is not None:  # queries at padding slots: zero, as forgetting_attention's outputs
         weights = weights.masked_fill(~key_valid[:, None, Tk - Tq :, None], 0.0)
-    o = (weights @ v).transpose(1, 2)  # (B, Tq, Hq, Dv)
-    return o.to(out_dtype).contiguous(), weights.to(out_dtype)
+    weights = weights.to(out_dtype)
+    returned = weights if layout is None else layout.to_caller(weights)
+    used = weights if layout is None else layout.from_caller(returned)
+    o = (used.float() @ v).transpose(1, 2)  # (B, Tq, Hq, Dv)
+    return o.to(out_dtype).contiguous(), returned
 
 
 def _check_shapes(q, k, v, log_fgate, key_valid, block_size) -> None:

@@ -37,7 +37,7 @@ from .inputs import (
     returned_cache,
 )
 from .layers import GatedMLP, RMSNorm
-from .layout import SequenceLayout
+from .layout import AttentionLayout, SequenceLayout
 from .mixer import LayerState, Mixer
 from .rotary import SelectiveRotaryEmbedding
 
@@ -253,16 +253,19 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
 
         all_hidden_states = [] if output_hidden_states else None
         all_attentions = [] if output_attentions else None
+        # (packed sequences with output_attentions are refused above: a layout here is a padding one)
+        attention_layout = AttentionLayout(layout, past_len) if output_attentions and layout is not None else None
         for layer_idx, block in enumerate(self.layers):
             if all_hidden_states is not None:
                 all_hidden_states.append(restore(rows))
+                if layout is not None:  # continue from the returned states, so that gradients reach them
+                    rows = layout.to_rows(all_hidden_states[-1])
             cached = cache.layers[layer_idx] if cache is not None else None
             state = LayerState(cached.states if cached is not None else None, keep=use_cache,
-                               output_attentions=output_attentions)
+                               output_attentions=output_attentions, attention_layout=attention_layout)
             rows = block(rows, state, lengths=lengths, cu_seqlens=packed, backend=backend)
-            if state.attentions is not None:  # (N, H, L, T_past + L) over rows -> (B, H, T, T_past + T)
-                weights = state.attentions
-                all_attentions.append(weights if layout is None else layout.attention_from_rows(weights, past_len))
+            if state.attentions is not None:
+                all_attentions.append(state.attentions)  # (B, H, T, T_past + T)
             if use_cache:
                 cached.commit(state.new, num_new_tokens=hidden_states.shape[1], token_states=state.token_histories)
         hidden_states = restore(self.norm(rows))

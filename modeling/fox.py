@@ -181,8 +181,9 @@ class ForgettingAttention(nn.Module):
                 valid = torch.cat([torch.ones(batch, cached.shape[1], dtype=torch.bool, device=q.device), valid],
                                   dim=1)
             key_valid = state.extend("valid", valid)
-        if state.output_attentions:  # (B, Hq, T, T_seen + T) weights over the key timeline
-            o, state.attentions = forgetting_attention_and_weights(q, k, v, log_fgate, key_valid=key_valid)
+        if state.output_attentions:  # (B, Hq, T, T_seen + T) weights over the key timeline, in the caller's layout
+            o, state.attentions = forgetting_attention_and_weights(q, k, v, log_fgate, key_valid=key_valid,
+                                                                   layout=state.attention_layout)
             return o
         return forgetting_attention(q, k, v, log_fgate, key_valid=key_valid, backend=backend)
 

@@ -27,15 +27,18 @@ class LayerState:
         keep: whether the caller keeps the new state (``use_cache``): a mixer skips work that only produces state
             (final recurrent states) when it is False.
         output_attentions: whether the caller wants the attention weights: a mixer with ``has_attention_weights``
-            then leaves them in ``attentions``, ``(N, H, L, T_keys)`` over its rows and key timeline.
+            then leaves them in ``attentions``, ``(B, H, T, T_keys)`` in the caller's layout: its rows' weights mapped
+            by ``attention_layout`` (:class:`~.layout.AttentionLayout`; None: rows are the caller's grid).
     """
 
     def __init__(self, previous: dict[str, torch.Tensor] | None = None, *, keep: bool = False,
-                 output_attentions: bool = False, prefix: str = "", _shared: tuple[dict, dict, set] | None = None):
+                 output_attentions: bool = False, attention_layout=None, prefix: str = "",
+                 _shared: tuple[dict, dict, set] | None = None):
         # (previous, new, token histories) shared between a state and its scopes.
         self._previous, self.new, self.token_histories = _shared or (dict(previous or {}), {}, set())
         self.keep = keep
         self.output_attentions = output_attentions
+        self.attention_layout = attention_layout
         self.attentions: torch.Tensor | None = None
         self._prefix = prefix
 
