@@ -109,6 +109,7 @@ def load(generation_mixin: type) -> types.SimpleNamespace:
     """Import the sdist's common tests (fetched if needed) with the shims above: ``ModelTesterMixin``,
     ``ConfigTester`` and the module ``test_modeling_common`` itself."""
     package = fetch()
+    _probe_kernels_package()
     if PACKAGE not in sys.modules:
         spec = importlib.util.spec_from_file_location(PACKAGE, package / "__init__.py",
                                                       submodule_search_locations=[str(package)])
@@ -122,6 +123,32 @@ def load(generation_mixin: type) -> types.SimpleNamespace:
     configuration = importlib.import_module(f"{PACKAGE}.test_configuration_common")
     return types.SimpleNamespace(ModelTesterMixin=modeling.ModelTesterMixin, ConfigTester=configuration.ConfigTester,
                                  test_modeling_common=modeling)
+
+
+def _probe_kernels_package() -> None:
+    """Ask transformers once, with our source folders out of sight, whether the ``kernels`` package is installed.
+
+    ``python -m pytest`` puts the working directory (the repository root, holding our ``kernels/``) on ``sys.path``
+    and pytest puts ``tests/`` there (holding ``tests/kernels/``); transformers 5.10's ``integrations.hub_kernels``
+    then even imports our folder as the module ``kernels`` (its ``from kernels import ...`` fails and is caught, the
+    module stays). Its ``is_kernels_available()``, which the mixin's ``@require_kernels`` calls at import, takes that
+    for the ``kernels`` package and fails on its version ("N/A"). The answer is cached (``lru_cache``), so the mixin
+    then reads the true one. ``sys.path`` and ``sys.modules`` are restored as found."""
+    from transformers.utils import import_utils
+
+    ours = {ROOT, ROOT / "tests", ROOT / "tests" / "conformance"}
+    shadow = sys.modules.get("kernels")
+    shadowed = shadow is not None and ROOT in Path(getattr(shadow, "__file__", None) or "/").resolve().parents
+    saved = sys.path[:]
+    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() not in ours]
+    if shadowed:
+        del sys.modules["kernels"]
+    try:
+        import_utils.is_kernels_available()
+    finally:
+        sys.path[:] = saved
+        if shadowed:
+            sys.modules["kernels"] = shadow
 
 
 def register_names(model_type: str, model_class: type, lm_class: type) -> None:
