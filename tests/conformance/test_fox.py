@@ -3,10 +3,10 @@
 
 import unittest
 
-from testers import ConformanceTest
-
 from selective_rope import SelectiveRopeFoXConfig, SelectiveRopeFoXForCausalLM, SelectiveRopeFoXModel
+
 from families import TINY
+from testers import ConformanceTest
 
 
 class SelectiveRopeFoXConformanceTest(ConformanceTest, unittest.TestCase):

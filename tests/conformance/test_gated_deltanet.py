@@ -2,14 +2,14 @@
 
 import unittest
 
-from testers import ConformanceTest
-
 from selective_rope import (
     SelectiveRopeGatedDeltaNetConfig,
     SelectiveRopeGatedDeltaNetForCausalLM,
     SelectiveRopeGatedDeltaNetModel,
 )
+
 from families import TINY
+from testers import ConformanceTest
 
 
 class SelectiveRopeGatedDeltaNetConformanceTest(ConformanceTest, unittest.TestCase):

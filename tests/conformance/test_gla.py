@@ -2,10 +2,10 @@
 
 import unittest
 
-from testers import ConformanceTest
-
 from selective_rope import SelectiveRopeGLAConfig, SelectiveRopeGLAForCausalLM, SelectiveRopeGLAModel
+
 from families import TINY
+from testers import ConformanceTest
 
 
 class SelectiveRopeGLAConformanceTest(ConformanceTest, unittest.TestCase):

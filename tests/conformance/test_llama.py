@@ -3,10 +3,10 @@ is the harness's, not our models'."""
 
 import unittest
 
-from testers import ConformanceTest
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
 from families import TOKENS
+from testers import ConformanceTest
 
 
 class LlamaConformanceTest(ConformanceTest, unittest.TestCase):
