@@ -13,6 +13,8 @@ import copy
 
 import torch
 
+from selective_rope.modeling.inputs import CACHE_FIELD
+
 TOL = dict(atol=1e-4, rtol=1e-4)
 NEW_TOKENS = 4
 
@@ -106,9 +108,9 @@ class GenerationChecks:
             once = self._generate(model, input_ids, do_sample=False, max_new_tokens=2 * NEW_TOKENS,
                                   min_new_tokens=2 * NEW_TOKENS)
             first = self._generate(model, input_ids, do_sample=False)
-            cache = getattr(first, "past_key_values", None) or getattr(first, "cache", None)
+            cache = getattr(first, CACHE_FIELD)  # `cache` from transformers 5.24 on, `past_key_values` before
             self.assertIsNotNone(cache)
-            second = self._generate(model, first.sequences, do_sample=False, past_key_values=cache)
+            second = self._generate(model, first.sequences, do_sample=False, **{CACHE_FIELD: cache})
             self.assertTrue(torch.equal(second.sequences, once.sequences))
             for a, b in zip(first.logits + second.logits, once.logits):
                 torch.testing.assert_close(a, b, **TOL)

@@ -15,6 +15,7 @@ Every skip or switched-off test names the transformers precedent it follows.
 from __future__ import annotations
 
 import torch
+from transformers import set_seed
 
 import upstream
 from generation_checks import GenerationChecks
@@ -72,6 +73,7 @@ class ConformanceTest(common.ModelTesterMixin, GenerationChecks):
         upstream.register_names(model_type, cls.model_class, cls.lm_class)
 
     def setUp(self):
+        set_seed(0)  # each test draws the same inputs and weights in every run: the suite is deterministic
         self.model_tester = CausalLMTester(self, self.config_class, self.config_kwargs)
         self.config_tester = common.ConfigTester(self, config_class=self.config_class,
                                                  common_properties=self.config_common_properties, **self.config_kwargs)
