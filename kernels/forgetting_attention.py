@@ -7,6 +7,7 @@ import torch
 
 from .dispatch import fla_ops, refuse_packing
 from .forgetting_attention_torch import forgetting_attention as forgetting_attention_torch
+from .forgetting_attention_torch import forgetting_attention_with_weights
 
 FLA_MAX_ATTENTION_HEAD_DIM = 256  # fla's parallel attention holds a whole key head in one block
 
@@ -39,6 +40,14 @@ def forgetting_attention(q, k, v, log_fgate=None, key_valid=None, *, cu_seqlens=
     if key_valid is not None:
         o = o * key_valid[:, :, None, None].to(o.dtype)
     return o.to(q.dtype)
+
+
+def forgetting_attention_and_weights(q, k, v, log_fgate=None, key_valid=None, layout=None):
+    """``(o, weights)``: the attention of :func:`forgetting_attention` with its ``(B, Hq, Tq, Tk)`` weights (in the
+    caller's ``layout``), for ``output_attentions=True``. No fused kernel returns the weights (fla's does not either),
+    so this is the eager PyTorch op on every backend and device
+    (``forgetting_attention_torch.forgetting_attention_with_weights``)."""
+    return forgetting_attention_with_weights(q, k, v, log_fgate, key_valid=key_valid, layout=layout)
 
 
 def _is_right_padded(key_valid: torch.Tensor) -> bool:

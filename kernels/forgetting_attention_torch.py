@@ -180,6 +180,60 @@ def forgetting_attention(
     return (o if out_dtype == torch.float32 else o.to(out_dtype)).contiguous()
 
 
+def forgetting_attention_with_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_fgate: torch.Tensor | None = None,
+    scale: float | None = None,
+    key_valid: torch.Tensor | None = None,
+    layout=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager forgetting attention that also returns its weights (what ``output_attentions=True`` asks for).
+
+    The same inputs, masking and outputs as :func:`forgetting_attention`, computed the textbook way: the whole
+    ``(B, Hq, Tq, Tk)`` score matrix plus the forget-gate bias ``c_{p_i} - c_τ`` (from the float64 cumulative sum,
+    whose differences are exact to float64 rounding), softmax, then ``P v``. Memory grows as ``Tq x Tk`` per head:
+    meant for inspecting weights, not for long sequences. Differentiable.
+
+    ``layout``: an object whose ``to_caller(weights)`` gives the weights in the caller's layout and ``from_caller``
+    takes them back exactly (a permutation of real entries; see ``modeling.layout.AttentionLayout``). The weights are
+    returned in the caller's layout and the output is computed from that very tensor, so gradients reach it (as
+    with transformers' eager attention, whose returned weights are the ones multiplied with the values).
+
+    Returns:
+        o: (B, Tq, Hq, Dv) in q.dtype; weights: (B, Hq, Tq, Tk) in q.dtype, each visible query's row summing to 1,
+        zero at masked keys (future, padding) and for queries at padding slots.
+    """
+    _check_shapes(q, k, v, log_fgate, key_valid, None)
+    B, Tq, Hq, D = q.shape
+    Tk, Hk = k.shape[1], k.shape[2]
+    scale = D**-0.5 if scale is None else scale
+    out_dtype = q.dtype
+    # (B, T, H, D) -> (B, H, T, D) float32, key/value heads repeated to the query heads
+    q, k, v = (x.float().transpose(1, 2) for x in (q, k, v))
+    k, v = k.repeat_interleave(Hq // Hk, dim=1), v.repeat_interleave(Hq // Hk, dim=1)
+    scores = scale * (q @ k.transpose(-1, -2))  # (B, Hq, Tq, Tk)
+    query_pos = torch.arange(Tk - Tq, Tk, device=q.device)
+    visible = torch.arange(Tk, device=q.device) <= query_pos[:, None]  # (Tq, Tk) causal
+    if key_valid is not None:
+        visible = visible & key_valid[:, None, None, :]  # (B, 1, Tq, Tk)
+    if log_fgate is not None:
+        if key_valid is not None:  # a padding slot forgets nothing
+            log_fgate = log_fgate.masked_fill(~key_valid.unsqueeze(-1), 0.0)
+        acc_dtype = torch.float32 if log_fgate.device.type == "mps" else torch.float64
+        cum = log_fgate.to(acc_dtype).cumsum(1).transpose(1, 2)  # (B, Hq, Tk)
+        scores = scores + (cum[..., Tk - Tq :, None] - cum[..., None, :]).float()  # bias c_p - c_τ
+    weights = torch.softmax(scores.masked_fill(~visible, MASKED), dim=-1)
+    if key_valid is not None:  # queries at padding slots: zero, as forgetting_attention's outputs
+        weights = weights.masked_fill(~key_valid[:, None, Tk - Tq :, None], 0.0)
+    weights = weights.to(out_dtype)
+    returned = weights if layout is None else layout.to_caller(weights)
+    used = weights if layout is None else layout.from_caller(returned)
+    o = (used.float() @ v).transpose(1, 2)  # (B, Tq, Hq, Dv)
+    return o.to(out_dtype).contiguous(), returned
+
+
 def _check_shapes(q, k, v, log_fgate, key_valid, block_size) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         shapes = ", ".join(str(tuple(x.shape)) for x in (q, k, v))

@@ -37,7 +37,7 @@ from .inputs import (
     returned_cache,
 )
 from .layers import GatedMLP, RMSNorm
-from .layout import SequenceLayout
+from .layout import AttentionLayout, SequenceLayout
 from .mixer import LayerState, Mixer
 from .rotary import SelectiveRotaryEmbedding
 from .tensor_parallel import check_tensor_parallel
@@ -191,6 +191,7 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         cu_seqlens: torch.LongTensor | None = None,
         cache: SelectiveRopeCache | None = None,
         **kwargs,
@@ -208,16 +209,27 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
                 ``DataCollatorWithFlattening`` gives), otherwise they must equal the implicit positions.
             past_key_values: a :class:`SelectiveRopeCache` to continue from (created when ``use_cache`` and None),
                 returned as ``outputs.cache`` (transformers >= 5.24) or ``outputs.past_key_values`` (before).
+            output_hidden_states: return every block's input and the final output (``config.output_hidden_states``
+                when None).
+            output_attentions: return the attention weights of the softmax-attention layers (FoX), one
+                ``(B, H, T, T_past + T)`` tensor per such layer: this call's queries against the key timeline, the
+                ``T_past`` cached keys (in token order; a row's padding from earlier calls sits after that call's
+                real tokens) then this call's ``T`` tokens, zero at padding. Computed by an eager path (the whole
+                weight matrix). ``config.output_attentions`` when None; True is refused for a model without such
+                layers and for packed sequences.
             cu_seqlens: packed sequences: ``input_ids`` of shape ``(1, total)`` and offsets ``[0, ..., total]``; each
                 sequence gets exactly the outputs it has alone (the cache then holds one row per sequence).
             cache: the same as ``past_key_values``, under the name transformers uses from 5.24 on (give one of the
                 two).
             kwargs: transformers' packing keywords ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` /
                 ``max_length_k`` and ``seq_idx`` (the same packed path as ``cu_seqlens``), ``num_items_in_batch``
-                and ``cache_position`` (not needed here), ``output_attentions`` / ``output_router_logits`` (False)
+                and ``cache_position`` (not needed here), ``output_router_logits`` (False)
                 and ``is_causal`` (True). Any other name raises a ``TypeError``; see :mod:`.inputs`.
         """
         markers = check_kwargs(kwargs, type(self).__name__)
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
+        output_attentions = self._wants_attentions(output_attentions)
         batch, seq_len = check_tokens(input_ids, inputs_embeds, self.config.vocab_size, self.config.hidden_size)
         if use_cache is None:  # in training the final states would only be thrown away
             use_cache = self.config.use_cache and not self.training
@@ -229,6 +241,9 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
         past_len = cache.get_seq_length() if cache is not None else 0
         mask = padding_mask(attention_mask, batch, seq_len, past_len)
         cu_seqlens = packed_offsets(cu_seqlens, position_ids, markers, batch, seq_len, mask, past_len)
+        if output_attentions and cu_seqlens is not None:
+            raise ValueError("output_attentions=True is not supported with packed sequences (cu_seqlens, "
+                             "cu_seq_lens_q/k, seq_idx or restarting position_ids): pass them as a padded batch")
         if use_cache and cache is None:
             cache = SelectiveRopeCache(self.config)
 
@@ -246,12 +261,20 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
         self._check_cache_batch(cache, rows.shape[0] if packed is None else packed.numel() - 1)
 
         all_hidden_states = [] if output_hidden_states else None
+        all_attentions = [] if output_attentions else None
+        # (packed sequences with output_attentions are refused above: a layout here is a padding one)
+        attention_layout = AttentionLayout(layout, past_len) if output_attentions and layout is not None else None
         for layer_idx, block in enumerate(self.layers):
             if all_hidden_states is not None:
                 all_hidden_states.append(restore(rows))
+                if layout is not None:  # continue from the returned states, so that gradients reach them
+                    rows = layout.to_rows(all_hidden_states[-1])
             cached = cache.layers[layer_idx] if cache is not None else None
-            state = LayerState(cached.states if cached is not None else None, keep=use_cache)
+            state = LayerState(cached.states if cached is not None else None, keep=use_cache,
+                               output_attentions=output_attentions, attention_layout=attention_layout)
             rows = block(rows, state, lengths=lengths, cu_seqlens=packed, backend=backend)
+            if state.attentions is not None:
+                all_attentions.append(state.attentions)  # (B, H, T, T_past + T)
             if use_cache:
                 cached.commit(state.new, num_new_tokens=hidden_states.shape[1], token_states=state.token_histories)
         hidden_states = restore(self.norm(rows))
@@ -261,8 +284,20 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
         return BaseModelOutputWithPast(
             last_hidden_state=hidden_states,
             hidden_states=tuple(all_hidden_states) if all_hidden_states is not None else None,
+            attentions=tuple(all_attentions) if all_attentions is not None else None,
             **{CACHE_FIELD: cache if use_cache else None},
         )
+
+    def _wants_attentions(self, requested: bool | None) -> bool:
+        """Whether to return attention weights: ``requested``, or the config's ``output_attentions`` when None (which
+        then applies only where there are weights: a linear-attention model returns none)."""
+        has_weights = any(getattr(block.attn, "has_attention_weights", False) for block in self.layers)
+        if requested is None:
+            return bool(self.config.output_attentions) and has_weights
+        if requested and not has_weights:
+            raise ValueError(f"output_attentions=True: this {self.config.model_type} model has no attention weights "
+                             "to return (its layers are linear attention, not softmax attention)")
+        return bool(requested)
 
     def _embedded(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
         # In the dtype input_ids would give (the embedding weight's): the first Linear would refuse float32 embeddings
@@ -321,17 +356,29 @@ class SelectiveRopeForCausalLMBase(SelectiveRopePreTrainedModel, GenerationMixin
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         cu_seqlens: torch.LongTensor | None = None,
         cache: SelectiveRopeCache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """``labels`` ``(B, T)`` (int64 or int32; -100 = ignored, else a token id) gives the shifted next-token loss
-        through ``self.loss_function``, which honours Trainer's ``num_items_in_batch``; they are checked before the
-        forward runs. ``logits_to_keep`` keeps only the last N positions. The other arguments are the base model's
-        (see ``SelectiveRopeModelBase.forward``)."""
-        num_items_in_batch = kwargs.pop("num_items_in_batch", None)  # the loss's; every other keyword is the model's
+        through ``self.loss_function``, which honours Trainer's ``num_items_in_batch`` and ``shift_labels`` (labels
+        already shifted, ``(B, T)``, as Trainer passes them under context / sequence parallelism; they need
+        ``labels`` too, as in transformers' causal LMs); both are checked before the forward runs.
+        ``logits_to_keep`` keeps only the last N positions. The other arguments are the base model's (see
+        ``SelectiveRopeModelBase.forward``)."""
+        # The loss's keywords; every other one is the base model's, checked here so that errors name this class.
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        shift_labels = kwargs.pop("shift_labels", None)
+        check_kwargs(kwargs, type(self).__name__)
         labels = check_labels(labels, input_ids, inputs_embeds, self.config.vocab_size)
+        if shift_labels is not None:
+            if labels is None:
+                raise ValueError("shift_labels are given without labels: the loss is computed when labels are given "
+                                 "(pass both, as Trainer does)")
+            shift_labels = check_labels(shift_labels, input_ids, inputs_embeds, self.config.vocab_size,
+                                        name="shift_labels")
         if labels is not None and not (isinstance(logits_to_keep, int) and logits_to_keep in (0, labels.shape[1])):
             raise ValueError(f"labels need the logits of every position, but logits_to_keep={logits_to_keep!r} keeps "
                              "fewer: pass logits_to_keep=0 (the default) with labels")
@@ -343,6 +390,7 @@ class SelectiveRopeForCausalLMBase(SelectiveRopePreTrainedModel, GenerationMixin
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
             cu_seqlens=cu_seqlens,
             cache=cache,
             **kwargs,
@@ -353,11 +401,12 @@ class SelectiveRopeForCausalLMBase(SelectiveRopePreTrainedModel, GenerationMixin
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
-                                      num_items_in_batch=num_items_in_batch)
+                                      num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
             hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
             **{CACHE_FIELD: returned_cache(outputs)},
         )
 

@@ -24,7 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..configuration.fox import SelectiveRopeFoXConfig
-from ..kernels.forgetting_attention import FLA_MAX_ATTENTION_HEAD_DIM, forgetting_attention
+from ..kernels.forgetting_attention import (
+    FLA_MAX_ATTENTION_HEAD_DIM,
+    forgetting_attention,
+    forgetting_attention_and_weights,
+)
 from ..kernels.rotary_torch import phase_dtype
 from ..kernels.segments import packed_positions
 from .base import SelectiveRopeForCausalLMBase, SelectiveRopeModelBase
@@ -72,6 +76,8 @@ class ForgettingAttention(nn.Module):
     """The FoX mixer (:class:`~.mixer.Mixer`). Its state: the key timeline ``key``, ``value`` ``(B, T_seen, Hk, D)``,
     ``log_fgate`` ``(B, T_seen, Hq)`` and ``valid`` ``(B, T_seen)``, per-token histories the cache can crop; the
     token shifts' last keys / values and the Selective RoPE state, running states."""
+
+    has_attention_weights = True  # softmax attention: output_attentions returns its weights
 
     def __init__(self, config: SelectiveRopeFoXConfig, layer_idx: int):
         super().__init__()
@@ -169,13 +175,19 @@ class ForgettingAttention(nn.Module):
         k, v = state.extend("key", k), state.extend("value", v)
         if log_fgate is not None:
             log_fgate = state.extend("log_fgate", log_fgate)
-        if valid is None and "valid" not in state:
-            return forgetting_attention(q, k, v, log_fgate, backend=backend)
-        if valid is None:
-            valid = torch.ones(batch, seq_len, dtype=torch.bool, device=q.device)
-        if "valid" not in state and cached is not None:  # the first padding: the slots so far were all real
-            valid = torch.cat([torch.ones(batch, cached.shape[1], dtype=torch.bool, device=q.device), valid], dim=1)
-        return forgetting_attention(q, k, v, log_fgate, key_valid=state.extend("valid", valid), backend=backend)
+        key_valid = None
+        if valid is not None or "valid" in state:
+            if valid is None:
+                valid = torch.ones(batch, seq_len, dtype=torch.bool, device=q.device)
+            if "valid" not in state and cached is not None:  # the first padding: the slots so far were all real
+                valid = torch.cat([torch.ones(batch, cached.shape[1], dtype=torch.bool, device=q.device), valid],
+                                  dim=1)
+            key_valid = state.extend("valid", valid)
+        if state.output_attentions:  # (B, Hq, T, T_seen + T) weights over the key timeline, in the caller's layout
+            o, state.attentions = forgetting_attention_and_weights(q, k, v, log_fgate, key_valid=key_valid,
+                                                                   layout=state.attention_layout)
+            return o
+        return forgetting_attention(q, k, v, log_fgate, key_valid=key_valid, backend=backend)
 
     def _attend_packed(self, q, k, v, log_fgate, state: LayerState, backend, cu_seqlens):
         """Attention over sequences packed in ``(1, total, ...)``. fla's kernel takes whole sequences as they are; the

@@ -30,7 +30,6 @@ IGNORED_KWARGS = {
     "cache_position": "legacy positions of the new tokens in the cache (the cache counts them itself)",
 }
 SUPPORTED_FLAGS = {  # name -> (accepted values, why others are refused)
-    "output_attentions": ((None, False), "these models have no attention weights to return"),
     "output_router_logits": ((None, False), "these models have no mixture-of-experts router"),
     "is_causal": ((None, True), "these models are causal only"),
 }
@@ -92,9 +91,10 @@ def check_tokens(input_ids, inputs_embeds, vocab_size: int, hidden_size: int) ->
     return tuple(inputs_embeds.shape[:2])
 
 
-def check_labels(labels, input_ids, inputs_embeds, vocab_size: int):
+def check_labels(labels, input_ids, inputs_embeds, vocab_size: int, name: str = "labels"):
     """``labels`` as the loss takes them (int64), or None: an int64 or int32 tensor of the ``(B, T)`` of ``input_ids``
-    / ``inputs_embeds``, holding -100 (ignored) or token ids in ``[0, vocab_size)``.
+    / ``inputs_embeds``, holding -100 (ignored) or token ids in ``[0, vocab_size)``. ``name``: the argument's name
+    in errors (``labels``, or ``shift_labels``, which are checked the same way).
 
     Checked before the forward runs: a (B, T, 1) or flattened tensor would give a NaN or shifted loss silently, and
     other shapes or ids fail only after the whole forward, in ``cross_entropy``, without naming ``labels``."""
@@ -104,9 +104,9 @@ def check_labels(labels, input_ids, inputs_embeds, vocab_size: int):
     # The grid is only known from a token input that is a tensor; a malformed one is refused by check_tokens.
     grid = tuple(tokens.shape[:2]) if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 else None
     expected = f"an int64 or int32 tensor of shape {grid or '(B, T)'} (the batch and length of the tokens)"
-    _require_tensor("labels", labels, expected)
+    _require_tensor(name, labels, expected)
     if labels.dtype not in (torch.int64, torch.int32) or labels.dim() != 2 or grid not in (None, labels.shape):
-        raise ValueError(f"labels must be {expected}; got {labels.dtype} of shape {tuple(labels.shape)}")
+        raise ValueError(f"{name} must be {expected}; got {labels.dtype} of shape {tuple(labels.shape)}")
     if labels.numel():  # (an empty input is refused by check_tokens, naming it)
         ignored = labels == IGNORE_INDEX  # left out of the range (all ignored: an empty range, which passes)
         limits = torch.iinfo(labels.dtype)
@@ -114,7 +114,7 @@ def check_labels(labels, input_ids, inputs_embeds, vocab_size: int):
                                 labels.masked_fill(ignored, limits.min).max()])
         low, high = extremes.tolist()  # one sync, as for input_ids
         if low < 0 or high >= vocab_size:
-            raise ValueError(f"labels must be {IGNORE_INDEX} (ignored) or token ids in [0, {vocab_size}) "
+            raise ValueError(f"{name} must be {IGNORE_INDEX} (ignored) or token ids in [0, {vocab_size}) "
                              f"(vocab_size); got values other than {IGNORE_INDEX} in [{low}, {high}]")
     return labels.long()
 

@@ -86,3 +86,29 @@ class SequenceLayout:
         out = rows.new_zeros(batch * seq_len, *rows.shape[2:])
         out = out.index_put((self.index[valid],), rows[valid])
         return out.view(batch, seq_len, *rows.shape[2:])
+
+
+@dataclass
+class AttentionLayout:
+    """Attention weights over a mixer's rows ``(N, H, L, past + L)`` and over the caller's grid ``(B, H, T, past + T)``,
+    for a padding layout (``SequenceLayout.from_attention_mask``: row n is batch row n, ``L == T``). Queries and this
+    call's keys go back to their columns; the ``past`` cached key slots stay in the order the cache holds them. The
+    two maps are exact inverses on the real entries; every other entry is zero."""
+
+    rows: SequenceLayout
+    past: int
+
+    def _key_columns(self, weights: torch.Tensor) -> torch.Tensor:
+        """``(B, H, T, T)``: the grid column (offset by ``past``) of each row slot's key, a permutation per row."""
+        batch, seq_len = self.rows.grid
+        columns = self.rows.index - torch.arange(batch, device=self.rows.index.device)[:, None] * seq_len  # (B, T)
+        return (self.past + columns)[:, None, None, :].expand(*weights.shape[:3], -1)
+
+    def to_caller(self, weights: torch.Tensor) -> torch.Tensor:
+        keys = torch.cat([weights[..., : self.past], torch.zeros_like(weights[..., self.past :])], dim=-1)
+        keys = keys.scatter(-1, self._key_columns(weights), weights[..., self.past :])  # keys to their columns
+        return self.rows.from_rows(keys.transpose(1, 2)).transpose(1, 2)  # queries to their rows
+
+    def from_caller(self, weights: torch.Tensor) -> torch.Tensor:
+        rows = self.rows.to_rows(weights.transpose(1, 2)).transpose(1, 2)  # (B, H, T, past + T), queries in rows
+        return torch.cat([rows[..., : self.past], rows.gather(-1, self._key_columns(rows))], dim=-1)

@@ -26,13 +26,20 @@ class LayerState:
         previous: the layer's cached tensors (``None``: a sequence start).
         keep: whether the caller keeps the new state (``use_cache``): a mixer skips work that only produces state
             (final recurrent states) when it is False.
+        output_attentions: whether the caller wants the attention weights: a mixer with ``has_attention_weights``
+            then leaves them in ``attentions``, ``(B, H, T, T_keys)`` in the caller's layout: its rows' weights mapped
+            by ``attention_layout`` (:class:`~.layout.AttentionLayout`; None: rows are the caller's grid).
     """
 
-    def __init__(self, previous: dict[str, torch.Tensor] | None = None, *, keep: bool = False, prefix: str = "",
+    def __init__(self, previous: dict[str, torch.Tensor] | None = None, *, keep: bool = False,
+                 output_attentions: bool = False, attention_layout=None, prefix: str = "",
                  _shared: tuple[dict, dict, set] | None = None):
         # (previous, new, token histories) shared between a state and its scopes.
         self._previous, self.new, self.token_histories = _shared or (dict(previous or {}), {}, set())
         self.keep = keep
+        self.output_attentions = output_attentions
+        self.attention_layout = attention_layout
+        self.attentions: torch.Tensor | None = None
         self._prefix = prefix
 
     def _name(self, name: str) -> str:
@@ -82,9 +89,13 @@ class Mixer(Protocol):
     ``(1, total, D)`` with ``cu_seqlens`` ``(N + 1,)``: states are then still one row per sequence. ``backend`` is
     ``"torch"``, ``"torch+c"`` or ``"triton"``, resolved once per model call (``dispatch.resolve_backend``). Returns
     ``(N, L, D)`` (or ``(1, total, D)``); the new state goes into ``state``.
+
+    A softmax-attention mixer sets ``has_attention_weights = True`` and, when ``state.output_attentions``, leaves its
+    weights in ``state.attentions`` (rows only: the base model never hands it packed sequences then).
     """
 
     rotary: torch.nn.Module
+    has_attention_weights: bool  # (optional, False when absent) see above
 
     def __call__(self, hidden_states: torch.Tensor, state: LayerState, *, lengths: torch.Tensor | None,
                  cu_seqlens: torch.Tensor | None, backend: str) -> torch.Tensor: ...

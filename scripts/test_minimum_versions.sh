@@ -3,8 +3,9 @@
 # [project] dependencies is pinned with `==` (a pip constraints file) in a virtual environment of its own, made in a
 # temporary folder and removed afterwards. torch is the exception: it is installed as scripts/install_torch.sh does
 # (2.13.0) and its floor is the lowest version seen working (see pyproject.toml). The test extras (pytest, triton,
-# flash-linear-attention) stay at their newest. Arguments go to pytest. Needs Python >= 3.11 (tomllib) and the
-# package index. .ci/run runs it after the README's test command.
+# flash-linear-attention) stay at their newest. Then the conformance suite (scripts/conformance.sh) at the floors:
+# transformers' common model tests from the floor version's own sdist. Arguments go to pytest. Needs Python >= 3.11
+# (tomllib) and the package index. .ci/run runs it after the README's test command and the conformance suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scratch=$(mktemp -d)
@@ -17,3 +18,4 @@ source scripts/install_torch.sh
 python -m pip install --quiet -e ".[test]" -c "$scratch/minimum.txt"
 python -m pip list 2>/dev/null | grep -i -E "^(torch|transformers|accelerate|peft|huggingface.hub|safetensors|tqdm) " || true
 python -m pytest tests "$@"
+bash scripts/conformance.sh "$@"

@@ -68,17 +68,21 @@ def test_scripts_install_torch_where_there_is_none(tmp_path, script):
 
 @pytest.mark.parametrize("pytest_status", [0, 1, 5])
 def test_ci_runs_the_readme_test_command_and_fails_when_nothing_was_collected(tmp_path, pytest_status):
-    """.ci/run is scripts/test.sh, then (if it passed) scripts/test_minimum_versions.sh, with their status, except that
-    pytest's "no tests collected" (5) is a failure with a message, never a pass."""
+    """.ci/run is scripts/test.sh, then (if it passed) scripts/conformance.sh, then scripts/test_minimum_versions.sh
+    (the suite and the conformance suite at the floors), with their status, except that pytest's "no tests collected"
+    (5) is a failure with a message, never a pass."""
     env, calls = _stand_ins(tmp_path, pytest_status=pytest_status)
     run = subprocess.run(["bash", str(REPO / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60)
     lines = calls.read_text().splitlines()
-    pytest_runs = [i for i, call in enumerate(lines) if call == "python -m pytest tests -p no:cacheprovider"]
-    assert len(pytest_runs) == (2 if pytest_status == 0 else 1) and pytest_runs[-1] == len(lines) - 1
+    suite = "python -m pytest tests -p no:cacheprovider"
+    conformance = "python -m pytest tests/conformance -p no:cacheprovider"
+    pytest_runs = [i for i, call in enumerate(lines) if call in (suite, conformance)]
+    expected = [suite, conformance, suite, conformance] if pytest_status == 0 else [suite]
+    assert [lines[i] for i in pytest_runs] == expected and pytest_runs[-1] == len(lines) - 1
     assert run.returncode == pytest_status
     assert ("pytest collected no tests" in run.stderr) == (pytest_status == 5)
-    if pytest_status == 0:  # the second run: its own venv, the floors as constraints
-        second = lines[pytest_runs[0] + 1:]
+    if pytest_status == 0:  # the floors: their own venv, the floors as constraints
+        second = lines[pytest_runs[1] + 1:]
         assert any(call.startswith("python scripts/minimum_versions.py ") for call in second)
         venv = next(call for call in second if call.startswith("python -m venv "))
         install = next(call for call in second if call.startswith("python -m pip install --quiet -e .[test] -c "))

@@ -28,7 +28,7 @@ with warnings.catch_warnings():
     from fla.ops.forgetting_attn.naive import naive_forgetting_attn
 
 from selective_rope.kernels import forgetting_attention_torch
-from selective_rope.kernels.forgetting_attention_torch import forgetting_attention
+from selective_rope.kernels.forgetting_attention_torch import forgetting_attention, forgetting_attention_with_weights
 
 B, HQ, HK, D, DV = 2, 4, 2, 16, 8
 FP32_TOL = {"rtol": 1e-5, "atol": 1e-5}  # float32 math, different summation order
@@ -49,11 +49,12 @@ def make_inputs(seq_len, heads=(HQ, HK), dtype=torch.float32, gate_shift=2.0):
     return q, k, v, log_fgate
 
 
-def reference(q, k, v, log_fgate=None, scale=None, key_valid=None, rows=None):
+def reference(q, k, v, log_fgate=None, scale=None, key_valid=None, rows=None, return_weights=False):
     """The definition, in float64, materialising everything; returns float64 (B, Tq, Hq, Dv), zeros at queries on
     padding slots (the op's convention, shared with the fla path).
 
-    rows: evaluate only these query rows (indices into Tq), in that order.
+    rows: evaluate only these query rows (indices into Tq), in that order. return_weights: also return the
+    attention weights (B, Hq, rows, Tk).
     """
     _, tq, hq, d = q.shape
     tk, hk = k.shape[1], k.shape[2]
@@ -71,7 +72,8 @@ def reference(q, k, v, log_fgate=None, scale=None, key_valid=None, rows=None):
     logits = logits.masked_fill(~visible, float("-inf"))
     probs = logits.softmax(-1).nan_to_num(0.0)  # a row with no visible key: zeros
     probs = probs * valid[:, None, pos, None]  # a query at a padding slot outputs zeros
-    return torch.einsum("bhij,bjhd->bihd", probs, v)
+    out = torch.einsum("bhij,bjhd->bihd", probs, v)
+    return (out, probs) if return_weights else out
 
 
 def grads(fn, inputs, do):
@@ -492,3 +494,38 @@ def test_rejects_bad_shapes():
         forgetting_attention(q, k, v, g[:, :4])
     with pytest.raises(ValueError, match="key_valid"):
         forgetting_attention(q, k, v, g, key_valid=torch.ones(B, 8))
+
+
+# -- the eager path that returns the weights (output_attentions) ------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["gate", "no_gate", "suffix", "padded", "padded_suffix", "mqa"])
+def test_eager_weights_path_equals_the_blockwise_op(case):
+    """``forgetting_attention_with_weights`` gives the blockwise op's outputs and gradients (both of its paths), and
+    weights equal to the float64 definition's."""
+    torch.manual_seed(0)
+    q, k, v, g, valid = padded_inputs(40, heads=(4, 1) if case == "mqa" else (HQ, HK))
+    g = None if case == "no_gate" else g
+    valid = valid if "padded" in case else None
+    if valid is None and g is not None:
+        g = g.clamp(min=-5.0)  # (the garbage gate of padded_inputs' holes, where nothing masks it)
+    start = 15 if "suffix" in case else 0
+    inputs = (q[:, start:], k, v, g)
+    eager = functools.partial(forgetting_attention_with_weights, key_valid=valid)
+    blockwise = functools.partial(forgetting_attention, key_valid=valid, block_size=8)
+
+    o, weights = eager(*inputs)
+    expected_o, expected_weights = reference(*inputs, key_valid=valid, return_weights=True)
+    torch.testing.assert_close(weights, expected_weights.float(), **EXACT_TOL)
+    torch.testing.assert_close(o, expected_o.float(), **EXACT_TOL)
+    with torch.no_grad():
+        torch.testing.assert_close(o, blockwise(*inputs), **FP32_TOL)  # the inference path
+    assert weights.shape == (B, q.shape[2], 40 - start, 40)
+    rows = weights.sum(-1)  # 1 for every query at a real slot, 0 at padding slots
+    real = torch.ones(B, 40 - start, dtype=torch.bool) if valid is None else valid[:, start:]
+    torch.testing.assert_close(rows, real[:, None, :].float().expand_as(rows))
+
+    do = torch.randn_like(o)
+    names = ["dq", "dk", "dv", "dg"][: 3 if g is None else 4]
+    differentiable = inputs[: len(names)]
+    assert_close_all(grads(lambda *x: eager(*x, *inputs[len(x):])[0], differentiable, do),
+                     grads(lambda *x: blockwise(*x, *inputs[len(x):]), differentiable, do), names, **GRAD_TOL)

@@ -251,11 +251,14 @@ def test_unknown_keyword_arguments_are_refused(family):
     for misspelt in ("cu_seq_len", "attention_masks", "position_id", "token_type_ids"):
         with pytest.raises(TypeError, match=f"unexpected keyword argument.*'{misspelt}'") as error:
             model(ids, **{misspelt: torch.tensor([0, 4])})
-        one_line_error(error, family.lm_class.__name__.replace("ForCausalLM", "Model"))
-        with pytest.raises(TypeError, match=misspelt):
+        one_line_error(error, f"{family.lm_class.__name__}.forward()")  # the class the user called
+        with pytest.raises(TypeError, match=misspelt) as error:
             model.model(ids, **{misspelt: None})
-    with pytest.raises(ValueError, match="no attention weights"):
-        model(ids, output_attentions=True)
+        one_line_error(error, f"{family.model_class.__name__}.forward()")
+    if not getattr(family.model_class.mixer_class, "has_attention_weights", False):  # linear attention
+        with pytest.raises(ValueError, match="no attention weights") as error:
+            model(ids, output_attentions=True)
+        one_line_error(error, "output_attentions", family.config_class.model_type)
     with pytest.raises(ValueError, match="causal only"):
         model(ids, is_causal=False)
     with torch.no_grad():  # what transformers' callers pass is accepted
@@ -375,3 +378,44 @@ def test_valid_labels_give_the_loss_they_gave_before(family):
         for keep in (1, 6, torch.tensor([0, 2])):
             with pytest.raises(ValueError, match="labels need the logits of every position, but logits_to_keep="):
                 model(ids, labels=labels, logits_to_keep=keep)
+
+
+def test_shift_labels_reach_the_loss(family):
+    """Trainer's ``shift_labels`` (context / sequence parallelism): the loss of the given targets, as transformers'
+    causal LMs compute it; equal to the labels' loss when they are the labels shifted."""
+    model = build(family)
+    ids = tokens(2, 7)
+    labels = ids.clone()
+    labels[0, :2] = -100
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()  # as Trainer builds them
+    other = tokens(2, 7, seed=5)  # targets unrelated to the labels: only shift_labels can give their loss
+    with torch.no_grad():
+        out = model(ids, labels=labels)
+        torch.testing.assert_close(model(ids, labels=labels, shift_labels=shifted).loss, out.loss, rtol=0, atol=0)
+        manual = torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), other.reshape(-1))
+        torch.testing.assert_close(model(ids, labels=labels, shift_labels=other).loss, manual, **TOL)
+        torch.testing.assert_close(model(ids, labels=labels, shift_labels=other, num_items_in_batch=torch.tensor(7))
+                                   .loss, manual * 2, **TOL)  # 14 targets counted as 7
+    with pytest.raises(ValueError, match="shift_labels are given without labels") as error:
+        model(ids, shift_labels=shifted)
+    one_line_error(error)
+    with pytest.raises(ValueError) as error:
+        model(ids, labels=labels, shift_labels=shifted[:, :-1])
+    one_line_error(error, "shift_labels must be", "shape (2, 7)")
+
+
+def test_output_hidden_states_follows_the_config(family, tmp_path):
+    """``config.output_hidden_states`` when the argument is None, as in transformers' models (feature extraction with
+    ``from_pretrained(path, output_hidden_states=True)``); the argument still wins."""
+    model = build(family)
+    ids = tokens(2, 5)
+    with torch.no_grad():
+        expected = model(ids, output_hidden_states=True).hidden_states
+        model.save_pretrained(tmp_path)
+        loaded = family.lm_class.from_pretrained(tmp_path, output_hidden_states=True).eval()
+        assert loaded.config.output_hidden_states
+        for out in (loaded(ids), loaded.model(ids)):
+            assert len(out.hidden_states) == family.tiny["num_hidden_layers"] + 1
+            for a, b in zip(out.hidden_states, expected):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert loaded(ids, output_hidden_states=False).hidden_states is None

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from selective_rope.modeling.layout import SequenceLayout, check_offsets, valid_mask
+from selective_rope.modeling.layout import AttentionLayout, SequenceLayout, check_offsets, valid_mask
 
 
 def test_valid_mask_marks_the_first_lengths_positions():
@@ -68,3 +68,26 @@ def test_bad_offsets_are_refused_naming_the_argument(offsets, words):
 def test_good_offsets_pass_unchanged():
     offsets = torch.tensor([0, 0, 2, 3], dtype=torch.int32)
     assert check_offsets("cu_seqlens", offsets, 3) is offsets
+
+
+@pytest.mark.parametrize("past", [0, 3])
+def test_attention_weights_go_to_the_callers_columns_and_back(past):
+    """AttentionLayout: entry (query slot i, key slot j) of row n lands at (column of i, past + column of j); the
+    cached key slots keep their places; the way back is exact on the real entries."""
+    mask = torch.tensor([[0, 1, 0, 1, 1], [1, 1, 1, 1, 1], [1, 1, 0, 0, 1]], dtype=torch.bool)
+    rows = SequenceLayout.from_attention_mask(mask)
+    real = rows.valid  # (B, T) real row slots
+    weights = torch.randn(3, 2, 5, past + 5)
+    weights = weights * real[:, None, :, None]  # a query at a padding slot has no weights
+    weights[..., past:] *= real[:, None, None, :]  # nor has a padding key
+    layout = AttentionLayout(rows, past)
+    grid = layout.to_caller(weights)
+    for n in range(3):
+        columns = mask[n].nonzero().flatten().tolist()  # the grid column of each real row slot, in order
+        for i, qi in enumerate(columns):
+            torch.testing.assert_close(grid[n, :, qi, :past], weights[n, :, i, :past], rtol=0, atol=0)
+            for j, kj in enumerate(columns):
+                torch.testing.assert_close(grid[n, :, qi, past + kj], weights[n, :, i, past + j], rtol=0, atol=0)
+    assert not grid[~mask[:, None, :].expand(3, 2, 5)].any()  # queries at padding: zero
+    assert not grid[..., past:][~mask[:, None, None, :].expand(3, 2, 5, 5)].any()  # keys at padding: zero
+    torch.testing.assert_close(layout.from_caller(grid), weights, rtol=0, atol=0)
