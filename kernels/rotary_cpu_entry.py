@@ -49,8 +49,9 @@ enum { F32 = 0, F64 = 1, BF16 = 2 };
 /* Set once by init(): torch's objects and interned names. */
 static PyObject *tensor_type, *float32, *float64, *bfloat16, *int64, *strided, *empty, *is_grad_enabled, *is_tracing,
     *get_num_threads, *hooks_module;
-static PyObject *s_shape, *s_dtype, *s_is_cpu, *s_layout, *s_is_neg, *s_stride, *s_data_ptr, *s_forward_hooks, *s_forward_pre_hooks,
-    *s_global_forward_hooks, *s_global_forward_pre_hooks, *s_phase, *s_phase_conv, *s_cpu, *empty_kwnames;
+static PyObject *s_shape, *s_dtype, *s_is_cpu, *s_layout, *s_is_neg, *s_stride, *s_data_ptr, *s_forward_hooks,
+    *s_forward_pre_hooks, *s_global_forward_hooks, *s_global_forward_pre_hooks, *s_phase, *s_phase_conv, *s_cpu,
+    *empty_kwnames;
 static long long step_calls, prefill_calls;  /* calls served, single-token and longer (read by tests) */
 
 /* What a call needs of one tensor. */
@@ -379,8 +380,9 @@ PyMODINIT_FUNC PyInit__selective_rope_entry(void) {
     PyObject **names[] = {&s_shape, &s_dtype, &s_is_cpu, &s_layout, &s_is_neg, &s_stride, &s_data_ptr, &s_forward_hooks,
                           &s_forward_pre_hooks, &s_global_forward_hooks, &s_global_forward_pre_hooks, &s_phase,
                           &s_phase_conv, &s_cpu};
-    const char *texts[] = {"shape", "dtype", "is_cpu", "layout", "is_neg", "stride", "data_ptr", "_forward_hooks", "_forward_pre_hooks",
-                           "_global_forward_hooks", "_global_forward_pre_hooks", "phase", "phase_conv", "cpu"};
+    const char *texts[] = {"shape", "dtype", "is_cpu", "layout", "is_neg", "stride", "data_ptr", "_forward_hooks",
+                           "_forward_pre_hooks", "_global_forward_hooks", "_global_forward_pre_hooks", "phase",
+                           "phase_conv", "cpu"};
     for (size_t i = 0; i < sizeof names / sizeof *names; i++)
         if (!(*names[i] = PyUnicode_InternFromString(texts[i]))) return NULL;
     if (!(empty_kwnames = Py_BuildValue("(ss)", "dtype", "device"))) return NULL;
