@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM
 from selective_rope.kernels import rotary_cpu
 
 # Max |logit difference| to float32 over max |logit|, for the tiny test models (weights of std 0.2, width 32):
-# measured 0.02-0.1 (docs/quantization.md has the figures for larger models); int8 per-row weights keep ~2 decimal
-# digits, so an error of this order is the quantization itself.
+# measured 0.03-0.13 over the families and both methods (docs/quantization.md has the figures for larger models). The
+# quantized layers compute exactly the dequantized model (checked below), so this is the int8 rounding of the weights.
 RELATIVE_BOUND = 0.2
 
 
