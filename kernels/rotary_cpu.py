@@ -789,10 +789,11 @@ def readable(tensor: torch.Tensor) -> bool:
     """Whether C code may read ``tensor`` through its data pointer and strides as the values it stands for: exactly a
     ``torch.Tensor`` or ``nn.Parameter`` (a subclass may keep its values elsewhere: torchao's quantized weights report
     float32 and their shape but hold int8 data, and their ``data_ptr()`` is 0), strided (not sparse, mkldnn or
-    nested), on the CPU (not meta), without a lazy negation or conjugation bit, and with memory (an efficient zero
-    tensor has none). Dtype, shape and strides are the caller's to check."""
+    nested), on the CPU (not meta), without a lazy negation bit, and with memory (an efficient zero tensor has none).
+    Dtype, shape and strides are the caller's to check (its dtypes are real: no conjugation bit; ~1 us a tensor, a
+    decoding step checks six)."""
     return (type(tensor) in PLAIN_TYPES and tensor.layout is torch.strided and tensor.is_cpu and not tensor.is_nested
-            and not tensor.is_neg() and not tensor.is_conj() and tensor.data_ptr() != 0)
+            and not tensor.is_neg() and tensor.data_ptr() != 0)
 
 
 class RotaryPlan:

@@ -92,7 +92,7 @@ static int64_t data_ptr(PyObject *tensor) {
 
 /* A plain CPU tensor's pointer, shape, strides and dtype: 0, or -1 where it is anything else (as
    rotary_cpu.readable: a subclass, another device, a layout without strides, a lazily negated view, no memory; or
-   more than 4 dims, an error). */
+   more than 4 dims, an error). The callers accept real dtypes only: no conjugation bit. */
 static int meta(PyObject *tensor, Meta *m) {
     if (Py_TYPE(tensor) != (PyTypeObject *)tensor_type) return -1;
     PyObject *is_cpu = PyObject_GetAttr(tensor, s_is_cpu);
