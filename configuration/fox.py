@@ -9,7 +9,17 @@ from typing import Literal
 
 from huggingface_hub.dataclasses import validated_field
 
-from .position_embedding import Number, SelectiveRopeConfigBase, _require, at_least, interval, positive, strict_config
+from .position_embedding import (
+    Number,
+    SelectiveRopeConfigBase,
+    _require,
+    at_least,
+    interval,
+    layer_count,
+    positive,
+    strict_config,
+    weight_std,
+)
 from .tensor_parallel import attention_mixer_plan, base_model_plan
 
 
@@ -40,7 +50,7 @@ class SelectiveRopeFoXConfig(SelectiveRopeConfigBase):
     vocab_size: int = validated_field(at_least(1), default=32000)
     hidden_size: int = validated_field(at_least(1), default=4096)
     intermediate_size: int = validated_field(at_least(1), default=11008)
-    num_hidden_layers: int = validated_field(at_least(1), default=32)
+    num_hidden_layers: int = validated_field(layer_count, default=32)
     num_attention_heads: int = validated_field(at_least(1), default=32)
     num_key_value_heads: int | None = validated_field(at_least(1), default=None)
     head_dim: int | None = validated_field(at_least(1), default=None)
@@ -55,7 +65,7 @@ class SelectiveRopeFoXConfig(SelectiveRopeConfigBase):
     use_output_norm: bool = False
     use_k_shift: bool = False
     use_v_shift: bool = False
-    initializer_range: Number = validated_field(interval(0), default=0.02)
+    initializer_range: Number = validated_field(weight_std, default=0.02)
     use_cache: bool = True
     pad_token_id: int | None = None
     bos_token_id: int | None = 1
@@ -85,6 +95,10 @@ class SelectiveRopeFoXConfig(SelectiveRopeConfigBase):
     @property
     def rotary_head_dim(self) -> int:
         return self.head_dim
+
+    @property
+    def mixer_width(self) -> int:
+        return self.head_dim * (self.num_attention_heads + 2 * self.num_key_value_heads)
 
     @property
     def num_phase_heads(self) -> int:

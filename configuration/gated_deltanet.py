@@ -14,10 +14,12 @@ from .position_embedding import (
     SelectiveRopeConfigBase,
     _require,
     at_least,
+    expansion,
     fla_mlp_width,
-    interval,
+    layer_count,
     positive,
     strict_config,
+    weight_std,
 )
 from .tensor_parallel import base_model_plan, gated_deltanet_mixer_plan
 
@@ -40,13 +42,13 @@ class SelectiveRopeGatedDeltaNetConfig(SelectiveRopeConfigBase):
 
     vocab_size: int = validated_field(at_least(1), default=32000)
     hidden_size: int = validated_field(at_least(1), default=2048)
-    num_hidden_layers: int = validated_field(at_least(1), default=21)
+    num_hidden_layers: int = validated_field(layer_count, default=21)
     # fla's default is 6 heads of 256; Selective RoPE splits hidden_size into one chunk per head, and 2048 does not
     # split into 6, so the default here is 4 heads of 256 (key width 1024, value width 2048).
     num_heads: int = validated_field(at_least(1), default=4)
     num_v_heads: int | None = validated_field(at_least(1), default=None)
     head_dim: int = validated_field(at_least(1), default=256)
-    expand_v: Number = validated_field(positive, default=2.0)
+    expand_v: Number = validated_field(expansion, default=2.0)
     use_short_conv: bool = True
     conv_size: int = validated_field(at_least(1), default=4)
     allow_neg_eigval: bool = False
@@ -56,7 +58,7 @@ class SelectiveRopeGatedDeltaNetConfig(SelectiveRopeConfigBase):
     intermediate_size: int | None = validated_field(at_least(1), default=None)
     hidden_act: Literal["swish", "silu"] = "swish"
     norm_eps: Number = validated_field(positive, default=1e-6)
-    initializer_range: Number = validated_field(interval(0), default=0.02)
+    initializer_range: Number = validated_field(weight_std, default=0.02)
     use_cache: bool = True
     pad_token_id: int | None = None
     bos_token_id: int | None = 1
@@ -87,6 +89,10 @@ class SelectiveRopeGatedDeltaNetConfig(SelectiveRopeConfigBase):
     @property
     def rotary_head_dim(self) -> int:
         return self.head_dim
+
+    @property
+    def mixer_width(self) -> int:
+        return 2 * self.key_dim + self.value_dim
 
     @property
     def num_phase_heads(self) -> int:

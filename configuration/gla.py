@@ -14,10 +14,13 @@ from .position_embedding import (
     SelectiveRopeConfigBase,
     _require,
     at_least,
+    expansion,
     fla_mlp_width,
     interval,
+    layer_count,
     positive,
     strict_config,
+    weight_std,
 )
 from .tensor_parallel import base_model_plan, gla_mixer_plan
 
@@ -40,11 +43,11 @@ class SelectiveRopeGLAConfig(SelectiveRopeConfigBase):
 
     vocab_size: int = validated_field(at_least(1), default=32000)
     hidden_size: int = validated_field(at_least(1), default=2048)
-    num_hidden_layers: int = validated_field(at_least(1), default=24)
+    num_hidden_layers: int = validated_field(layer_count, default=24)
     num_heads: int = validated_field(at_least(1), default=4)
     num_kv_heads: int | None = validated_field(at_least(1), default=None)
-    expand_k: Number = validated_field(positive, default=0.5)
-    expand_v: Number = validated_field(positive, default=1.0)
+    expand_k: Number = validated_field(expansion, default=0.5)
+    expand_v: Number = validated_field(expansion, default=1.0)
     use_short_conv: bool = False
     conv_size: int = validated_field(at_least(1), default=4)
     use_output_gate: bool = True
@@ -56,7 +59,7 @@ class SelectiveRopeGLAConfig(SelectiveRopeConfigBase):
     intermediate_size: int | None = validated_field(at_least(1), default=None)
     hidden_act: Literal["swish", "silu"] = "swish"
     norm_eps: Number = validated_field(positive, default=1e-6)
-    initializer_range: Number = validated_field(interval(0), default=0.02)
+    initializer_range: Number = validated_field(weight_std, default=0.02)
     use_cache: bool = True
     pad_token_id: int | None = None
     bos_token_id: int | None = 1
@@ -91,6 +94,10 @@ class SelectiveRopeGLAConfig(SelectiveRopeConfigBase):
     @property
     def rotary_head_dim(self) -> int:
         return self.head_k_dim
+
+    @property
+    def mixer_width(self) -> int:
+        return 2 * self.key_dim + self.value_dim
 
     @property
     def num_phase_heads(self) -> int:

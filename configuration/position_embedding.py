@@ -97,16 +97,28 @@ def interval(low: Number | None = None, high: Number | None = None, *, low_open:
     return check
 
 
-def at_least(low: int):
-    """A validator for integer fields: ``value >= low``."""
+# Upper bounds on sizes. Past them a value is a typo, not a model: 10**12 layers hang the build, 10**12 wide layers
+# fail deep in the allocator, 2**64 overflows torch's sizes. Each is orders of magnitude past any model trained so far.
+MAX_SIZE = 2**31 - 1  # any one width, count of heads, rank or vocabulary (the int32 range)
+MAX_LAYERS = 2**16  # decoder blocks (Python builds each: ~10**5 take minutes; deep models have a few hundred)
+MAX_PARAMETERS = 2**42  # the model's parameters, estimated from the config before anything is allocated (~4.4e12)
+
+
+def at_least(low: int, high: int = MAX_SIZE):
+    """A validator for integer size fields: ``low <= value <= high`` (by default ``MAX_SIZE``)."""
     def check(value) -> None:
-        if value is not None and value < low:
-            raise ValueError(f"must be an integer >= {low}")
+        if value is not None and not low <= value <= high:
+            raise ValueError(f"must be an integer in [{low}, {high}]")
 
     return check
 
 
 positive = interval(0, low_open=True)
+expansion = interval(0, MAX_SIZE, low_open=True)  # a width factor (expand_k, expand_v)
+layer_count = at_least(1, MAX_LAYERS)
+# The std of the initial weights: above 1 the activations grow with every layer (non-finite logits at 1e12); models
+# use ~0.02.
+weight_std = interval(0, 1)
 
 
 def generator_seed(value) -> None:
@@ -210,6 +222,10 @@ class SelectiveRopeConfigBase(PreTrainedConfig):
             (PyTorch everywhere) or ``"triton"`` (as auto on CUDA; on CPU our Triton rotary kernels under
             ``TRITON_INTERPRET=1``). The environment variable ``SELECTIVE_ROPE_BACKEND``, when set, overrides it.
 
+    Sizes are bounded (``MAX_SIZE`` per width, count or rank, ``MAX_LAYERS`` layers, and ``MAX_PARAMETERS`` for the
+    model estimated from the config: :meth:`estimated_parameters`), ``initializer_range`` is in [0, 1], and every
+    ``*_token_id`` is ``None`` or in ``[0, vocab_size)``: each refused at construction, before anything is allocated.
+
     Rules that only matter when rotating (the rotary part of a head, the input split per key head, the range of
     ``temperature_theta`` per type) are checked for ``"rope"`` and ``"selective_rope"`` only; a ``"nope"`` config only
     needs valid values.
@@ -273,6 +289,36 @@ class SelectiveRopeConfigBase(PreTrainedConfig):
         """The head counts tensor parallelism splits, by field name (set by each family with its
         ``base_model_tp_plan``: ``configuration/tensor_parallel.py``)."""
         raise NotImplementedError
+
+    def mixer_width(self) -> int:
+        """The widths of the mixer's query, key and value projections together (set by each family; read by the size
+        estimate)."""
+        raise NotImplementedError
+
+    def estimated_parameters(self) -> int:
+        """A lower bound on the model's parameter count, from the config alone: the embeddings (and an untied head),
+        and per layer the mixer's q/k/v and the MLP's three projections. Exact Python integers: no overflow."""
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return embeddings + self.num_hidden_layers * self.hidden_size * (self.mixer_width + 3 * self.mlp_width)
+
+    def validate_size(self) -> None:
+        """The model's size, estimated before anything is allocated (strict runs it after the family's checks)."""
+        estimate = self.estimated_parameters()
+        _require(estimate <= MAX_PARAMETERS, "hidden_size", self.hidden_size,
+                 f"with vocab_size={self.vocab_size}, num_hidden_layers={self.num_hidden_layers}, a mixer width of "
+                 f"{self.mixer_width} and an MLP width of {self.mlp_width} the model would have at least "
+                 f"{estimate:.3g} parameters; at most {MAX_PARAMETERS:.3g} (2**42) are allowed")
+
+    def validate_token_ids(self) -> None:
+        """Every ``*_token_id`` is ``None`` or a row of the embedding: ``pad_token_id=-1`` would silently make the
+        last row the padding row (never trained), and an id >= vocab_size fails only when the model is built.
+        (transformers' own check, of the same name, only warns, for checkpoints on the Hub that store -1.)"""
+        for name, value in vars(self).items():
+            if not name.endswith("_token_id") or value is None:
+                continue
+            for token in value if isinstance(value, list) else [value]:
+                _require(isinstance(token, int) and not isinstance(token, bool) and 0 <= token < self.vocab_size,
+                         name, value, f"must be None or a token id in [0, {self.vocab_size}) (vocab_size)")
 
     def validate_position_embedding(self) -> None:
         """The rules between fields that matter when rotating (strict runs it after the family's ``validate_*``

@@ -782,6 +782,20 @@ def _pointer(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.data_ptr()
 
 
+PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)  # exactly these: no subclass
+
+
+def readable(tensor: torch.Tensor) -> bool:
+    """Whether C code may read ``tensor`` through its data pointer and strides as the values it stands for: exactly a
+    ``torch.Tensor`` or ``nn.Parameter`` (a subclass may keep its values elsewhere: torchao's quantized weights report
+    float32 and their shape but hold int8 data, and their ``data_ptr()`` is 0), strided (not sparse, mkldnn or
+    nested), on the CPU (not meta), without a lazy negation bit, and with memory (an efficient zero tensor has none).
+    Dtype, shape and strides are the caller's to check (its dtypes are real: no conjugation bit; ~1 us a tensor, a
+    decoding step checks six)."""
+    return (type(tensor) in PLAIN_TYPES and tensor.layout is torch.strided and tensor.is_cpu and not tensor.is_nested
+            and not tensor.is_neg() and tensor.data_ptr() != 0)
+
+
 class RotaryPlan:
     """One layer's compiled CPU rotary kernel, prepared once from its sizes and parameters, then called per forward
     (a prefill, or a decoding step: the same code, so a prefill and the decoding steps of the same tokens agree
@@ -848,13 +862,17 @@ class RotaryPlan:
         for name, (tensor, shape) in expected.items():
             if (tensor is None) != (shape is None):
                 raise ValueError(f"{name}: {'missing' if tensor is None else 'unexpected'} for these options")
-            if tensor is not None and (tuple(tensor.shape) != shape or tensor.dtype != dtype or tensor.device.type
-                                       != "cpu" or not tensor.is_contiguous() or dtype not in (torch.float32,
-                                                                                            torch.float64)):
-                raise ValueError(f"{name}: expected a contiguous CPU {dtype} tensor of shape {shape} (float32 or "
-                                 f"float64), got {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}")
+            if tensor is not None and (not readable(tensor) or tuple(tensor.shape) != shape or tensor.dtype != dtype
+                                       or not tensor.is_contiguous() or dtype not in (torch.float32, torch.float64)):
+                raise ValueError(f"{name}: expected a plain contiguous CPU {dtype} tensor of shape {shape} (float32 or "
+                                 f"float64), got {type(tensor).__name__} {tensor.dtype} {tuple(tensor.shape)} "
+                                 f"({tensor.layout}) on {tensor.device}")
         self.tensors = tuple(t for t, _ in expected.values() if t is not None)
         self.pointers = tuple(t.data_ptr() for t in self.tensors)
+        # The memory the C code reads stays allocated while planned: a parameter whose storage is replaced
+        # (``.data = ...``) keeps its old one alive here, so a new storage can never reuse the planned address and
+        # pass ``current`` with other contents.
+        self.storages = tuple(t.detach() for t in self.tensors)
         self.sizes = (num_query_heads, heads, head_dim, rotary_pairs, hidden_size, conv_size - 1)
         (w1, b1), (w2, b2) = (list(gate) + [(None, None)] * 2)[:2]
         self.parameters = _Parameters(
@@ -876,9 +894,10 @@ class RotaryPlan:
                  conv_state: torch.Tensor | None = None, lengths: torch.Tensor | None = None, *,
                  overwrite_state: bool = False):
         """The rotary module's inference forward for every row, or ``None`` where this plan does not take the call
-        (the caller then runs its torch path): x, q or k not CPU tensors of a dtype it reads (float32, float64,
-        bfloat16; q and k alike) with a contiguous last dim, no tokens, a parameter's storage replaced since planning
-        (``current``), or no compiled library.
+        (the caller then runs its torch path): x, q or k not plain CPU tensors (``readable``) of a dtype it reads
+        (float32, float64, bfloat16; q and k alike) with a contiguous last dim, a state or lengths not plain
+        (``readable``), no tokens, a parameter's storage replaced since planning (``current``), or no compiled
+        library.
 
         Args:
             x: ``(B, T, hidden_size)`` the mixer input (read by Selective RoPE only); q: ``(B, T, Hq, D)``;
@@ -900,10 +919,15 @@ class RotaryPlan:
             themselves where overwritten. Raises ``ValueError`` for shapes or states that do not fit the plan.
         """
         qk_dtype, x_dtype = DTYPE_CODES.get(q.dtype), DTYPE_CODES.get(x.dtype)
-        x_strides, q_strides, k_strides = x.stride(), q.stride(), k.stride()  # (each call costs: a decoding step)
-        if (qk_dtype is None or x_dtype is None or k.dtype != q.dtype or not (x.is_cpu and q.is_cpu and k.is_cpu)
-                or x_strides[-1] != 1 or q_strides[-1] != 1 or k_strides[-1] != 1 or not self.current()):
+        if (qk_dtype is None or x_dtype is None or k.dtype != q.dtype or not (readable(x) and readable(q)
+                                                                               and readable(k))):
             return None
+        x_strides, q_strides, k_strides = x.stride(), q.stride(), k.stride()  # (each call costs: a decoding step)
+        if x_strides[-1] != 1 or q_strides[-1] != 1 or k_strides[-1] != 1 or not self.current():
+            return None
+        for state in (phase, conv_state, lengths):  # values the C code cannot read as they are: the torch path
+            if state is not None and not readable(state):
+                return None
         kernel = load_kernel()
         if kernel is None:
             return None

@@ -47,10 +47,11 @@ typedef int (*kernel_fn)(const void *parameters, const int64_t *call);
 enum { F32 = 0, F64 = 1, BF16 = 2 };
 
 /* Set once by init(): torch's objects and interned names. */
-static PyObject *tensor_type, *float32, *float64, *bfloat16, *int64, *empty, *is_grad_enabled, *is_tracing,
+static PyObject *tensor_type, *float32, *float64, *bfloat16, *int64, *strided, *empty, *is_grad_enabled, *is_tracing,
     *get_num_threads, *hooks_module;
-static PyObject *s_shape, *s_dtype, *s_is_cpu, *s_stride, *s_data_ptr, *s_forward_hooks, *s_forward_pre_hooks,
-    *s_global_forward_hooks, *s_global_forward_pre_hooks, *s_phase, *s_phase_conv, *s_cpu, *empty_kwnames;
+static PyObject *s_shape, *s_dtype, *s_is_cpu, *s_layout, *s_is_neg, *s_stride, *s_data_ptr, *s_forward_hooks,
+    *s_forward_pre_hooks, *s_global_forward_hooks, *s_global_forward_pre_hooks, *s_phase, *s_phase_conv, *s_cpu,
+    *empty_kwnames;
 static long long step_calls, prefill_calls;  /* calls served, single-token and longer (read by tests) */
 
 /* What a call needs of one tensor. */
@@ -89,16 +90,25 @@ static int64_t data_ptr(PyObject *tensor) {
     return pointer;
 }
 
-/* A plain CPU tensor's pointer, shape, strides and dtype: 0, or -1 where it is anything else (a subclass, another
-   device, more than 4 dims, an error). */
+/* A plain CPU tensor's pointer, shape, strides and dtype: 0, or -1 where it is anything else (as
+   rotary_cpu.readable: a subclass, another device, a layout without strides, a lazily negated view, no memory; or
+   more than 4 dims, an error). The callers accept real dtypes only: no conjugation bit. */
 static int meta(PyObject *tensor, Meta *m) {
     if (Py_TYPE(tensor) != (PyTypeObject *)tensor_type) return -1;
     PyObject *is_cpu = PyObject_GetAttr(tensor, s_is_cpu);
     if (!is_cpu) return -1;
     int cpu = is_cpu == Py_True;
     Py_DECREF(is_cpu);
-    PyObject *dtype = PyObject_GetAttr(tensor, s_dtype);
-    if (!cpu || !dtype) { Py_XDECREF(dtype); return -1; }
+    PyObject *layout = cpu ? PyObject_GetAttr(tensor, s_layout) : NULL;
+    if (!layout) return -1;
+    int plain = layout == strided;
+    Py_DECREF(layout);
+    PyObject *is_neg = plain ? PyObject_CallMethodNoArgs(tensor, s_is_neg) : NULL;
+    if (!is_neg) return -1;
+    plain = is_neg == Py_False;
+    Py_DECREF(is_neg);
+    PyObject *dtype = plain ? PyObject_GetAttr(tensor, s_dtype) : NULL;
+    if (!dtype) return -1;
     m->dtype = dtype;
     Py_DECREF(dtype);
     PyObject *shape = PyObject_GetAttr(tensor, s_shape);
@@ -111,7 +121,7 @@ static int meta(PyObject *tensor, Meta *m) {
     Py_XDECREF(stride);
     if (status || count != m->ndim) return -1;
     m->pointer = data_ptr(tensor);
-    return m->pointer == -1 && PyErr_Occurred() ? -1 : 0;
+    return m->pointer == 0 || (m->pointer == -1 && PyErr_Occurred()) ? -1 : 0;  /* 0: no memory (a zero tensor) */
 }
 
 static int has_shape(const Meta *m, int64_t ndim, const int64_t *shape) {
@@ -338,11 +348,11 @@ static PyObject *entry_call(PyObject *self, PyObject *const *args, Py_ssize_t na
     return run(&c, overwrite);
 }
 
-/* init(torch.Tensor, float32, float64, bfloat16, int64, torch.empty, torch.is_grad_enabled, torch._C._is_tracing,
-   torch.get_num_threads, torch.nn.modules.module) */
+/* init(torch.Tensor, float32, float64, bfloat16, int64, torch.strided, torch.empty, torch.is_grad_enabled,
+   torch._C._is_tracing, torch.get_num_threads, torch.nn.modules.module) */
 static PyObject *entry_init(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    PyObject **slots[] = {&tensor_type, &float32, &float64, &bfloat16, &int64, &empty, &is_grad_enabled,
+    PyObject **slots[] = {&tensor_type, &float32, &float64, &bfloat16, &int64, &strided, &empty, &is_grad_enabled,
                           &is_tracing, &get_num_threads, &hooks_module};
     if (nargs != (Py_ssize_t)(sizeof slots / sizeof *slots)) {
         PyErr_SetString(PyExc_TypeError, "init: wrong number of arguments");
@@ -367,11 +377,12 @@ static struct PyModuleDef definition = {PyModuleDef_HEAD_INIT, "_selective_rope_
                                         NULL, NULL};
 
 PyMODINIT_FUNC PyInit__selective_rope_entry(void) {
-    PyObject **names[] = {&s_shape, &s_dtype, &s_is_cpu, &s_stride, &s_data_ptr, &s_forward_hooks,
+    PyObject **names[] = {&s_shape, &s_dtype, &s_is_cpu, &s_layout, &s_is_neg, &s_stride, &s_data_ptr, &s_forward_hooks,
                           &s_forward_pre_hooks, &s_global_forward_hooks, &s_global_forward_pre_hooks, &s_phase,
                           &s_phase_conv, &s_cpu};
-    const char *texts[] = {"shape", "dtype", "is_cpu", "stride", "data_ptr", "_forward_hooks", "_forward_pre_hooks",
-                           "_global_forward_hooks", "_global_forward_pre_hooks", "phase", "phase_conv", "cpu"};
+    const char *texts[] = {"shape", "dtype", "is_cpu", "layout", "is_neg", "stride", "data_ptr", "_forward_hooks",
+                           "_forward_pre_hooks", "_global_forward_hooks", "_global_forward_pre_hooks", "phase",
+                           "phase_conv", "cpu"};
     for (size_t i = 0; i < sizeof names / sizeof *names; i++)
         if (!(*names[i] = PyUnicode_InternFromString(texts[i]))) return NULL;
     if (!(empty_kwnames = Py_BuildValue("(ss)", "dtype", "device"))) return NULL;
@@ -421,9 +432,9 @@ def load_entry():
                     spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
                     module = importlib.util.module_from_spec(spec)
                     spec.loader.exec_module(module)
-                    module.init(torch.Tensor, torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.empty,
-                                torch.is_grad_enabled, torch._C._is_tracing, torch.get_num_threads,
-                                torch.nn.modules.module)
+                    module.init(torch.Tensor, torch.float32, torch.float64, torch.bfloat16, torch.int64,
+                                torch.strided, torch.empty, torch.is_grad_enabled, torch._C._is_tracing,
+                                torch.get_num_threads, torch.nn.modules.module)
                     _entry, _extension = module.call, module
                 except (OSError, RuntimeError, ImportError, AttributeError) as error:
                     warnings.warn(f"Selective RoPE's CPython entry to its compiled CPU kernel is unavailable, so "

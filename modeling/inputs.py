@@ -173,7 +173,8 @@ def packed_offsets(cu_seqlens, position_ids, markers: dict, batch: int, seq_len:
                    past_len: int) -> torch.Tensor | None:
     """One validated ``cu_seqlens`` (int32) from every packing marker given, or None.
 
-    Markers that are given must agree. ``position_ids`` that mark no packing must be the implicit positions.
+    Markers that are given must agree. ``position_ids`` that mark no packing must be the implicit positions, which
+    say one sequence per row: given with another marker, that marker must say so too (``cu_seqlens`` ``[0, T]``).
     """
     candidates = {}
     if cu_seqlens is not None:
@@ -184,13 +185,16 @@ def packed_offsets(cu_seqlens, position_ids, markers: dict, batch: int, seq_len:
         candidates["seq_idx"] = _offsets_from_seq_idx(markers["seq_idx"], seq_len)
     if position_ids is not None:
         offsets = _offsets_from_positions(position_ids, batch, seq_len, mask, past_len)
+        if offsets is None and candidates:  # the implicit positions say one sequence: so must every packing marker
+            offsets = _boundaries(position_ids.new_empty(0), seq_len, position_ids.device)  # [0, T]
         if offsets is not None:
             candidates["position_ids"] = offsets
     if not candidates:
         return None
     (first_name, offsets), *others = candidates.items()
     for name, other in others:
-        if other.shape != offsets.shape or not bool((other.to(offsets.device) == offsets).all()):
+        # Every candidate starts at 0 and ends at T: two of length 2 agree without a look at the values (no sync).
+        if other.shape != offsets.shape or (len(offsets) > 2 and not bool((other.to(offsets.device) == offsets).all())):
             raise ValueError(f"{first_name} {offsets.tolist()} and {name} (as offsets {other.tolist()}) mark "
                              "different packed sequences")
     if batch != 1:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from dataclasses import fields
@@ -207,20 +208,22 @@ def test_the_audits_wrong_types_are_refused(field, value):
         fox.config_class(**{**fox.tiny, field: value})
 
 
-SHARED_RANGES = {"phase_proj_rank": [0], "phase_gate_rank": [0, -2], "phase_conv_size": [-1],
+SHARED_RANGES = {"phase_proj_rank": [0, 2**31], "phase_gate_rank": [0, -2, 10**12], "phase_conv_size": [-1, 2**64],
                  "temperature_theta": [math.nan, math.inf], "temperature_max": [0, -1.0, math.nan],
                  "partial_rotary_factor": [0, 1.5, math.nan], "temperature_seed": [2**64, -(2**63) - 1]}
 FAMILY_RANGES = {
-    "gla": {"vocab_size": [0], "hidden_size": [0], "num_hidden_layers": [0, -1], "num_heads": [0], "num_kv_heads": [0],
-            "expand_k": [0, -0.5], "expand_v": [0], "conv_size": [0], "gate_logit_normalizer": [0],
-            "gate_low_rank_dim": [0], "clamp_min": [1.0, math.nan], "hidden_ratio": [0], "intermediate_size": [0],
-            "norm_eps": [0, -1, math.nan], "initializer_range": [-0.1, math.inf]},
-    "gated_deltanet": {"vocab_size": [0], "hidden_size": [-3], "num_hidden_layers": [0], "num_heads": [0],
-                       "num_v_heads": [0], "head_dim": [0], "expand_v": [0], "conv_size": [0], "hidden_ratio": [0],
-                       "intermediate_size": [0], "norm_eps": [-1e-6], "initializer_range": [-1.0]},
-    "fox": {"vocab_size": [0], "hidden_size": [0], "intermediate_size": [0], "num_hidden_layers": [-1],
-            "num_attention_heads": [0], "num_key_value_heads": [0], "head_dim": [0], "rms_norm_eps": [0, math.inf],
-            "initializer_range": [math.nan]},
+    "gla": {"vocab_size": [0, 2**64], "hidden_size": [0, 10**12], "num_hidden_layers": [0, -1, 10**12],
+            "num_heads": [0, 2**31], "num_kv_heads": [0], "expand_k": [0, -0.5, 1e30], "expand_v": [0, 2.0**31],
+            "conv_size": [0, 10**12], "gate_logit_normalizer": [0], "gate_low_rank_dim": [0, 2**64],
+            "clamp_min": [1.0, math.nan], "hidden_ratio": [0, 10**12], "intermediate_size": [0, 2**64],
+            "norm_eps": [0, -1, math.nan], "initializer_range": [-0.1, math.inf, 1e12]},
+    "gated_deltanet": {"vocab_size": [0, 10**12], "hidden_size": [-3, 2**64], "num_hidden_layers": [0, 2**16 + 1],
+                       "num_heads": [0, 2**40], "num_v_heads": [0, 2**40], "head_dim": [0, 10**12],
+                       "expand_v": [0, 1e30], "conv_size": [0], "hidden_ratio": [0], "intermediate_size": [0, 10**12],
+                       "norm_eps": [-1e-6], "initializer_range": [-1.0, 1.5]},
+    "fox": {"vocab_size": [0, 10**30], "hidden_size": [0, 2**64], "intermediate_size": [0, 10**12],
+            "num_hidden_layers": [-1, 10**12], "num_attention_heads": [0, 2**64], "num_key_value_heads": [0, 2**31],
+            "head_dim": [0, 10**12], "rms_norm_eps": [0, math.inf], "initializer_range": [math.nan, 1e12]},
 }
 
 
@@ -230,8 +233,45 @@ def test_every_range_checked_field_refuses_out_of_range_values(family):
     assert set(table) == validated, "every field with a range validator has out-of-range values here"
     for name, values in table.items():
         for value in values:
-            with pytest.raises(ValueError, match=f"`{name}`={value!r} is invalid: must be"):
+            with pytest.raises(ValueError, match=re.escape(f"`{name}`={value!r} is invalid: must be")):
                 family.config_class(**{**family.tiny, name: value})
+
+
+def test_a_model_too_large_to_allocate_is_refused_before_anything_is_allocated(family):
+    """Every size within its own bound, the whole beyond any model: refused by the config's size estimate with one
+    line naming the sizes, at construction (not after minutes of building or deep in the allocator)."""
+    for sizes in (dict(vocab_size=2**31 - 1, hidden_size=2**20), dict(num_hidden_layers=2**16, hidden_size=2**20)):
+        expected = r"`hidden_size`=1048576 is invalid: .* at most 4.4e\+12 \(2\*\*42\)"
+        with pytest.raises(ValueError, match=expected) as error:
+            family.config_class(**{**family.tiny, **sizes})
+        assert "\n" not in str(error.value)
+
+
+def test_the_size_estimate_is_a_lower_bound_of_the_parameters(family):
+    """The estimate counts only what every model of the family has: never more than the model built."""
+    for options in ({}, {"tie_word_embeddings": True}, *family.variants.values()):
+        config = family.config_class(**{**family.tiny, **options})
+        model = family.lm_class(config)
+        actual = sum(p.numel() for p in model.parameters())
+        assert 0.5 * actual <= config.estimated_parameters() <= actual, options
+
+
+@pytest.mark.parametrize("field, value", [("pad_token_id", -1), ("bos_token_id", 61), ("eos_token_id", 10**12),
+                                          ("eos_token_id", [2, 61]), ("pad_token_id", -(2**64))])
+def test_token_ids_outside_the_vocabulary_are_refused(family, field, value, tmp_path):
+    """``pad_token_id=-1`` would make the last embedding row the (never trained) padding row; an id >= vocab_size used
+    to fail only when the model was built. Both refused at construction, and from a saved config.json too."""
+    assert family.tiny["vocab_size"] == 61
+    with pytest.raises(ValueError, match=re.escape(f"`{field}`={value!r} is invalid: must be None or a token id in "
+                                                   "[0, 61) (vocab_size).")):
+        family.config_class(**{**family.tiny, field: value})
+    family.config_class(**{**family.tiny, field: None}).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**saved, field: value}))
+    with pytest.raises(ValueError, match=f"`{field}`="):
+        AutoConfig.from_pretrained(tmp_path)
+    edge = family.config_class(**{**family.tiny, "pad_token_id": 60, "eos_token_id": [0, 60]})
+    assert family.lm_class(edge).model.embeddings.padding_idx == 60
 
 
 def test_config_errors_are_value_errors_and_strict_dataclass_errors(family):

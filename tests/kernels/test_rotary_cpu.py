@@ -550,6 +550,96 @@ def test_plan_rejects_inputs_that_do_not_fit():
     torch.testing.assert_close(k_out.double(), rotate_exactly(k, ones[:, :, :2], temperature), rtol=0, atol=1e-6)
 
 
+
+class Marked(torch.Tensor):
+    """A tensor subclass that adds nothing: still not the plain tensor the C code may read (a subclass may keep its
+    values anywhere)."""
+
+
+def _unreadable(tensor, form):
+    """``(tensor as the C code must not read it, the same values as a plain tensor)``."""
+    if form == "negated":  # a lazy negation: the memory holds -values
+        return torch._neg_view(tensor.neg()), tensor
+    if form == "zero":  # an efficient zero tensor: no memory at all (data_ptr 0)
+        return torch._efficientzerotensor(tensor.shape, dtype=tensor.dtype), torch.zeros_like(tensor)
+    return tensor.as_subclass(Marked), tensor
+
+
+@pytest.mark.parametrize("form", ["negated", "zero", "subclass"])
+@pytest.mark.parametrize("where", ["x", "q", "k", "phase", "phase_conv", "lengths"])
+@torch.no_grad()
+def test_tensors_the_c_step_cannot_read_take_the_torch_step(where, form, monkeypatch, compiled_steps):
+    """x, q, k, the cached phase and history and the lengths: a lazily negated view, a tensor without memory (an
+    efficient zero tensor) or a subclass is never handed to the C code (before, the first two were read as the wrong
+    values or at address 0, a segmentation fault): the step runs PyTorch and gives what the same values as plain
+    tensors give."""
+    if form == "zero" and where == "lengths":
+        pytest.skip("torch has no integer zero tensors")
+    module = make_rotary(4, 2, dtype=torch.float32, phase_conv_type="learned")
+    state, (x, q, k) = step_inputs(module)
+    lengths = torch.tensor([1, 0])
+    inputs = dict(x=x, q=q, k=k, lengths=lengths, **state)
+    odd, plain = _unreadable(inputs[where], form)
+    given, expected_inputs = {**inputs, where: odd}, {**inputs, where: plain}
+
+    def call(values, backend=None):
+        return module(values["x"], values["q"], values["k"], lengths=values["lengths"], backend=backend,
+                      state={"phase": values["phase"], "phase_conv": values["phase_conv"]})
+
+    got = call(given)
+    assert compiled_steps.count == 0
+    assert_same_step(got, call(expected_inputs, backend="torch"))
+
+
+@pytest.mark.parametrize("form", ["negated", "zero", "subclass", "sparse", "meta", "transposed"])
+def test_plan_refuses_parameters_the_c_code_cannot_read(form):
+    """Every parameter is checked when planned, structurally: a tensor of the right dtype and shape that is a
+    subclass, a lazily negated view, without memory, not strided, not on the CPU or not contiguous is refused
+    (the module then runs PyTorch)."""
+    temperature, bias = torch.rand(4), torch.rand(2, 4)
+    odd = {"negated": lambda: torch._neg_view(bias), "zero": lambda: torch._efficientzerotensor(2, 4),
+           "subclass": lambda: bias.as_subclass(Marked), "sparse": lambda: bias.to_sparse(),
+           "meta": lambda: bias.to("meta"), "transposed": lambda: torch.rand(4, 2).t()}[form]()
+    assert odd.shape == bias.shape and odd.dtype == bias.dtype
+    rotary_cpu.RotaryPlan(4, 2, 8, 16, temperature, bias=bias)  # the plain one is planned
+    with pytest.raises(ValueError, match="bias: expected a plain contiguous CPU"):
+        rotary_cpu.RotaryPlan(4, 2, 8, 16, temperature, bias=odd)
+    with pytest.raises(ValueError, match="temperature: expected a plain contiguous CPU"):
+        rotary_cpu.RotaryPlan(4, 2, 8, 16, odd[0])
+
+
+@torch.no_grad()
+def test_a_torchao_quantized_phase_gate_takes_the_torch_step(monkeypatch, compiled_steps):
+    """torchao's int8 weight-only quantization turns the phase gate (a ``Linear``) into an ``Int8Tensor``: float32
+    and the gate's shape to anyone who asks, int8 data elsewhere, ``data_ptr()`` 0. Planned as a plain weight, the C
+    code read address 0 (a segmentation fault, issue 41). The plan refuses it; the step runs PyTorch and equals the
+    torch step of the same module with the dequantized weight."""
+    torchao = pytest.importorskip("torchao.quantization")
+    module = make_rotary(4, 2, dtype=torch.float32)
+    state, step = step_inputs(module)  # (the prefill planned and ran the C code: the gate was plain then)
+    served = compiled_steps.count, compiled_steps.prefills
+    reference = copy.deepcopy(module)
+    torchao.quantize_(module, torchao.Int8WeightOnlyConfig())
+    weight = module.phase_gate_proj.weight
+    assert type(weight) is not torch.nn.Parameter and weight.dtype == torch.float32 and weight.data_ptr() == 0
+    with pytest.raises(ValueError, match="gate: expected a plain contiguous CPU"):
+        rotary_cpu.RotaryPlan(4, 2, 8, HIDDEN, module.temperature, projection=("low_rank", module.phase_proj.down,
+                              module.phase_proj.up), conv=("learned", module.phase_conv.weight, None),
+                              gate=((weight, module.phase_gate_proj.bias),))
+    reference.phase_gate_proj.weight.copy_(weight.dequantize())
+    for lengths in (None, torch.tensor([1, 0])):
+        got = module(*step, state=state, lengths=lengths)
+        assert_same_step(got, reference(*step, state=state, lengths=lengths, backend="torch"))
+    # A prefill: torchao computes its int8 product in its own order and precision (not the float64 of PhaseLinear's),
+    # which over 40 tokens of phase moves q and k by ~4e-5
+    prefill = tuple(torch.randn(2, 40, *shape) for shape in ((HIDDEN,), (4, 8), (2, 8)))
+    q, k, new_state = module(*prefill)
+    q_ref, k_ref, state_ref = reference(*prefill, backend="torch")
+    torch.testing.assert_close((q, k), (q_ref, k_ref), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(new_state, state_ref, rtol=1e-5, atol=1e-6)
+    assert (compiled_steps.count, compiled_steps.prefills) == served
+
+
 # The build cache: nothing it did not create is ever removed, and no half-written library is ever loaded.
 
 def test_build_reuses_the_library_and_leaves_other_files_alone(tmp_path):

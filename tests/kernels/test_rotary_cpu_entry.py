@@ -161,6 +161,14 @@ def perturbations():
         x, q, k = step
         return state, (x, q.as_subclass(Marked), k), lengths
 
+    def negated_query(module, state, step, lengths):  # a lazy negation: the memory holds -q
+        x, q, k = step
+        return state, (x, torch._neg_view(q.neg()), k), lengths
+
+    def zero_key(module, state, step, lengths):  # an efficient zero tensor: no memory at all (data_ptr 0)
+        x, q, k = step
+        return state, (x, q, torch._efficientzerotensor(k.shape)), lengths
+
     def storage_replaced(module, state, step, lengths):
         module.phase_proj.down.data = module.phase_proj.down.data.clone() * 2
         return state, step, lengths
@@ -188,8 +196,8 @@ def perturbations():
         return state, step, lengths, lambda: torch.device("meta")
 
     return [grad, phase_float32, phase_strided, history_strided, lengths_int32, lengths_wrong, half_inputs,
-            strided_query, wrong_width, no_tokens, ordered_state, subclass_query, storage_replaced, parameter_replaced,
-            bias_added, phase_hook, method_patched, global_hook, default_device]
+            strided_query, wrong_width, no_tokens, ordered_state, subclass_query, negated_query, zero_key,
+            storage_replaced, parameter_replaced, bias_added, phase_hook, method_patched, global_hook, default_device]
 
 
 TAKEN = {"phase_strided", "default_device"}  # cases the entry serves (as the Python path: any phase strides)

@@ -133,6 +133,26 @@ def test_packing_markers_must_agree(family):
         model(batch["input_ids"], cu_seqlens=torch.tensor([0, 3, 7]), attention_mask=torch.ones(1, 7))  # no padding
 
 
+def test_packing_markers_must_agree_with_position_ids_that_say_one_sequence(family):
+    """``position_ids`` ``arange(T)`` say one sequence; ``cu_seqlens`` (or transformers' markers) saying several
+    contradict them, and used to be accepted silently (the packing won). Refused; an agreeing pair still runs."""
+    model = build(family)
+    ids, one = tokens(1, 7), torch.arange(7)[None]
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="mark different packed sequences") as error:
+            model(ids, cu_seqlens=torch.tensor([0, 3, 7]), position_ids=one)
+        one_line_error(error, "cu_seqlens [0, 3, 7] and position_ids (as offsets [0, 7])")
+        with pytest.raises(ValueError, match="mark different packed sequences"):
+            model(ids, seq_idx=torch.tensor([[0, 0, 0, 1, 1, 1, 1]]), position_ids=one)
+        with pytest.raises(ValueError, match="mark different packed sequences"):
+            model(ids, cu_seq_lens_q=torch.tensor([0, 3, 7]), cu_seq_lens_k=torch.tensor([0, 3, 7]), position_ids=one)
+        torch.testing.assert_close(model(ids, cu_seqlens=torch.tensor([0, 7]), position_ids=one).logits,
+                                   model(ids).logits, rtol=0, atol=0)
+        packed = model(ids, cu_seqlens=torch.tensor([0, 3, 7]), position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]]))
+        torch.testing.assert_close(packed.logits, model(ids, cu_seqlens=torch.tensor([0, 3, 7])).logits, rtol=0,
+                                   atol=0)
+
+
 def test_position_ids_that_are_the_implicit_positions_are_accepted(family):
     model = build(family)
     ids = tokens(2, 8)
