@@ -160,13 +160,21 @@ class ForgettingAttention(nn.Module):
 
         Which key slots are real (``valid`` in the cache) is kept only from the first call with padding on: until
         then every slot is real, which needs no tensor and no check (a check is a device sync on a GPU, in every
-        layer of every decoding step)."""
+        layer of every decoding step). A static cache keeps ``valid`` from the prefill on: it also marks the slots
+        not written yet."""
         batch, seq_len = q.shape[:2]
         cached = state.get("key")  # (B, T_seen, Hk, D) or None
         # The key timeline: cached slots followed by this call's tokens.
         k, v = state.extend("key", k), state.extend("value", v)
         if log_fgate is not None:
             log_fgate = state.extend("log_fgate", log_fgate)
+        if state.fixed_length:  # a static cache: max-length buffers, their unwritten slots marked invalid
+            query_valid = torch.ones(batch, seq_len, dtype=torch.bool, device=q.device) if valid is None else valid
+            key_valid = state.extend("valid", query_valid)
+            if cached is None and valid is None:  # the prefill, without padding: as with the dynamic cache
+                return forgetting_attention(q, k, v, log_fgate, backend=backend)
+            return forgetting_attention(q, k, v, log_fgate, key_valid=key_valid, query_valid=query_valid,
+                                        backend=backend)
         if valid is None and "valid" not in state:
             return forgetting_attention(q, k, v, log_fgate, backend=backend)
         if valid is None:
