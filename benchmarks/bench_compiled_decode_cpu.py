@@ -129,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"  batch {batch}: eager {row['eager_ms_per_token']:.2f} ms/token, compiled "
                     f"{row['compiled_ms_per_token']:.2f} ms/token (compile {row['compile_s']:.0f} s)")
                 rows.append(row)
-        results.update(rows=rows, contention={"quiet": quiet.summary()}, total_wall_s=time.perf_counter() - start)
+                # after every row: a run stopped by a time limit keeps what it measured
+                write_results(args.output, {**results, "rows": rows, "complete": False})
+        results.update(rows=rows, complete=True, contention={"quiet": quiet.summary()}, total_wall_s=time.perf_counter() - start)
         print_table(rows)
         write_results(args.output, results)
     finally:

@@ -327,4 +327,11 @@ class SelectiveRopeStaticCache(SelectiveRopeCache):
         Cache.__init__(self, layers=[SelectiveRopeStaticCacheLayer(max_cache_len, max_batch_size)
                                      for _ in range(config.num_hidden_layers)])
         self.model_type = config.model_type
-        self.max_cache_len, self.max_batch_size = max_cache_len, max_batch_size
+
+    @property
+    def max_cache_len(self) -> int:
+        return self.layers[0].max_cache_len
+
+    @property
+    def max_batch_size(self) -> int | None:
+        return self.layers[0].max_batch_size

@@ -185,3 +185,17 @@ def test_reset_keeps_the_tensors_and_starts_a_new_sequence(family):
     again = model(ids, cache=cache).logits
     torch.testing.assert_close(again, first, atol=2e-5, rtol=1e-5)
     assert all(tensor is tensors[key] for key, tensor in _states(cache).items())
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_generate_with_an_inductor_compiled_step_gives_the_eager_tokens(family):
+    """The same with inductor's code generation (many minutes per family on a loaded 2-core CPU):
+    ``python -m pytest tests/modeling/test_static_cache.py -m slow``."""
+    model = _model(family)
+    ids, mask = _padded_prompt()
+    options = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+    config = CompileConfig(fullgraph=True, mode="default")
+    config._compile_all_devices = True
+    compiled = model.generate(ids, cache_implementation="static", compile_config=config, **options)
+    assert torch.equal(compiled, model.generate(ids, **options))
