@@ -4,7 +4,8 @@ For each family (GLA, Gated DeltaNet, FoX; Selective RoPE, fp32) and batch size 
 tokens is prefilled eagerly into each cache, then greedy one-token steps run in interleaved rounds, the eager model
 with its ``SelectiveRopeCache`` and the ``torch.compile``'d step (inductor, ``fullgraph=True``) with its
 ``SelectiveRopeStaticCache`` taking turns, so both see the same machine load. Only the step is compiled (the prefill
-stays eager, as in ``generate``); the compile time is the first compiled step's wall time. ms/token is the wall time
+stays eager, as in ``generate``); the compile time is the first compiled step's wall time, with inductor's caches
+off (a warm cache would serve a rerun's kernels in seconds). ms/token is the wall time
 of one step (one token for every row of the batch), median over the measured steps.
 
 Compiling is slow on a small loaded CPU (inductor builds C++ for every graph: minutes per family and batch size);
@@ -41,7 +42,7 @@ SEED = 0
 CONFIGS = {  # per family: the full run's model (2 layers, hidden 256) and the quick run's
     "gla": {"num_heads": 4, "use_short_conv": True},
     "gated_deltanet": {"num_heads": 4, "head_dim": 64, "expand_v": 1.0, "use_short_conv": True},
-    "fox": {"num_attention_heads": 4, "num_key_value_heads": 4},
+    "fox": {"num_attention_heads": 4, "num_key_value_heads": 4},  # + an MLP 4x as wide, as GLA's and GDN's
 }
 PLANS = {
     "quick": {"hidden_size": 32, "num_hidden_layers": 1, "vocab_size": 64, "context": 8, "batches": [1, 2],
@@ -54,8 +55,9 @@ PLANS = {
 def build(family: str, plan: dict) -> torch.nn.Module:
     spec = REGISTRY[family]
     torch.manual_seed(SEED)
+    mlp = {"intermediate_size": 4 * plan["hidden_size"]} if family == "fox" else {}  # (its default is Llama's 11008)
     config = spec.config_class(hidden_size=plan["hidden_size"], num_hidden_layers=plan["num_hidden_layers"],
-                               vocab_size=plan["vocab_size"], **CONFIGS[family])
+                               vocab_size=plan["vocab_size"], **CONFIGS[family], **mlp)
     return spec.lm_class(config).eval()
 
 
@@ -84,6 +86,7 @@ def compare(model, batch: int, plan: dict, backend: str) -> dict:
     start = time.perf_counter()
     run("compiled")
     compile_s = time.perf_counter() - start
+    run("eager")  # (both decoders then stay at the same token)
     times = {"eager": [], "compiled": []}
     for _ in range(plan["warmup"]):
         run("eager")
@@ -91,7 +94,7 @@ def compare(model, batch: int, plan: dict, backend: str) -> dict:
     for _ in range(plan["rounds"]):
         for name in ("eager", "compiled"):
             times[name] += [run(name) for _ in range(plan["steps_per_round"])]
-    same = torch.equal(tokens["eager"], tokens["compiled"])  # greedy tokens of the last step agree
+    same = torch.equal(tokens["eager"], tokens["compiled"])  # the last greedy tokens (of a random model: near-ties)
     return {"batch": batch, "compile_s": compile_s, "same_last_tokens": same,
             **{f"{name}_ms_per_token": 1e3 * statistics.median(values) for name, values in times.items()},
             "speedup": statistics.median(times["eager"]) / statistics.median(times["compiled"])}
@@ -108,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager", "eager"],
                         help="torch.compile backend of the step (default inductor)")
     args = parser.parse_args(argv)
+    # Compile times from scratch: inductor's on-disk caches would serve a rerun's kernels in seconds.
+    torch._inductor.config.force_disable_caches = True
 
     threads_before = torch.get_num_threads()
     try:

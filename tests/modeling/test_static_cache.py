@@ -13,6 +13,7 @@ cache after every step, and the logits of eager decoding with the dynamic cache.
 from __future__ import annotations
 
 import copy
+import importlib.util
 
 import pytest
 import torch
@@ -25,8 +26,8 @@ from families import FAMILIES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
-    pytest.importorskip("importlib").util.find_spec("triton") is None, reason="triton is not installed"))]
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                                                   reason="triton is not installed"))]
 HOST_READS = {"item", "tolist", "nonzero", "_local_scalar_dense"}
 
 
