@@ -5,7 +5,7 @@ tokens is prefilled eagerly into each cache, then greedy one-token steps run in 
 with its ``SelectiveRopeCache`` and the ``torch.compile``'d step (inductor, ``fullgraph=True``) with its
 ``SelectiveRopeStaticCache`` taking turns, so both see the same machine load. Only the step is compiled (the prefill
 stays eager, as in ``generate``); the compile time is the first compiled step's wall time, with inductor's caches
-off (a warm cache would serve a rerun's kernels in seconds). ms/token is the wall time
+off and its kernels built in a fresh folder (a warm cache would serve a rerun's kernels in seconds). ms/token is the wall time
 of one step (one token for every row of the batch), median over the measured steps.
 
 Compiling is slow on a small loaded CPU (inductor builds C++ for every graph: minutes per family and batch size);
@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -111,8 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager", "eager"],
                         help="torch.compile backend of the step (default inductor)")
     args = parser.parse_args(argv)
-    # Compile times from scratch: inductor's on-disk caches would serve a rerun's kernels in seconds.
+    # Compile times from scratch: inductor's caches would serve a rerun's graphs and kernels in seconds. Its kernel
+    # libraries go to a folder of this run's own, removed at the end (the first row also builds the precompiled
+    # header there).
     torch._inductor.config.force_disable_caches = True
+    scratch = tempfile.mkdtemp(prefix="bench-compiled-decode-inductor-")
+    previous_cache_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = scratch
 
     threads_before = torch.get_num_threads()
     try:
@@ -136,11 +143,17 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 # after every row: a run stopped by a time limit keeps what it measured
                 write_results(args.output, {**results, "rows": rows, "complete": False})
-        results.update(rows=rows, complete=True, contention={"quiet": quiet.summary()}, total_wall_s=time.perf_counter() - start)
+        results.update(rows=rows, complete=True, contention={"quiet": quiet.summary()},
+                       total_wall_s=time.perf_counter() - start)
         print_table(rows)
         write_results(args.output, results)
     finally:
         torch.set_num_threads(threads_before)
+        if previous_cache_dir is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous_cache_dir
+        shutil.rmtree(scratch, ignore_errors=True)  # the folder made above, and only it
     return 0
 
 

@@ -29,7 +29,8 @@ How it is computed:
   - otherwise (holes in the key timeline, other devices): each block is one ``scaled_dot_product_attention`` call
     with a float mask holding bias and masking. PyTorch's CPU flash kernel then tiles the keys itself and reads
     grouped key/value heads directly (``enable_gqa``); on other devices SDPA picks a fused kernel.
-  Eager calls run these functions directly; the custom op (below) is what torch.compile sees.
+  Eager calls run these functions directly; the custom op (below) is what torch.compile sees, but for one query,
+  whose few plain ops (no blocks) it traces and fuses.
 * Autograd: a FlashAttention-style blockwise forward and backward in plain torch ops
   (`_blockwise_forward`, `_blockwise_backward`). The forward saves only its inputs and output; the
   backward recomputes each block's probabilities. Key and value heads are used grouped,
@@ -173,6 +174,8 @@ def forgetting_attention(
     needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, cum))
     if needs_grad:
         o = _blockwise_forward_op(q, k, v, cum, key_valid, scale, block_size)  # (B, Hq, Tq, Dv) float32
+    elif torch.compiler.is_compiling() and Tq == 1:  # a decoding step: a few plain ops the compiler can fuse
+        o = _attention_single_query(q, k, v, cum, key_valid, scale)
     elif torch.compiler.is_compiling():
         o = _attention_inference_op(q, k, v, cum, key_valid, scale, block_size)
     else:  # eager: the same function without the custom op's dispatch (~75 us a call, per layer and token)

@@ -219,7 +219,10 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
         check_cache(cache, len(self.layers), self.config.model_type)
         static = cache is not None and cache.is_compileable  # a static cache (compiled decoding)
         # A compiled step does not read the static cache's length: it is a device counter (a host read would sync).
-        past_len = None if static and torch.compiler.is_compiling() else cache.get_seq_length() if cache else 0
+        if static and torch.compiler.is_compiling():
+            past_len = None
+        else:
+            past_len = cache.get_seq_length() if cache is not None else 0
         mask = padding_mask(attention_mask, batch, seq_len, past_len)
         cu_seqlens = packed_offsets(cu_seqlens, position_ids, markers, batch, seq_len, mask, past_len)
         if use_cache and cache is None:
