@@ -9,7 +9,7 @@ deployed model without touching its config), else from the config's ``backend`` 
 
 - ``"auto"`` (default): on CUDA, our Triton Selective RoPE kernels and fla's mixer kernels; elsewhere PyTorch, with
   the rotary module's inference calls compiled on the CPU (``rotary_cpu``; resolved as ``"torch+c"``, unless
-  ``SELECTIVE_ROPE_CPU_KERNEL=0``).
+  ``SELECTIVE_ROPE_CPU_KERNEL=0``, or under ``torch.compile``, which cannot trace the C call: ``"torch"`` there).
 - ``"torch"``: PyTorch everywhere (the reference; the rotary module too).
 - ``"triton"``: as ``auto`` on CUDA. On CPU, our Triton rotary kernels run only under ``TRITON_INTERPRET=1`` (how the
   tests compare the Triton path with the torch one on a machine without GPU); the mixers stay PyTorch: fla is only
@@ -86,7 +86,9 @@ def resolve_backend(config_value: str | None, device: torch.device | str) -> str
             return "triton"
         warn_once(f"selective-rope: backend 'triton' was requested for tensors on {device_type}, where the Triton "
                   "kernels only run under TRITON_INTERPRET=1 (with triton installed); using PyTorch")
-    return "torch+c" if device_type == "cpu" and cpu_kernel_enabled() else "torch"
+    # Under torch.compile, PyTorch: the C kernel is called through ctypes / a CPython entry, which a tracer cannot see.
+    compiled_kernel = device_type == "cpu" and cpu_kernel_enabled() and not torch.compiler.is_compiling()
+    return "torch+c" if compiled_kernel else "torch"
 
 
 # Imports tried once per process: {"triton": module or None, "fla": namespace or None}. A plain dict rather than

@@ -12,13 +12,17 @@ from .forgetting_attention_torch import forgetting_attention_with_weights
 FLA_MAX_ATTENTION_HEAD_DIM = 256  # fla's parallel attention holds a whole key head in one block
 
 
-def forgetting_attention(q, k, v, log_fgate=None, key_valid=None, *, cu_seqlens=None, backend: str = "torch"):
+def forgetting_attention(q, k, v, log_fgate=None, key_valid=None, *, query_valid=None, cu_seqlens=None,
+                         backend: str = "torch"):
     """``forgetting_attention_torch.forgetting_attention`` (default scale ``D^-0.5``) on the resolved ``backend``.
 
     fla's ``parallel_forgetting_attn`` serves a whole-sequence call (``Tq == Tk``, no cache) whose padding, if any, is
     only at the end of each row: pads then come after every real token, so no real query sees them. The outputs at
     pad positions are zero on both paths. Decoding and prefill continuing a cache (keys before the queries, possibly
     with holes from left padding) use the torch op, which on CUDA runs PyTorch's fused SDPA kernels.
+
+    ``query_valid``: which queries are real (see the torch op; a static cache's decoding step gives it, with keys
+    past the query's slot).
 
     ``cu_seqlens``: ``B = 1`` packed sequences, each attending to itself only; fla only, whole sequences (no cached
     keys, no ``key_valid``) with head size at most ``FLA_MAX_ATTENTION_HEAD_DIM``.
@@ -33,12 +37,13 @@ def forgetting_attention(q, k, v, log_fgate=None, key_valid=None, *, cu_seqlens=
         refuse_packing(cu_seqlens, "forgetting_attention")
     if (fla is None or q.shape[1] != k.shape[1] or q.shape[-1] > FLA_MAX_ATTENTION_HEAD_DIM
             or (key_valid is not None and not _is_right_padded(key_valid))):
-        return forgetting_attention_torch(q, k, v, log_fgate, key_valid=key_valid)
+        return forgetting_attention_torch(q, k, v, log_fgate, key_valid=key_valid, query_valid=query_valid)
     g = None if log_fgate is None else log_fgate.float().contiguous()
     o = fla.parallel_forgetting_attn(q.contiguous(), k.contiguous(), v.contiguous(), g, scale=q.shape[-1] ** -0.5,
                                      cu_seqlens=cu_seqlens)
-    if key_valid is not None:
-        o = o * key_valid[:, :, None, None].to(o.dtype)
+    query_valid = key_valid if query_valid is None else query_valid  # (Tq == Tk here)
+    if query_valid is not None:
+        o = o * query_valid[:, :, None, None].to(o.dtype)
     return o.to(q.dtype)
 
 

@@ -29,7 +29,8 @@ How it is computed:
   - otherwise (holes in the key timeline, other devices): each block is one ``scaled_dot_product_attention`` call
     with a float mask holding bias and masking. PyTorch's CPU flash kernel then tiles the keys itself and reads
     grouped key/value heads directly (``enable_gqa``); on other devices SDPA picks a fused kernel.
-  Eager calls run these functions directly; the custom op (below) is what torch.compile sees.
+  Eager calls run these functions directly; the custom op (below) is what torch.compile sees, but for one query,
+  whose few plain ops (no blocks) it traces and fuses.
 * Autograd: a FlashAttention-style blockwise forward and backward in plain torch ops
   (`_blockwise_forward`, `_blockwise_backward`). The forward saves only its inputs and output; the
   backward recomputes each block's probabilities. Key and value heads are used grouped,
@@ -115,6 +116,7 @@ def forgetting_attention(
     scale: float | None = None,
     key_valid: torch.Tensor | None = None,
     block_size: int | None = None,
+    query_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal softmax attention with a forget gate (FoX), blockwise and memory-bounded.
 
@@ -129,13 +131,17 @@ def forgetting_attention(
         key_valid: (B, Tk) bool, False marks padding slots of the key timeline (anywhere). Invalid
             keys are never attended and their log forget gate counts as 0. A query at a padding slot
             (the queries are the last Tq slots) gets a zero output, whatever keys it could see.
+        query_valid: (B, Tq) bool, which queries are real tokens (zero output elsewhere); by default the last Tq
+            columns of ``key_valid``. Given with a single query (Tq = 1), the key timeline may go on past the
+            query's slot, as a static cache's fixed-length buffer does, provided ``key_valid`` marks those slots
+            invalid: they are then never attended and forget nothing.
         block_size: query rows per block; by default as many as keep one block's (B, Hq, rows, Tk)
             float32 tile within ``BLOCK_ELEMENTS`` (at least ``MIN_BLOCK_SIZE``).
 
     Returns:
         o: (B, Tq, Hq, Dv) in q.dtype, contiguous. Differentiable (first order) in q, k, v and log_fgate.
     """
-    _check_shapes(q, k, v, log_fgate, key_valid, block_size)
+    _check_shapes(q, k, v, log_fgate, key_valid, block_size, query_valid)
     B, Tq, Hq, D = q.shape
     Tk, Dv = k.shape[1], v.shape[-1]
     scale = D**-0.5 if scale is None else scale
@@ -168,13 +174,16 @@ def forgetting_attention(
     needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, cum))
     if needs_grad:
         o = _blockwise_forward_op(q, k, v, cum, key_valid, scale, block_size)  # (B, Hq, Tq, Dv) float32
+    elif torch.compiler.is_compiling() and Tq == 1:  # a decoding step: a few plain ops the compiler can fuse
+        o = _attention_single_query(q, k, v, cum, key_valid, scale)
     elif torch.compiler.is_compiling():
         o = _attention_inference_op(q, k, v, cum, key_valid, scale, block_size)
     else:  # eager: the same function without the custom op's dispatch (~75 us a call, per layer and token)
         o = _attention_inference(q, k, v, cum, key_valid, scale, block_size)
 
-    if key_valid is not None:  # queries at padding slots output zeros, as on the fla path (see `key_valid`)
+    if query_valid is None and key_valid is not None:  # the queries are the last Tq slots
         query_valid = key_valid[:, Tk - Tq :]  # (B, Tq)
+    if query_valid is not None:  # queries at padding slots output zeros, as on the fla path (see `key_valid`)
         o = o.masked_fill(~query_valid[:, None, :, None], 0.0)
     o = o.transpose(1, 2)  # (B, Tq, Hq, Dv), contiguous as fla returns it
     return (o if out_dtype == torch.float32 else o.to(out_dtype)).contiguous()
@@ -234,7 +243,7 @@ def forgetting_attention_with_weights(
     return o.to(out_dtype).contiguous(), returned
 
 
-def _check_shapes(q, k, v, log_fgate, key_valid, block_size) -> None:
+def _check_shapes(q, k, v, log_fgate, key_valid, block_size, query_valid=None) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         shapes = ", ".join(str(tuple(x.shape)) for x in (q, k, v))
         raise ValueError(f"q, k, v must be (B, T, H, D), got {shapes}")
@@ -251,6 +260,9 @@ def _check_shapes(q, k, v, log_fgate, key_valid, block_size) -> None:
     if key_valid is not None and (key_valid.shape != (B, Tk) or key_valid.dtype != torch.bool):
         raise ValueError(f"key_valid must be a bool (B, Tk) = {(B, Tk)} tensor, got {key_valid.dtype} "
                          f"{tuple(key_valid.shape)}")
+    if query_valid is not None and (query_valid.shape != (B, Tq) or query_valid.dtype != torch.bool):
+        raise ValueError(f"query_valid must be a bool (B, Tq) = {(B, Tq)} tensor, got {query_valid.dtype} "
+                         f"{tuple(query_valid.shape)}")
     if block_size is not None and block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")
 

@@ -1,5 +1,5 @@
 from .base import SelectiveRopeDecoderBlock, SelectiveRopeForCausalLMBase, SelectiveRopeModelBase
-from .cache import SelectiveRopeCache, SelectiveRopeCacheLayer
+from .cache import SelectiveRopeCache, SelectiveRopeCacheLayer, SelectiveRopeStaticCache, SelectiveRopeStaticCacheLayer
 from .fox import ForgettingAttention, SelectiveRopeFoXForCausalLM, SelectiveRopeFoXModel
 from .gated_deltanet import GatedDeltaNet, SelectiveRopeGatedDeltaNetForCausalLM, SelectiveRopeGatedDeltaNetModel
 from .gla import GatedLinearAttention, SelectiveRopeGLAForCausalLM, SelectiveRopeGLAModel
@@ -13,6 +13,8 @@ __all__ = [
     "GatedLinearAttention",
     "SelectiveRopeCache",
     "SelectiveRopeCacheLayer",
+    "SelectiveRopeStaticCache",
+    "SelectiveRopeStaticCacheLayer",
     "SelectiveRopeDecoderBlock",
     "SelectiveRopeFoXForCausalLM",
     "SelectiveRopeFoXModel",

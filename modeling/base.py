@@ -23,7 +23,7 @@ from transformers.utils import logging
 from transformers.utils.generic import can_return_tuple
 
 from ..kernels.dispatch import keeps_packed, resolve_backend
-from .cache import SelectiveRopeCache
+from .cache import SelectiveRopeCache, SelectiveRopeStaticCache
 from .hub import HubMixin, unsharded_class
 from .inputs import (
     CACHE_FIELD,
@@ -238,7 +238,12 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
             use_cache = False
         cache = one_cache(past_key_values, cache)
         check_cache(cache, len(self.layers), self.config.model_type)
-        past_len = cache.get_seq_length() if cache is not None else 0
+        static = cache is not None and cache.is_compileable  # a static cache (compiled decoding)
+        # A compiled step does not read the static cache's length: it is a device counter (a host read would sync).
+        if static and torch.compiler.is_compiling():
+            past_len = None
+        else:
+            past_len = cache.get_seq_length() if cache is not None else 0
         mask = padding_mask(attention_mask, batch, seq_len, past_len)
         cu_seqlens = packed_offsets(cu_seqlens, position_ids, markers, batch, seq_len, mask, past_len)
         if output_attentions and cu_seqlens is not None:
@@ -254,10 +259,16 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
         if cu_seqlens is not None and keeps_packed(backend, hidden_states.device):
             # fla's kernels and our Triton rotary kernel take packed sequences natively: no padding to pay for.
             packed = cu_seqlens.to(device=hidden_states.device, dtype=torch.int32)
+        step_valid = None  # a static cache's one-token step: whether each row's token is real (B,), not read here
+        if static and seq_len == 1 and mask is not None and cu_seqlens is None:
+            step_valid, mask = mask[:, -1], None  # (a layout would branch on its values and reorder nothing)
         layout = None if packed is not None else self._layout(hidden_states.shape[:2], mask, cu_seqlens)
         rows = hidden_states if layout is None else layout.to_rows(hidden_states)  # (N, L, D), or (1, total, D)
         lengths = None if layout is None else layout.lengths
         restore = (lambda x: x) if layout is None else layout.from_rows
+        if step_valid is not None:  # pads output zeros, as a layout gives them
+            lengths = step_valid.long()
+            restore = lambda x: x.masked_fill(~step_valid[:, None, None], 0)  # noqa: E731
         self._check_cache_batch(cache, rows.shape[0] if packed is None else packed.numel() - 1)
 
         all_hidden_states = [] if output_hidden_states else None
@@ -270,7 +281,7 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
                 if layout is not None:  # continue from the returned states, so that gradients reach them
                     rows = layout.to_rows(all_hidden_states[-1])
             cached = cache.layers[layer_idx] if cache is not None else None
-            state = LayerState(cached.states if cached is not None else None, keep=use_cache,
+            state = LayerState(cached.states if cached is not None else None, keep=use_cache, layer=cached,
                                output_attentions=output_attentions, attention_layout=attention_layout)
             rows = block(rows, state, lengths=lengths, cu_seqlens=packed, backend=backend)
             if state.attentions is not None:
@@ -409,6 +420,28 @@ class SelectiveRopeForCausalLMBase(SelectiveRopePreTrainedModel, GenerationMixin
             attentions=outputs.attentions,
             **{CACHE_FIELD: returned_cache(outputs)},
         )
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size: int,
+                                      max_cache_length: int):
+        """``generate(..., cache_implementation="static")`` builds a :class:`SelectiveRopeStaticCache` here, sized for
+        the whole generation (transformers would skip ``cache_implementation`` for a model that does not take its
+        ``DynamicCache``); anything else goes to transformers (our forward then creates the dynamic cache)."""
+        user_cache = model_kwargs.get(CACHE_FIELD) is not None
+        if generation_config.cache_implementation != "static" or user_cache or generation_config.use_cache is False:
+            return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
+                                                         max_cache_length)
+        if generation_config.num_beams > 1:
+            raise ValueError("cache_implementation='static' does not support beam search (num_beams > 1): beams "
+                             "reorder the cache, which a static cache cannot do in place; use the dynamic cache")
+        max_cache_len = max(max_cache_length, getattr(generation_config, "max_cache_len", None) or 0)
+        model_kwargs[CACHE_FIELD] = SelectiveRopeStaticCache(
+            self.config, max_cache_len=max_cache_len,
+            max_batch_size=batch_size * max(generation_config.num_return_sequences or 1, 1))
+
+    def create_masks_for_generate(self, *, inputs_embeds: torch.Tensor, attention_mask=None, **kwargs):
+        """What ``generate`` passes as the mask with a compileable (static) cache: the 2-D padding mask of this call's
+        tokens only (our mixers mask their own states; no 4-D mask), so a compiled step sees one shape every step."""
+        return None if attention_mask is None else attention_mask[:, -inputs_embeds.shape[1]:]
 
     def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):
         # generate() (transformers >= 5.10) builds position_ids from the mask when the caller passes none, then

@@ -10,6 +10,12 @@ history, a phase) that cannot be rolled back, so ``crop`` refuses layers that ho
 Every forward that keeps its state mutates the cache: it replaces entries, appends to histories in place, and may
 overwrite a running state's tensor with the next value (the compiled CPU rotary step does, ``overwrite_state``).
 Branch from a ``copy.deepcopy`` of a cache; clone a tensor read from it that must outlive the next call.
+
+:class:`SelectiveRopeStaticCache` (``generate(..., cache_implementation="static")``) holds the same names in tensors
+allocated once, at the prefill, and written in place afterwards: running states are copied into their tensors,
+per-token histories are written at the cache's position into buffers of ``max_cache_len`` tokens whose unwritten slots
+a mixer masks (``LayerState.fixed_length``). Every tensor keeps its address across steps, which is what
+``torch.compile`` (and CUDA graphs) need; design notes in docs/compiled_decoding.md.
 """
 
 from __future__ import annotations
@@ -90,6 +96,7 @@ def _buffer_strides(shape: torch.Size, capacity: int) -> tuple[int, ...]:
 
 class SelectiveRopeCacheLayer(CacheLayerMixin):
     is_compileable = False
+    fixed_length = False  # per-token histories are exactly the tokens seen (a static layer's are max-length buffers)
     is_sliding = False
     supports_early_init = False  # shapes are only known to the mixer, on its first call
 
@@ -111,6 +118,10 @@ class SelectiveRopeCacheLayer(CacheLayerMixin):
         self.token_states = frozenset(token_states)
         self.seen_tokens += num_new_tokens
         self.is_initialized = True
+
+    def extend(self, name: str, cached: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
+        """The per-token history ``name`` (``cached``, before this call) followed by ``tokens``: ``append_tokens``."""
+        return append_tokens(cached, tokens)
 
     # -- the transformers cache-layer interface -----------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -171,6 +182,126 @@ class SelectiveRopeCacheLayer(CacheLayerMixin):
         self.states = {name: fn(t) for name, t in self.states.items()}
 
 
+class SelectiveRopeStaticCacheLayer(SelectiveRopeCacheLayer):
+    """A layer whose tensors are allocated once, at the first forward (the prefill: shapes are only known to the
+    mixer), and then only written in place, so that a compiled decoding step sees the same tensors every step.
+
+    Running states are copied into their tensors at ``commit``; per-token histories are buffers ``(B, max_cache_len,
+    ...)`` written at ``position`` (a tensor: a compiled step reads it without a host synchronisation and without
+    recompiling as it grows). Unwritten slots hold zeros, so a mixer must mask them (FoX keeps a ``valid`` history
+    for that). A step past ``max_cache_len`` is refused (an assertion on ``position``, made on the device), and so is
+    a prefill of more rows than ``max_batch_size``.
+    """
+
+    is_compileable = True
+    fixed_length = True
+
+    def __init__(self, max_cache_len: int, max_batch_size: int | None = None):
+        super().__init__()
+        if not isinstance(max_cache_len, int) or max_cache_len < 1:
+            raise ValueError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
+        if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
+            raise ValueError(f"max_batch_size must be a positive int or None, got {max_batch_size!r}")
+        self.max_cache_len, self.max_batch_size = max_cache_len, max_batch_size
+        self.position = torch.zeros((), dtype=torch.long)  # tokens written so far (padding included)
+
+    def __repr__(self):
+        shapes = {name: tuple(t.shape) for name, t in self.states.items()}
+        return f"{self.__class__.__name__}(max_cache_len={self.max_cache_len}, states={shapes})"
+
+    def commit(self, states: dict[str, torch.Tensor], num_new_tokens: int, token_states=()) -> None:
+        """Copy the running states into the layer's tensors (allocated here at the first call); the per-token
+        histories were written by ``extend`` already."""
+        first = not self.is_initialized
+        for name, tensor in states.items():
+            if name in token_states:
+                continue
+            target = self.states.get(name)
+            if target is None:
+                if not first:
+                    raise RuntimeError(f"the static cache has no tensor for the state {name!r}, which first appeared "
+                                       "after the prefill: a static cache cannot allocate state while decoding")
+                self._check_batch(tensor.shape[0])
+                self.states[name] = self._own(tensor.clone(memory_format=torch.contiguous_format))
+            elif target is not tensor:  # (the CPU rotary kernel may have written into it already)
+                target.copy_(tensor)
+        self.token_states = frozenset(token_states)
+        self.position.add_(num_new_tokens)
+        self.is_initialized = True
+
+    def extend(self, name: str, cached: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
+        """Write ``tokens`` ``(B, T, ...)`` at ``position`` into the buffer ``name`` (allocated at the prefill) and
+        return the history the mixer attends over: at the prefill the ``T`` tokens themselves; for one token per row
+        the whole buffer ``(B, max_cache_len, ...)``, whose slots after this token are unwritten (masked by the
+        mixer); for several tokens after the prefill, the written front (eager only: its length is read from the
+        device)."""
+        batch, length = tokens.shape[:2]
+        buffer = self.states.get(name)
+        if buffer is None:
+            if self.is_initialized:
+                raise RuntimeError(f"the static cache has no buffer for the history {name!r}, which first appeared "
+                                   "after the prefill: a static cache cannot allocate state while decoding")
+            self._check_batch(batch)
+            if length > self.max_cache_len:
+                raise ValueError(f"the prompt has {length} tokens but the static cache holds at most "
+                                 f"{self.max_cache_len} (max_cache_len)")
+            buffer = tokens.new_zeros(batch, self.max_cache_len, *tokens.shape[2:])
+            buffer[:, :length].copy_(tokens)
+            self.states[name] = self._own(buffer)
+            return tokens
+        end = self.position + length
+        torch._assert_async(end <= self.max_cache_len, f"the static cache is full: it holds {self.max_cache_len} "
+                            "tokens (max_cache_len) and cannot take more; build it with a larger max_cache_len")
+        buffer.index_copy_(1, torch.arange(length, device=buffer.device) + self.position, tokens.to(buffer.dtype))
+        if length == 1:
+            return buffer
+        if torch.compiler.is_compiling():
+            raise RuntimeError("a compiled forward with a static cache takes one token per row after the prefill; "
+                               f"got {length}")
+        return buffer[:, :int(end)]
+
+    def _check_batch(self, batch: int) -> None:
+        if self.max_batch_size is not None and batch > self.max_batch_size:
+            raise ValueError(f"the input has {batch} sequences but the static cache was built for at most "
+                             f"{self.max_batch_size} (max_batch_size)")
+
+    def _own(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor the layer keeps for good: its address is fixed for compiled steps and CUDA graphs."""
+        if self.position.device != tensor.device:
+            self.position = self.position.to(tensor.device)
+        if not torch.compiler.is_compiling():
+            torch._dynamo.mark_static_address(tensor)
+            torch._dynamo.mark_static_address(self.position)
+        return tensor
+
+    def get_seq_length(self) -> int:
+        # The tokens written (a host read of the device counter; a compiled step does not ask).
+        return int(self.position)
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def get_max_cache_shape(self) -> int:
+        return self.max_cache_len
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def reset(self) -> None:
+        """Forget the sequences, keeping the tensors (and their addresses): the next forward is a prefill again."""
+        for tensor in self.states.values():
+            tensor.zero_()
+        self.position.zero_()
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a static selective-rope cache cannot be cropped")
+
+    def _map(self, fn) -> None:
+        raise NotImplementedError("a static selective-rope cache keeps its batch: beam search, num_return_sequences "
+                                  "and batch selection need the dynamic cache (SelectiveRopeCache)")
+
+
 class SelectiveRopeCache(Cache):
     """Cache for every selective-rope family. Created by the model's ``forward`` when ``use_cache`` is set and none
     is given (``generate`` relies on that), or up front: ``SelectiveRopeCache(model.config)``."""
@@ -185,3 +316,22 @@ class SelectiveRopeCache(Cache):
     @property
     def is_initialized(self) -> bool:
         return all(layer.is_initialized for layer in self.layers)
+
+
+class SelectiveRopeStaticCache(SelectiveRopeCache):
+    """The cache of a compiled decoding step: every layer's tensors allocated once (at the prefill), for up to
+    ``max_cache_len`` tokens (prompt included) and ``max_batch_size`` sequences, then written in place (see
+    :class:`SelectiveRopeStaticCacheLayer`). ``generate(..., cache_implementation="static")`` builds one."""
+
+    def __init__(self, config, max_cache_len: int, max_batch_size: int | None = None):
+        Cache.__init__(self, layers=[SelectiveRopeStaticCacheLayer(max_cache_len, max_batch_size)
+                                     for _ in range(config.num_hidden_layers)])
+        self.model_type = config.model_type
+
+    @property
+    def max_cache_len(self) -> int:
+        return self.layers[0].max_cache_len
+
+    @property
+    def max_batch_size(self) -> int | None:
+        return self.layers[0].max_batch_size

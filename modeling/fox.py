@@ -168,13 +168,24 @@ class ForgettingAttention(nn.Module):
 
         Which key slots are real (``valid`` in the cache) is kept only from the first call with padding on: until
         then every slot is real, which needs no tensor and no check (a check is a device sync on a GPU, in every
-        layer of every decoding step)."""
+        layer of every decoding step). A static cache keeps ``valid`` from the prefill on: it also marks the slots
+        not written yet."""
         batch, seq_len = q.shape[:2]
         cached = state.get("key")  # (B, T_seen, Hk, D) or None
         # The key timeline: cached slots followed by this call's tokens.
         k, v = state.extend("key", k), state.extend("value", v)
         if log_fgate is not None:
             log_fgate = state.extend("log_fgate", log_fgate)
+        if state.fixed_length:  # a static cache: max-length buffers, their unwritten slots marked invalid
+            if state.output_attentions:  # the queries are not the last slots of the buffers the weights would cover
+                raise ValueError("output_attentions=True is not supported with a static cache; use the default "
+                                 "dynamic cache to read attention weights")
+            query_valid = torch.ones(batch, seq_len, dtype=torch.bool, device=q.device) if valid is None else valid
+            key_valid = state.extend("valid", query_valid)
+            if cached is None and valid is None:  # the prefill, without padding: as with the dynamic cache
+                return forgetting_attention(q, k, v, log_fgate, backend=backend)
+            return forgetting_attention(q, k, v, log_fgate, key_valid=key_valid, query_valid=query_valid,
+                                        backend=backend)
         key_valid = None
         if valid is not None or "valid" in state:
             if valid is None:

@@ -10,6 +10,10 @@ or embeddings, the padding mask, the cache, and the markers of packed sequences.
 - ``position_ids`` restarting at 0 at each sequence start (``DataCollatorWithFlattening``'s default output);
 - ``seq_idx``: the sequence index of each token (``DataCollatorWithFlattening(return_seq_idx=True)``).
 
+Values are checked in eager calls only (the prefill of ``generate`` among them). Under ``torch.compile`` the checks
+that read values (token ids in the vocabulary, a mask of 0 and 1) are skipped: each is a host synchronisation, which a
+compiled decoding step (CUDA graphs) must not make; shapes and dtypes are still checked there.
+
 Positions are otherwise implicit in these models (Selective RoPE's phase and RoPE count the real tokens of each row),
 so ``position_ids`` that do not mark packed sequences must be those positions; anything else is refused rather than
 silently ignored. The same goes for keyword arguments: those transformers passes (``generate``, ``Trainer``, PEFT) are
@@ -78,6 +82,8 @@ def check_tokens(input_ids, inputs_embeds, vocab_size: int, hidden_size: int) ->
             raise ValueError(f"input_ids must be an int64 or int32 tensor of shape (B, T); got {input_ids.dtype} of "
                              f"shape {tuple(input_ids.shape)}")
         _require_nonempty("input_ids", input_ids.shape[:2])
+        if torch.compiler.is_compiling():  # values: checked in eager calls only (module docstring)
+            return tuple(input_ids.shape)
         low, high = (int(v) for v in torch.aminmax(input_ids))
         if low < 0 or high >= vocab_size:
             raise ValueError(f"input_ids must be token ids in [0, {vocab_size}) (vocab_size); got values in "
@@ -138,6 +144,7 @@ def check_cache(cache, num_layers: int, model_type: str) -> None:
 
 def padding_mask(attention_mask, batch: int, seq_len: int, past_len: int) -> torch.Tensor | None:
     """The bool ``(B, T_past + T)`` or ``(B, T)`` padding mask (True = real token) from ``attention_mask``, or None.
+    ``past_len`` None (a compiled step with a static cache, which does not read its length): any width from ``T``.
 
     Accepts bool, integer or float tensors holding only 0 (padding) and 1 (real token), as transformers' models do.
     An additive mask (0 = keep, -inf = pad) would read inverted, so values other than 0 and 1 are refused, and so is
@@ -146,17 +153,22 @@ def padding_mask(attention_mask, batch: int, seq_len: int, past_len: int) -> tor
     if attention_mask is None:
         return None
     _require_tensor("attention_mask", attention_mask, "a tensor of shape (B, T) or (B, T_past + T)")
-    lengths = sorted({seq_len, past_len + seq_len})
-    allowed = (f"T={seq_len} (this call's tokens)" if past_len == 0 else
-               f"T={seq_len} (this call's tokens) or T_past + T = {past_len + seq_len} (with the {past_len} tokens "
-               "already in the cache)")
-    if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] not in lengths:
+    if past_len is None:
+        allowed, fits = f"at least T={seq_len} (this call's tokens come last)", attention_mask.shape[-1] >= seq_len
+    else:
+        allowed = (f"T={seq_len} (this call's tokens)" if past_len == 0 else
+                   f"T={seq_len} (this call's tokens) or T_past + T = {past_len + seq_len} (with the {past_len} "
+                   "tokens already in the cache)")
+        fits = attention_mask.shape[-1] in (seq_len, past_len + seq_len)
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or not fits:
         raise ValueError(f"attention_mask must be a 2-D padding mask of shape (B={batch}, L) with L = {allowed}; got "
                          f"shape {tuple(attention_mask.shape)}")
     if attention_mask.dtype == torch.bool:
         return attention_mask
     if attention_mask.is_complex():
         raise ValueError(f"attention_mask must be bool or hold 0 and 1; got {attention_mask.dtype}")
+    if torch.compiler.is_compiling():  # values: checked in eager calls only (module docstring)
+        return attention_mask.bool()
     binary = (attention_mask == 0) | (attention_mask == 1)
     if not bool(binary.all()):
         example = attention_mask[~binary].flatten()[0].item()
@@ -184,6 +196,9 @@ def packed_offsets(cu_seqlens, position_ids, markers: dict, batch: int, seq_len:
     if "seq_idx" in markers:
         candidates["seq_idx"] = _offsets_from_seq_idx(markers["seq_idx"], seq_len)
     if position_ids is not None:
+        if past_len is None:
+            raise ValueError("position_ids are not accepted by a compiled step with a static cache (positions are "
+                             "implicit in these models): leave them out")
         offsets = _offsets_from_positions(position_ids, batch, seq_len, mask, past_len)
         if offsets is None and candidates:  # the implicit positions say one sequence: so must every packing marker
             offsets = _boundaries(position_ids.new_empty(0), seq_len, position_ids.device)  # [0, T]

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from .cache import append_tokens
+from .cache import SelectiveRopeCacheLayer, append_tokens
 
 
 class LayerState:
@@ -29,10 +29,12 @@ class LayerState:
         output_attentions: whether the caller wants the attention weights: a mixer with ``has_attention_weights``
             then leaves them in ``attentions``, ``(B, H, T, T_keys)`` in the caller's layout: its rows' weights mapped
             by ``attention_layout`` (:class:`~.layout.AttentionLayout`; None: rows are the caller's grid).
+        layer: the cache layer the state is committed to, which decides how histories grow (``None``: appended).
     """
 
     def __init__(self, previous: dict[str, torch.Tensor] | None = None, *, keep: bool = False,
-                 output_attentions: bool = False, attention_layout=None, prefix: str = "",
+                 output_attentions: bool = False, attention_layout=None,
+                 layer: SelectiveRopeCacheLayer | None = None, prefix: str = "",
                  _shared: tuple[dict, dict, set] | None = None):
         # (previous, new, token histories) shared between a state and its scopes.
         self._previous, self.new, self.token_histories = _shared or (dict(previous or {}), {}, set())
@@ -40,7 +42,15 @@ class LayerState:
         self.output_attentions = output_attentions
         self.attention_layout = attention_layout
         self.attentions: torch.Tensor | None = None
+        self._layer = layer
         self._prefix = prefix
+
+    @property
+    def fixed_length(self) -> bool:
+        """Whether per-token histories are fixed-length buffers (a static cache, for compiled decoding): after the
+        prefill, ``extend`` then returns the whole buffer, whose slots after this call's tokens are unwritten, and
+        the mixer must mask them."""
+        return self._layer is not None and self._layer.fixed_length
 
     def _name(self, name: str) -> str:
         return self._prefix + name
@@ -68,15 +78,18 @@ class LayerState:
     def extend(self, name: str, tokens: torch.Tensor) -> torch.Tensor:
         """Append ``tokens`` ``(B, T, ...)`` to the per-token history ``name`` ``(B, T_seen, ...)`` and return the
         whole history ``(B, T_seen + T, ...)`` (the cache's :func:`append_tokens`: in place where it has room). The
-        cache can crop these entries, and only these."""
-        history = append_tokens(self.get(name), tokens)
+        cache can crop these entries, and only these. With a static cache (``fixed_length``), see
+        ``SelectiveRopeStaticCacheLayer.extend``."""
+        cached = self.get(name)
+        history = append_tokens(cached, tokens) if self._layer is None else self._layer.extend(
+            self._name(name), cached, tokens)
         self.set(name, history)
         self.token_histories.add(self._name(name))
         return history
 
     def scope(self, prefix: str) -> LayerState:
         """A view of the entries under ``prefix.``, read and written by their names without the prefix."""
-        return LayerState(keep=self.keep, prefix=f"{self._prefix}{prefix}.",
+        return LayerState(keep=self.keep, layer=self._layer, prefix=f"{self._prefix}{prefix}.",
                           _shared=(self._previous, self.new, self.token_histories))
 
 

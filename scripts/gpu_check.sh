@@ -12,6 +12,10 @@
 #      autotune), then GLA and Gated DeltaNet, whose training kernels fla autotunes on a bare machine (run 5: GLA's
 #      dense step 250 s, its packed step more than 390 s). MODELS_EXTRA adds options (e.g. --no-packed); the JSON is
 #      named after the families, so two model runs in one $OUT keep both.
+#   4. (issue 45, only when SECTIONS names "graphed") the 370M FoX's decoding step, eager with the dynamic cache against
+#      torch.compile(mode="reduce-overhead") with the static cache (CUDA graphs), NoPE and Selective RoPE, interleaved,
+#      3 repeats (benchmarks/bench_graphed_decode_gpu.py; GRAPHED_LIMIT seconds, default 420: compiling the 24-layer
+#      step with inductor takes minutes).
 # Every section has its own time limit, so one that hangs or runs long cannot take the others with it, and a test
 # failure is printed when it happens (pytest prints failures at the end, which a time limit cuts off). On a bare
 # machine fla's kernels autotune on their first calls: on an H200 (27 Nov 2026) the first GLA training step did not
@@ -21,7 +25,7 @@
 #
 # Usage, from the repository root, with selective_rope, triton and flash-linear-attention importable:
 #   OUT=/tmp/gpu-check [AUTOTUNE_ARCHIVE=autotune.tgz from an earlier run, or empty for none] \
-#       [SECTIONS="tests models"] [MODELS_LIMIT=seconds] [MODEL_FAMILIES="gla fox"] [MODELS_EXTRA=--no-packed] \
+#       [SECTIONS="tests models"] [MODELS_LIMIT=seconds] [GRAPHED_LIMIT=seconds] [MODEL_FAMILIES="gla fox"] [MODELS_EXTRA=--no-packed] \
 #       bash scripts/gpu_check.sh
 # SECTIONS picks what runs, in the order below (default: all of "tests bench profile module sweep models"); e.g.
 # SECTIONS="tests models" MODELS_LIMIT=420 leaves fla's autotuning of GLA and Gated DeltaNet the time it needs (their
@@ -123,6 +127,12 @@ FAMILIES=${MODEL_FAMILIES:-fox gla gated_deltanet}
 timeout "${MODELS_LIMIT:-120}" "$PYTHON" benchmarks/bench_models_gpu.py --families $FAMILIES \
     --backends auto --batch-size 4 --seq-len 4096 --context 4096 --decode-batches 1 --train-steps 10 \
     --decode-steps 50 ${MODELS_EXTRA:-} --output "$OUT/models_${FAMILIES// /_}.json"
+fi
+
+if wanted graphed; then  # (issue 45; not in the default SECTIONS: ask for it, e.g. SECTIONS=graphed)
+step "370M FoX decoding at context 4096, batch 1: eager (dynamic cache) against CUDA-graphed (static cache)"
+timeout "${GRAPHED_LIMIT:-420}" "$PYTHON" benchmarks/bench_graphed_decode_gpu.py --context 4096 --batch 1 \
+    --steps 50 --repeats 3 --output "$OUT/graphed_decode_gpu.json"
 fi
 
 step "fla's autotuning results so far, for the next run (AUTOTUNE_ARCHIVE=...)"

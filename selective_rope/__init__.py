@@ -37,6 +37,7 @@ from .modeling import (
     SelectiveRopeGatedDeltaNetModel,
     SelectiveRopeGLAForCausalLM,
     SelectiveRopeGLAModel,
+    SelectiveRopeStaticCache,
     SelectiveRotaryEmbedding,
 )
 
@@ -50,6 +51,7 @@ register_lora_defaults()
 
 __all__ = [
     "SelectiveRopeCache",
+    "SelectiveRopeStaticCache",
     "SelectiveRopeConfigBase",
     "SelectiveRopeFoXConfig",
     "SelectiveRopeFoXForCausalLM",

@@ -68,6 +68,25 @@ def test_auto_and_torch_use_torch_on_cpu(monkeypatch):
     assert set(RESOLVED) == {"torch", "torch+c", "triton"}
 
 
+def test_the_c_kernel_is_not_chosen_under_torch_compile(monkeypatch):
+    """A tracer cannot see into the C kernel's call (ctypes / a CPython entry): compiled, "auto" is PyTorch on the
+    CPU (issue 45); "triton" under the interpreter stays Triton, whose kernels are custom ops."""
+    monkeypatch.delenv(rotary_cpu.ENV_SWITCH, raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    seen = []
+
+    def resolve(x):
+        seen.extend(dispatch.resolve_backend(value, x.device) for value in ("auto", "triton"))
+        return x + 1
+
+    torch._dynamo.reset()
+    torch.compile(resolve, backend="eager", fullgraph=True)(torch.ones(1))
+    torch._dynamo.reset()
+    expected_triton = "triton" if dispatch.triton_rotary() is not None else "torch"
+    assert seen == ["torch", expected_triton]
+    assert dispatch.resolve_backend("auto", "cpu") == "torch+c"  # eagerly, the C kernel
+
+
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert dispatch.resolve_backend("triton", "cpu") == "triton"
