@@ -36,7 +36,7 @@ from .inputs import (
     padding_mask,
     returned_cache,
 )
-from .layers import GatedMLP, RMSNorm
+from .layers import GatedMLP, RMSNorm, at_least_float32
 from .layout import SequenceLayout
 from .mixer import LayerState, Mixer
 from .rotary import SelectiveRotaryEmbedding
@@ -58,8 +58,12 @@ class SelectiveRopeDecoderBlock(GradientCheckpointingLayer):
 
     def forward(self, hidden_states: torch.Tensor, state: LayerState, lengths: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, backend: str = "torch") -> torch.Tensor:
-        hidden_states = hidden_states + self.attn(self.attn_norm(hidden_states), state, lengths=lengths,
-                                                  cu_seqlens=cu_seqlens, backend=backend)
+        # The norm's output before rounding to a bf16/fp16 model's dtype is the Selective RoPE phase path's input:
+        # rounded, it shifts each token's phase increment by a fixed error that adds up over the long spans a slowly
+        # decaying state attends across (docs/precision.md). The projections take it in the model dtype.
+        normed = self.attn_norm(at_least_float32(hidden_states))  # (B, T, D); the same tensor for a float32 model
+        hidden_states = hidden_states + self.attn(normed.to(hidden_states.dtype), state, lengths=lengths,
+                                                  cu_seqlens=cu_seqlens, backend=backend, phase_input=normed)
         return hidden_states + self.mlp(self.mlp_norm(hidden_states))
 
 
