@@ -62,8 +62,9 @@ class SelectiveRopeDecoderBlock(GradientCheckpointingLayer):
         # rounded, it shifts each token's phase increment by a fixed error that adds up over the long spans a slowly
         # decaying state attends across (docs/precision.md). The projections take it in the model dtype.
         normed = self.attn_norm(at_least_float32(hidden_states))  # (B, T, D); the same tensor for a float32 model
-        hidden_states = hidden_states + self.attn(normed.to(hidden_states.dtype), state, lengths=lengths,
-                                                  cu_seqlens=cu_seqlens, backend=backend, phase_input=normed)
+        x = normed if normed.dtype == hidden_states.dtype else normed.to(hidden_states.dtype)  # no no-op dispatch
+        hidden_states = hidden_states + self.attn(x, state, lengths=lengths, cu_seqlens=cu_seqlens, backend=backend,
+                                                  phase_input=normed)
         return hidden_states + self.mlp(self.mlp_norm(hidden_states))
 
 

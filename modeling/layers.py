@@ -13,7 +13,7 @@ from .mixer import LayerState
 
 def at_least_float32(x: torch.Tensor) -> torch.Tensor:
     """``x`` in float32 if its dtype is narrower (bf16, fp16), else ``x`` itself."""
-    return x.float() if torch.finfo(x.dtype).bits < 32 else x
+    return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
 
 
 class RMSNorm(nn.Module):
