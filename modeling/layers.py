@@ -11,11 +11,6 @@ from ..kernels.conv_torch import causal_conv1d
 from .mixer import LayerState
 
 
-def at_least_float32(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in float32 if its dtype is narrower (bf16, fp16), else ``x`` itself."""
-    return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
-
-
 class RMSNorm(nn.Module):
     """RMS norm computed in float32 and cast back (as Llama's); ``weight`` has shape ``(hidden_size,)``."""
 
