@@ -2,7 +2,7 @@
 difference comes from.
 
 Each family's tiny random model (``CONFIGS``: hidden 64, 2 layers, 4 heads, vocabulary 256, ``initializer_range``
-0.2 so that the logits are of order 1; GLA 169k parameters, Gated DeltaNet 170k, FoX 152k) is built in float32 with
+0.2 so that the logits are of order 1; GLA 136k parameters, Gated DeltaNet 133k, FoX 113k) is built in float32 with
 every weight rounded to a bf16 value, so that ``model.to(torch.bfloat16)`` holds exactly the same weights: the
 difference measured is the computation's, not the weights' rounding. Both dtypes run one full forward
 (``use_cache=False``, the CPU's default backend) over the same random tokens at each length; reported per length: the
@@ -23,15 +23,22 @@ model is the reference throughout):
   bf16 input, its output rounded to bf16;
 - ``mlp_fp32``: every MLP in float32; ``head_fp32``: the final norm and the LM head in float32.
 
+``--speed`` (instead of the above): what the fix costs, the decoder block as it was before issue 41 (the norm in the
+model dtype, the phase path reading its rounded output) against now, interleaved in one process (order alternating):
+a 2-layer GLA of hidden 256 (vocabulary 1024), one thread, float32 and bf16: a 1024-token forward, single-token cached
+steps, a 512-token forward and backward; medians. Written to ``bf16_precision_speed.json``.
+
 Run: ``nice -n 19 python benchmarks/bf16_precision.py [--lengths 2048 8192 32768] [--ablations]``; writes
-``benchmarks/results/bf16_precision.json`` (``--output`` to change it). On the shared 2-core machine the default run
-took ~4 min, ``--ablations`` ~3 min more. docs/precision.md reads the results.
+``benchmarks/results/bf16_precision.json`` (``--output`` to change it). On the shared 2-core machine a run with
+``--ablations`` took ~6 min, ``--speed`` ~4 min. docs/precision.md reads the results.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import inspect
+import statistics
 import time
 from pathlib import Path
 
@@ -42,6 +49,8 @@ from selective_rope import FAMILIES
 from selective_rope.bench.measure import num_parameters
 from selective_rope.bench.report import log, write_results
 from selective_rope.bench.runner import start_results
+from selective_rope.modeling import returned_cache
+from selective_rope.modeling.base import SelectiveRopeDecoderBlock
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
 DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / "bf16_precision.json"
@@ -104,6 +113,11 @@ class Float32(nn.Module):
     def __init__(self, module: nn.Module, round_output: bool):
         super().__init__()
         self.module, self.round_output = copy.deepcopy(module).float(), round_output
+
+    @property
+    def rotary(self) -> nn.Module:
+        """A wrapped mixer's rotary module (every mixer has one; the decoder block reads it)."""
+        return self.module.rotary
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
         out = self.module(x.float(), *args, **kwargs)
@@ -191,9 +205,56 @@ def run_ablations(family: str, length: int) -> dict:
 
 
 def accepts_phase_input(model: nn.Module) -> bool:
-    import inspect
-
     return "phase_input" in inspect.signature(model.model.layers[0].attn.forward).parameters
+
+
+def block_before_issue_41(self, hidden_states, state, lengths=None, cu_seqlens=None, backend="torch"):
+    """``SelectiveRopeDecoderBlock.forward`` before issue 41: the mixer (phase path included) reads the norm's output
+    in the model dtype."""
+    hidden_states = hidden_states + self.attn(self.attn_norm(hidden_states), state, lengths=lengths,
+                                              cu_seqlens=cu_seqlens, backend=backend)
+    return hidden_states + self.mlp(self.mlp_norm(hidden_states))
+
+
+def speed(rounds: int = 12, steps: int = 10) -> dict:
+    """Medians (ms) of the block before issue 41 and now, interleaved (the order alternates by round)."""
+    forwards = {"before": block_before_issue_41, "now": SelectiveRopeDecoderBlock.forward}
+    spec = FAMILIES["gla"]
+    torch.manual_seed(0)
+    model = spec.lm_class(spec.config_class(vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_heads=4,
+                                            use_short_conv=True)).eval()
+    ids = torch.randint(3, 1024, (1, 1024))
+    results = {}
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            m = copy.deepcopy(model).to(dtype)
+            times = {name: {"forward_1024": [], "decode_step": [], "train_512": []} for name in forwards}
+            with torch.no_grad():
+                cache = returned_cache(m(ids[:, :64], use_cache=True))
+            for r in range(rounds):
+                for name in (list(forwards) if r % 2 else list(forwards)[::-1]):
+                    SelectiveRopeDecoderBlock.forward = forwards[name]
+                    with torch.no_grad():
+                        start = time.perf_counter()
+                        m(ids, use_cache=False)
+                        times[name]["forward_1024"].append(time.perf_counter() - start)
+                        for i in range(steps):
+                            start = time.perf_counter()
+                            cache = returned_cache(m(ids[:, i:i + 1], past_key_values=cache, use_cache=True))
+                            times[name]["decode_step"].append(time.perf_counter() - start)
+                    if r < rounds // 2:
+                        m.train()
+                        start = time.perf_counter()
+                        m(ids[:, :512], labels=ids[:, :512]).loss.backward()
+                        times[name]["train_512"].append(time.perf_counter() - start)
+                        m.eval()
+            results[str(dtype).removeprefix("torch.")] = {
+                name: {key: round(statistics.median(values) * 1e3, 2) for key, values in record.items()}
+                for name, record in times.items()}
+            log(f"{dtype}: {results[str(dtype).removeprefix('torch.')]}")
+    finally:
+        SelectiveRopeDecoderBlock.forward = forwards["now"]
+    return results
 
 
 def main() -> None:
@@ -202,10 +263,17 @@ def main() -> None:
     parser.add_argument("--families", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--ablations", action="store_true", help="also the one-part-at-a-time float32 runs")
     parser.add_argument("--ablation-length", type=int, default=8192)
+    parser.add_argument("--speed", action="store_true", help="only the cost of the fix (see the description)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
+    parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
     args.quick = False  # start_results' mode field
+    if args.speed:
+        torch.set_num_threads(1)
+        results = start_results("bf16_precision --speed", args, 1, ROOT, SOURCES, {"rounds": 12, "steps": 10})
+        results["speed_ms"] = speed()
+        write_results(args.output or DEFAULT_OUTPUT.with_name("bf16_precision_speed.json"), results)
+        return
     torch.set_num_threads(args.threads)
     plan = {"lengths": args.lengths, "families": args.families, "last_window": LAST_WINDOW,
             "ablation_length": args.ablation_length if args.ablations else None}
@@ -214,7 +282,7 @@ def main() -> None:
     results["families"] = {family: run_lengths(family, args.lengths) for family in args.families}
     if args.ablations:
         results["ablations"] = {family: run_ablations(family, args.ablation_length) for family in args.families}
-    write_results(args.output, results)
+    write_results(args.output or DEFAULT_OUTPUT, results)
 
 
 if __name__ == "__main__":
