@@ -257,7 +257,7 @@ def speed(rounds: int = 12, steps: int = 10) -> dict:
     return results
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768])
     parser.add_argument("--families", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
@@ -266,8 +266,16 @@ def main() -> None:
     parser.add_argument("--speed", action="store_true", help="only the cost of the fix (see the description)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output", type=Path, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.quick = False  # start_results' mode field
+    threads = torch.get_num_threads()
+    try:
+        run(args)
+    finally:
+        torch.set_num_threads(threads)  # the caller's (a test's) again
+
+
+def run(args: argparse.Namespace) -> None:
     if args.speed:
         torch.set_num_threads(1)
         results = start_results("bf16_precision --speed", args, 1, ROOT, SOURCES, {"rounds": 12, "steps": 10})
