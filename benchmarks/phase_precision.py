@@ -7,8 +7,9 @@ phase bias, a gate; ``trained_looking_model``):
    forward over the whole sequence (fp32): the max abs difference over the positions up to 1k, 8k, 16k and 32k
    tokens, for each backend (``torch``; ``triton``: our Triton rotary kernels, run by Triton's interpreter on CPU).
 2. ``bf16_activations``: the Selective RoPE angles ``τ_i θ_t`` (reduced mod 2π) computed from the mixer input
-   rounded to bf16 (what a bf16 model feeds the float32 phase path) against the float32 input: max and median
-   abs angle difference over heads and frequencies at each length.
+   rounded to bf16 (what a bf16 model fed the phase path before issue 41; now it gets the norm's float32 output:
+   docs/precision.md) against the float32 input: max and median abs angle difference over heads and frequencies at
+   each length.
 3. ``bf16_temperature``: the angle error if the temperature ``τ`` itself were rounded to bf16 (what
    ``model.to(torch.bfloat16)`` would do without the module's float32 guard): ``θ_t · |τ - bf16(τ)|``.
 

@@ -59,9 +59,20 @@ class SelectiveRopeDecoderBlock(GradientCheckpointingLayer):
 
     def forward(self, hidden_states: torch.Tensor, state: LayerState, lengths: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, backend: str = "torch") -> torch.Tensor:
-        hidden_states = hidden_states + self.attn(self.attn_norm(hidden_states), state, lengths=lengths,
-                                                  cu_seqlens=cu_seqlens, backend=backend)
+        x = self.attn_norm(hidden_states)  # (B, T, D)
+        hidden_states = hidden_states + self.attn(x, state, lengths=lengths, cu_seqlens=cu_seqlens, backend=backend,
+                                                  phase_input=self._phase_input(hidden_states, x))
         return hidden_states + self.mlp(self.mlp_norm(hidden_states))
+
+    def _phase_input(self, hidden_states: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """What the Selective RoPE phase path reads: the attention norm's output ``x``, or for a bf16/fp16 model the
+        same norm in float32, unrounded. Rounded to bf16, it moved each token's phase increment by an error fixed per
+        token, which adds up over the long spans a slowly decaying state reads across (docs/precision.md). RoPE and
+        NoPE read no input."""
+        if hidden_states.dtype in (torch.bfloat16, torch.float16) and \
+                self.attn.rotary.position_embedding == "selective_rope":
+            return self.attn_norm(hidden_states.float())  # (B, T, D) float32
+        return x
 
 
 class SelectiveRopePreTrainedModel(HubMixin, PreTrainedModel):

@@ -100,8 +100,10 @@ class ForgettingAttention(nn.Module):
         self.g_proj = nn.Linear(hidden, heads * head_dim, bias=False) if config.use_output_gate else None
 
     def forward(self, x: torch.Tensor, state: LayerState, *, lengths: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None, backend: str = "torch") -> torch.Tensor:
-        """``x``: ``(B, T, D)`` right-padded rows -> ``(B, T, D)``; the new state goes into ``state``.
+                cu_seqlens: torch.Tensor | None = None, backend: str = "torch",
+                phase_input: torch.Tensor | None = None) -> torch.Tensor:
+        """``x``: ``(B, T, D)`` right-padded rows -> ``(B, T, D)``; the new state goes into ``state``. ``phase_input``:
+        what the Selective RoPE phase path reads instead of ``x`` (``x`` before its rounding to the model dtype).
         Packed sequences: ``x`` ``(1, total, D)`` with ``cu_seqlens`` (fla path only); the cache then holds one
         right-padded row per sequence, as on the torch path."""
         batch, seq_len, _ = x.shape
@@ -129,7 +131,7 @@ class ForgettingAttention(nn.Module):
             if valid is not None:
                 log_fgate = log_fgate * valid[..., None]
 
-        q, k = self._rotate(x, q, k, state, lengths, cu_seqlens, backend)
+        q, k = self._rotate(x if phase_input is None else phase_input, q, k, state, lengths, cu_seqlens, backend)
 
         if cu_seqlens is None:
             o = self._attend(q, k, v, log_fgate, valid, state, backend)  # (B, T, Hq, D)

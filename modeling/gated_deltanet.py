@@ -79,8 +79,10 @@ class GatedDeltaNet(QKVShortConvolutions):
         init.copy_(self.dt_bias, dt + torch.log(-torch.expm1(-dt)))
 
     def forward(self, x: torch.Tensor, state: LayerState, *, lengths: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None, backend: str = "torch") -> torch.Tensor:
-        """``x``: ``(B, T, D)`` right-padded rows -> ``(B, T, D)``; the new state goes into ``state``.
+                cu_seqlens: torch.Tensor | None = None, backend: str = "torch",
+                phase_input: torch.Tensor | None = None) -> torch.Tensor:
+        """``x``: ``(B, T, D)`` right-padded rows -> ``(B, T, D)``; the new state goes into ``state``. ``phase_input``:
+        what the Selective RoPE phase path reads instead of ``x`` (``x`` before its rounding to the model dtype).
         Packed sequences: ``x`` ``(1, total, D)`` with ``cu_seqlens`` (fla path only), one state row per sequence."""
         batch, seq_len, _ = x.shape
         # Head counts from the projections' outputs, not the config: under tensor parallelism each rank computes its
@@ -99,8 +101,9 @@ class GatedDeltaNet(QKVShortConvolutions):
         g = -A_log.float().exp() * F.softplus(self.a_proj(x).float() + dt_bias.float())  # (B, T, HV)
 
         rotary_state = state.scope("rotary")
-        q, k, new_rotary_state = self.rotary(x, q, k, rotary_state.previous(), lengths, cu_seqlens, backend=backend,
-                                             overwrite_state=state.keep)  # the cache's tensors: ours
+        phase_input = x if phase_input is None else phase_input
+        q, k, new_rotary_state = self.rotary(phase_input, q, k, rotary_state.previous(), lengths, cu_seqlens,
+                                             backend=backend, overwrite_state=state.keep)  # the cache's tensors: ours
         rotary_state.update(new_rotary_state)
 
         if lengths is not None:  # β = 0 and g = 0: pads leave the state exactly as it was

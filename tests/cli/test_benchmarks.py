@@ -149,6 +149,29 @@ def test_the_width_script_compares_each_family_at_each_width(tmp_path, capsys):
     assert "gated_deltanet |    256" in capsys.readouterr().out
 
 
+def test_the_bf16_precision_script_compares_both_dtypes_and_runs_every_ablation(tmp_path):
+    """``benchmarks/bf16_precision.py`` at tiny lengths: per family and length the bf16 against float32 statistics,
+    and one row per ablation (the rounded phase input of the code before issue 41 included)."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bf16_precision.py"
+    spec = importlib.util.spec_from_file_location("bf16_precision", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    threads = torch.get_num_threads()
+    output = tmp_path / "bf16.json"
+    script.main(["--lengths", "32", "64", "--families", "gla", "fox", "--ablations", "--ablation-length", "48",
+                 "--threads", "1", "--output", str(output)])
+    assert torch.get_num_threads() == threads
+    results = json.loads(output.read_text())
+    assert list(results["families"]) == ["gla", "fox"] and list(results["ablations"]) == ["gla", "fox"]
+    for family in ("gla", "fox"):
+        assert list(results["families"][family]["lengths"]) == ["32", "64"]
+        assert list(results["ablations"][family]) == script.ABLATIONS
+        for row in [*results["families"][family]["lengths"].values(), *results["ablations"][family].values()]:
+            assert 0 < row["mean_abs"] <= row["max_abs"] and 0 <= row["argmax_agreement"] <= 1
+    # the float32 model's phase increments really replace the bf16 model's: a different result from the baseline's
+    assert results["ablations"]["gla"]["phase_exact"] != results["ablations"]["gla"]["baseline"]
+
+
 def test_the_host_time_script_times_every_case_in_its_own_process():
     """``benchmarks/host_time_cpu.py`` replaces our Triton kernels with no-op launchers for good, so it runs in a
     process of its own; one tiny round prints a line per case (the script's API use stays in step with the code)."""
