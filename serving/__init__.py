@@ -15,7 +15,10 @@ from __future__ import annotations
 ARCHITECTURES = {
     "SelectiveRopeGLAForCausalLM": "SelectiveRopeGLAForCausalLM",
     "SelectiveRopeGatedDeltaNetForCausalLM": "SelectiveRopeGatedDeltaNetForCausalLM",
+    "SelectiveRopeFoXForCausalLM": "SelectiveRopeFoXForCausalLM",
 }
+# Families with attention (paged keys and values) besides their running states: vLLM "hybrid" models.
+HYBRID_MODEL_TYPES = ("selective_rope_fox",)
 
 
 def register() -> None:
@@ -28,17 +31,17 @@ def register() -> None:
     for architecture, class_name in ARCHITECTURES.items():
         if architecture not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(architecture, f"{__name__}.models:{class_name}")
-        # State-only models: the engine sizes their state blocks only for architectures in this map.
-        MODELS_CONFIG_MAP.setdefault(architecture, _state_model_config())
+        # The engine sizes state blocks only for architectures in this map.
+        MODELS_CONFIG_MAP.setdefault(architecture, _model_config())
 
 
-def _state_model_config() -> type:
+def _model_config() -> type:
     """vLLM's config hook for state-only models, with prefix caching off: a cached prefix would have to restore our
     states at block boundaries (vLLM's "align" mode, per-state copy functions), which the plugin does not provide."""
     from vllm.logger import init_logger
     from vllm.model_executor.models.config import MambaModelConfig
 
-    class SelectiveRopeStateModelConfig(MambaModelConfig):
+    class SelectiveRopeModelConfig(MambaModelConfig):
         @classmethod
         def verify_and_update_config(cls, vllm_config) -> None:
             if vllm_config.cache_config.enable_prefix_caching:
@@ -46,4 +49,4 @@ def _state_model_config() -> type:
                 vllm_config.cache_config.enable_prefix_caching = False
             super().verify_and_update_config(vllm_config)
 
-    return SelectiveRopeStateModelConfig
+    return SelectiveRopeModelConfig

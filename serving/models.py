@@ -19,17 +19,21 @@ Which states a layer keeps is read off the mixer (:func:`.states.layer_states`),
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.mamba.abstract import MambaBase
-from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
+from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree, IsHybrid
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from ..families import family_of_model_type
 from ..modeling.cache import SelectiveRopeCache
+from ..modeling.layout import SequenceLayout
+from . import HYBRID_MODEL_TYPES
 from .states import StateLayout, layer_states
 
 
@@ -73,10 +77,12 @@ class LayerStates(nn.Module, MambaBase):
             blocks[slots] = states[name].to(blocks.dtype)
 
 
-class SelectiveRopeStateModel(nn.Module, HasInnerState, IsAttentionFree):
-    """A saved causal LM of one family (``lm_class``), served as a state-only model (GLA, Gated DeltaNet)."""
+class SelectiveRopeServedModel(nn.Module):
+    """A saved causal LM of one family (``lm_class``) run on vLLM's batches; the subclasses say where the layers'
+    states live (:class:`SelectiveRopeStateModel`, :class:`SelectiveRopeHybridModel`)."""
 
     lm_class: type  # our causal-LM class for this architecture
+    has_inner_state = True
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -90,11 +96,9 @@ class SelectiveRopeStateModel(nn.Module, HasInnerState, IsAttentionFree):
         # Our own model (weights loaded by load_weights): `model` and `lm_head`, the names of its checkpoints.
         lm = self.lm_class(config)
         self.model, self.lm_head = lm.model, lm.lm_head
-        layout = self.state_layout(vllm_config)
-        if layout.token_histories:
-            raise ValueError(f"{config.model_type} layers keep per-token histories "
-                             f"({', '.join(sorted(layout.token_histories))}): not a state-only model")
-        self.states = [LayerStates(layout, vllm_config, f"{prefix}model.layers.{i}.states")
+        self.layout = self.state_layout(vllm_config)
+        # Not sub-modules: they hold no weights, and vLLM finds them by their prefix.
+        self.states = [LayerStates(self.layout, vllm_config, f"{prefix}model.layers.{i}.states")
                        for i in range(config.num_hidden_layers)]
 
     @classmethod
@@ -129,24 +133,31 @@ class SelectiveRopeStateModel(nn.Module, HasInnerState, IsAttentionFree):
         for first, last in groups:  # decodes, then prefills (vLLM orders the batch so)
             if last > first:
                 begin, end = int(starts[first]), int(starts[last])
-                out[begin:end] = self._run(embeds[begin:end], starts[first:last + 1] - begin,
-                                           step.seq_lens[first:last], step.state_indices_tensor[first:last])
+                requests = Requests(first, last, begin, end, starts[first:last + 1] - begin,
+                                    step.seq_lens[first:last], step.state_indices_tensor[first:last].long())
+                out[begin:end] = self._run(embeds[begin:end], requests, metadata)
         return out
 
-    def _run(self, embeds: torch.Tensor, offsets: torch.Tensor, seq_lens: torch.Tensor,
-             slots: torch.Tensor) -> torch.Tensor:
-        """Requests packed in ``embeds`` ``(T, D)`` at ``offsets`` ``(N + 1,)``, with ``seq_lens`` ``(N,)`` tokens
-        each once this step is done, their states in ``slots`` ``(N,)`` -> ``(T, D)``."""
-        slots = slots.long()
-        fresh = seq_lens == offsets.diff()  # nothing computed before this step: a start, or a preempted restart
+    def _run(self, embeds: torch.Tensor, requests: Requests, metadata: dict) -> torch.Tensor:
+        """The ``requests`` packed in ``embeds`` ``(T, D)`` -> ``(T, D)``, their states read before and written
+        after."""
         cache = SelectiveRopeCache(self.config)
-        for layer, states in zip(cache.layers, self.states):
-            layer.commit(states.read(slots, fresh), num_new_tokens=0)
-        hidden = self.model(inputs_embeds=embeds[None], cu_seqlens=offsets, past_key_values=cache,
+        for i, layer in enumerate(cache.layers):
+            previous, histories = self._read(i, requests, metadata)
+            layer.commit(previous, num_new_tokens=0, token_states=histories)
+        hidden = self.model(inputs_embeds=embeds[None], cu_seqlens=requests.offsets, past_key_values=cache,
                             use_cache=True).last_hidden_state[0]
-        for layer, states in zip(cache.layers, self.states):
-            states.write(slots, layer.states)
+        for i, layer in enumerate(cache.layers):
+            self._write(i, requests, metadata, layer.states)
         return hidden
+
+    def _read(self, layer: int, requests: Requests, metadata: dict) -> tuple[dict[str, torch.Tensor], tuple]:
+        """Layer ``layer``'s states of ``requests`` before this step (as our cache holds them) and the names of the
+        per-token histories among them."""
+        return self.states[layer].read(requests.slots, requests.fresh), ()
+
+    def _write(self, layer: int, requests: Requests, metadata: dict, states: dict[str, torch.Tensor]) -> None:
+        self.states[layer].write(requests.slots, states)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states)  # (T, vocab), our own head (one device: no gathering across ranks)
@@ -169,8 +180,141 @@ class SelectiveRopeStateModel(nn.Module, HasInnerState, IsAttentionFree):
         return loaded
 
 
-def _state_model(lm_class: type) -> type:
-    return type(lm_class.__name__, (SelectiveRopeStateModel,), {"lm_class": lm_class, "__module__": __name__})
+class SelectiveRopeStateModel(SelectiveRopeServedModel, HasInnerState, IsAttentionFree):
+    """A state-only family (GLA, Gated DeltaNet): every state of a layer is a running state, in vLLM's state
+    blocks."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        if self.layout.token_histories:
+            raise ValueError(f"{self.config.model_type} layers keep per-token histories "
+                             f"({', '.join(sorted(self.layout.token_histories))}): not a state-only model")
+
+
+@dataclass
+class Requests:
+    """The requests ``first:last`` of a step's batch, their tokens ``begin:end`` of its flat token axis."""
+
+    first: int
+    last: int
+    begin: int
+    end: int
+    offsets: torch.Tensor  # (N + 1,) where each request's tokens start, from 0
+    seq_lens: torch.Tensor  # (N,) tokens of each request once this step is done
+    slots: torch.Tensor  # (N,) int64, each request's state block
+
+    @property
+    def contexts(self) -> torch.Tensor:
+        """``(N,)`` tokens computed before this step (0: a start, or a preempted request recomputing)."""
+        return self.seq_lens - self.offsets.diff()
+
+    @property
+    def fresh(self) -> torch.Tensor:
+        return self.contexts == 0
+
+
+class PagedTimeline:
+    """One FoX layer's per-token histories in pages: keys and values in vLLM's paged K/V cache (bound to the layer's
+    ``Attention``, whose kernel is never called: no stock backend adds FoX's per-key bias), every other history (the
+    log forget gates) in float32 pages of our own with the same block ids, so a forget-gate sum never passes through
+    the K/V dtype. Pages are read through the step's block table and written at its slot mapping."""
+
+    def __init__(self, attention: nn.Module):
+        self.attention = attention
+        self.side_pages: dict[str, torch.Tensor] = {}
+
+    def _key_value_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(num_blocks, Hk, block_size, D)`` each, views of the layer's K/V pages as the CPU attention backend
+        lays them out and reads them itself: ``(num_blocks, Hk, block_size, 2 * D)``, viewed as ``(num_blocks, Hk,
+        2 * block_size, D)`` and halved along the token axis."""
+        num_blocks, num_kv_heads, block_size, _ = self.attention.kv_cache.shape
+        return self.attention.kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
+
+    def _pages(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """``(num_blocks, block_size, *inner)`` float32 pages for the history ``name``, made on first use."""
+        pages = self.side_pages.get(name)
+        if pages is None:
+            keys, _ = self._key_value_pages()
+            pages = self.side_pages[name] = torch.zeros(keys.shape[0], keys.shape[2], *like.shape[2:],
+                                                        dtype=torch.float32, device=keys.device)
+        return pages
+
+    def read(self, names: Iterable[str], blocks: torch.Tensor, contexts: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The histories of requests whose pages are ``blocks`` ``(N, max_blocks)``, ``contexts`` ``(N,)`` tokens
+        each: right-padded ``(N, C, ...)`` (``C`` the longest) with ``valid`` ``(N, C)`` marking real slots, as our
+        cache keeps a padded timeline; ``{}`` when no request has one."""
+        longest = int(contexts.max())
+        if longest == 0:
+            return {}
+        keys, values = self._key_value_pages()
+        position = torch.arange(longest, device=blocks.device)
+        block, offset = blocks[:, position // keys.shape[2]].long(), position % keys.shape[2]  # (N, C), (C,)
+        valid = position < contexts[:, None]  # (N, C)
+        histories = {"valid": valid}
+        for name in names:
+            if name in ("key", "value"):
+                pages = keys if name == "key" else values
+                rows = pages[block, :, offset]  # (N, C, Hk, D)
+            else:
+                pages = self.side_pages[name]
+                rows = pages[block, offset]  # (N, C, *inner)
+            histories[name] = rows * valid.view(*valid.shape, *[1] * (rows.dim() - 2)).to(rows.dtype)
+        return histories
+
+    def write(self, histories: dict[str, torch.Tensor], names: Iterable[str], contexts_longest: int,
+              offsets: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store this step's tokens: columns ``contexts_longest:`` of each history ``(N, C + L, ...)``, the rows of the
+        requests packed at ``offsets``, at the slots ``slot_mapping`` ``(T,)``."""
+        keys, values = self._key_value_pages()
+        layout = SequenceLayout.from_cu_seqlens(offsets, total=slot_mapping.numel())
+        slots = slot_mapping.long()
+        block, offset = slots // keys.shape[2], slots % keys.shape[2]
+        for name in names:
+            tokens = layout.from_rows(histories[name][:, contexts_longest:])[0]  # (T, ...)
+            if name in ("key", "value"):
+                pages = keys if name == "key" else values
+                pages[block, :, offset] = tokens.to(pages.dtype)
+            else:
+                self._pages(name, histories[name])[block, offset] = tokens.float()
+
+
+class SelectiveRopeHybridModel(SelectiveRopeServedModel, IsHybrid):
+    """FoX: keys and values in vLLM's paged K/V cache (one ``Attention`` per layer allocates them), the log forget
+    gates in float32 pages beside them (:class:`PagedTimeline`), and the running states (Selective RoPE phase, token
+    shifts) in state blocks."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        config = self.config
+        missing = {"key", "value"} - self.layout.token_histories
+        if missing:
+            raise ValueError(f"{config.model_type} layers keep no {', '.join(sorted(missing))} history: not an "
+                             "attention model")
+        self.timelines = [
+            PagedTimeline(Attention(config.num_attention_heads, config.head_dim, config.head_dim ** -0.5,
+                                    num_kv_heads=config.num_key_value_heads, cache_config=vllm_config.cache_config,
+                                    prefix=f"{prefix}model.layers.{i}.attn.attn"))
+            for i in range(config.num_hidden_layers)
+        ]
+
+    def _read(self, layer, requests, metadata):
+        running = self.states[layer].read(requests.slots, requests.fresh)
+        pages = metadata[self.timelines[layer].attention.layer_name]
+        histories = self.timelines[layer].read(self.layout.token_histories,
+                                               pages.block_table[requests.first:requests.last], requests.contexts)
+        return {**running, **histories}, tuple(histories)
+
+    def _write(self, layer, requests, metadata, states):
+        self.states[layer].write(requests.slots, states)
+        pages = metadata[self.timelines[layer].attention.layer_name]
+        self.timelines[layer].write(states, self.layout.token_histories, int(requests.contexts.max()),
+                                    requests.offsets, pages.slot_mapping[requests.begin:requests.end])
+
+
+def _served_model(lm_class: type) -> type:
+    base = SelectiveRopeHybridModel if lm_class.config_class.model_type in HYBRID_MODEL_TYPES else \
+        SelectiveRopeStateModel
+    return type(lm_class.__name__, (base,), {"lm_class": lm_class, "__module__": __name__})
 
 
 def _lm_class(name: str) -> type:
@@ -179,5 +323,6 @@ def _lm_class(name: str) -> type:
     return getattr(selective_rope, name)
 
 
-SelectiveRopeGLAForCausalLM = _state_model(_lm_class("SelectiveRopeGLAForCausalLM"))
-SelectiveRopeGatedDeltaNetForCausalLM = _state_model(_lm_class("SelectiveRopeGatedDeltaNetForCausalLM"))
+SelectiveRopeGLAForCausalLM = _served_model(_lm_class("SelectiveRopeGLAForCausalLM"))
+SelectiveRopeGatedDeltaNetForCausalLM = _served_model(_lm_class("SelectiveRopeGatedDeltaNetForCausalLM"))
+SelectiveRopeFoXForCausalLM = _served_model(_lm_class("SelectiveRopeFoXForCausalLM"))
