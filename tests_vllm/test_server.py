@@ -54,8 +54,8 @@ def server(tmp_path_factory):
     log = directory / "server.log"
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # as deployed: the engine core in its own process
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(directory),
-               "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny", "--dtype", "float32", "--enforce-eager",
-               "--max-model-len", "160", "--max-num-batched-tokens", "32", "--max-num-seqs", "8"]
+               "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny", "--dtype", "float32",
+               "--enforce-eager", "--max-model-len", "160", "--max-num-batched-tokens", "32", "--max-num-seqs", "8"]
     with open(log, "wb") as output:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
