@@ -11,13 +11,8 @@ Nothing else in the package imports this sub-package, and it imports vLLM only i
 
 from __future__ import annotations
 
-# Architecture (config.json's "architectures") -> the vLLM model class serving it, in .models.
-ARCHITECTURES = {
-    "SelectiveRopeGLAForCausalLM": "SelectiveRopeGLAForCausalLM",
-    "SelectiveRopeGatedDeltaNetForCausalLM": "SelectiveRopeGatedDeltaNetForCausalLM",
-    "SelectiveRopeFoXForCausalLM": "SelectiveRopeFoXForCausalLM",
-}
-# Families with attention (paged keys and values) besides their running states: vLLM "hybrid" models.
+# Families with attention (paged keys and values) besides their running states: vLLM "hybrid" models. The others are
+# state-only. (Each served model checks this against what its mixer keeps: serving/models.py.)
 HYBRID_MODEL_TYPES = ("selective_rope_fox",)
 
 
@@ -26,18 +21,21 @@ def register() -> None:
     from vllm import ModelRegistry
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
-    import selective_rope  # noqa: F401  (registers our configs with AutoConfig)
+    from ..families import FAMILIES  # importing the package registered our configs with AutoConfig
 
-    for architecture, class_name in ARCHITECTURES.items():
+    config_hook = _model_config()
+    for family in FAMILIES.values():
+        architecture = family.lm_class.__name__  # what save_pretrained writes in config.json's "architectures"
         if architecture not in ModelRegistry.get_supported_archs():
-            ModelRegistry.register_model(architecture, f"{__name__}.models:{class_name}")
+            ModelRegistry.register_model(architecture, f"{__name__}.models:{architecture}")
         # The engine sizes state blocks only for architectures in this map.
-        MODELS_CONFIG_MAP.setdefault(architecture, _model_config())
+        MODELS_CONFIG_MAP.setdefault(architecture, config_hook)
 
 
 def _model_config() -> type:
-    """vLLM's config hook for state-only models, with prefix caching off: a cached prefix would have to restore our
-    states at block boundaries (vLLM's "align" mode, per-state copy functions), which the plugin does not provide."""
+    """vLLM's config hook for models with states (``MambaModelConfig``, which hybrids use too), with prefix caching
+    off: a cached prefix would have to restore our states at block boundaries (vLLM's "align" mode, per-state copy
+    functions), which the plugin does not provide."""
     from vllm.logger import init_logger
     from vllm.model_executor.models.config import MambaModelConfig
 

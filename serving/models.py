@@ -30,7 +30,7 @@ from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree, IsHybrid
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from ..families import family_of_model_type
+from ..families import FAMILIES, family_of_model_type
 from ..modeling.cache import SelectiveRopeCache
 from ..modeling.layout import SequenceLayout
 from . import HYBRID_MODEL_TYPES
@@ -317,12 +317,6 @@ def _served_model(lm_class: type) -> type:
     return type(lm_class.__name__, (base,), {"lm_class": lm_class, "__module__": __name__})
 
 
-def _lm_class(name: str) -> type:
-    import selective_rope
-
-    return getattr(selective_rope, name)
-
-
-SelectiveRopeGLAForCausalLM = _served_model(_lm_class("SelectiveRopeGLAForCausalLM"))
-SelectiveRopeGatedDeltaNetForCausalLM = _served_model(_lm_class("SelectiveRopeGatedDeltaNetForCausalLM"))
-SelectiveRopeFoXForCausalLM = _served_model(_lm_class("SelectiveRopeFoXForCausalLM"))
+# One vLLM class per family, named as the family's causal LM (the architecture in its config.json).
+for _family in FAMILIES.values():
+    globals()[_family.lm_class.__name__] = _served_model(_family.lm_class)

@@ -30,15 +30,16 @@ def test_batched_greedy_equals_generate(served):
     assert got == reference(model, batch, NEW_TOKENS), family
 
 
-def test_preempted_requests_restart_from_zero_states(served):
-    """Every running request preempted after a few steps (vLLM's own preemption: blocks freed, tokens recomputed
-    from the start), then finished: the same tokens as an uninterrupted generate()."""
+def test_staggered_and_preempted_requests(served):
+    """Requests arriving while others run, then every running request preempted (vLLM's own preemption: blocks
+    freed, tokens recomputed from the start) and finished: the same tokens as uninterrupted generate() calls.
+
+    The long prompt comes first and takes two whole steps; the others arrive for the step that prefills its last
+    chunk, so that step mixes a continuing prefill with new ones (and a one-token prompt, a "decode" with no past)."""
     family, _, model, llm = served
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler  # the in-process engine core (conftest)
     batch = prompts()
-    for i, prompt in enumerate(batch):
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, greedy())
     finished = {}
 
     def step():
@@ -46,12 +47,19 @@ def test_preempted_requests_restart_from_zero_states(served):
             if output.finished:
                 finished[output.request_id] = list(output.outputs[0].token_ids)
 
-    for _ in range(4):  # the long prompt is still in its chunks, the short ones are decoding
+    longest = len(batch) - 1
+    engine.add_request(str(longest), {"prompt_token_ids": batch[longest]}, greedy())
+    step(), step()
+    (first,) = scheduler.running  # (the scheduler's request ids are the engine's, not ours)
+    assert first.num_computed_tokens == 2 * CHUNK  # still in its chunks
+    for i, prompt in enumerate(batch[:longest]):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, greedy())
+    for _ in range(3):
         step()
-    running = [request.request_id for request in scheduler.running]
-    assert running, "nothing running to preempt"
+    running = list(scheduler.running)
+    assert len(running) == len(batch)
     assert llm.reset_prefix_cache(reset_running_requests=True)
-    assert all(scheduler.requests[i].num_preemptions == 1 for i in running)
+    assert all(request.num_preemptions == 1 and request.num_computed_tokens == 0 for request in running)
     while engine.has_unfinished_requests():
         step()
     assert [finished[str(i)] for i in range(len(batch))] == reference(model, batch, NEW_TOKENS), family
