@@ -2,7 +2,7 @@
 
 Each engine step hands the model one flat batch of tokens from many requests (``query_start_loc`` marks where each
 request's tokens start): decodes (one token) first, then prefills, some of them chunks of a longer prompt that
-continue a state. Per step, :meth:`SelectiveRopeStateModel.forward`
+continue a state. Per step, :meth:`SelectiveRopeServedModel.forward`
 
 1. reads each request's states out of vLLM's state blocks (one :class:`LayerStates` per layer, its slots given by
    the step's metadata), zeros for a request that starts now (a new one, or a preempted one recomputing from its
@@ -145,8 +145,13 @@ class SelectiveRopeServedModel(nn.Module):
         for i, layer in enumerate(cache.layers):
             previous, histories = self._read(i, requests, metadata)
             layer.commit(previous, num_new_tokens=0, token_states=histories)
-        hidden = self.model(inputs_embeds=embeds[None], cu_seqlens=requests.offsets, past_key_values=cache,
-                            use_cache=True).last_hidden_state[0]
+        lengths = requests.offsets.diff()
+        if bool((lengths == lengths[0]).all()):  # e.g. decodes: one dense batch (N, L, D), generate()'s own path
+            hidden = self.model(inputs_embeds=embeds.view(len(lengths), -1, embeds.shape[-1]), past_key_values=cache,
+                                use_cache=True).last_hidden_state.flatten(0, 1)
+        else:
+            hidden = self.model(inputs_embeds=embeds[None], cu_seqlens=requests.offsets, past_key_values=cache,
+                                use_cache=True).last_hidden_state[0]
         for i, layer in enumerate(cache.layers):
             self._write(i, requests, metadata, layer.states)
         return hidden
