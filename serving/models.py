@@ -301,6 +301,12 @@ class SelectiveRopeHybridModel(SelectiveRopeServedModel, IsHybrid):
                                     prefix=f"{prefix}model.layers.{i}.attn.attn"))
             for i in range(config.num_hidden_layers)
         ]
+        # The K/V pages are the attention backend's: it must take the head dim (on the CPU 32, 64, 80, 96, ...), or the
+        # engine would fail at its first step, deep in the backend.
+        backend = self.timelines[0].attention.attn_backend
+        if not backend.supports_head_size(config.head_dim):
+            raise ValueError(f"vLLM's {backend.get_name()} attention backend, which keeps FoX's keys and values, does "
+                             f"not take head_dim={config.head_dim}; it takes {backend.get_supported_head_sizes()}")
 
     def _read(self, layer, requests, metadata):
         running = self.states[layer].read(requests.slots, requests.fresh)
