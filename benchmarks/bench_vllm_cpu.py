@@ -30,7 +30,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 import torch  # noqa: E402
 
 import selective_rope  # noqa: E402
-from selective_rope.bench.machine import device_info, source_provenance  # noqa: E402
+from selective_rope.bench.machine import device_info, load_average, source_provenance  # noqa: E402
 from selective_rope.bench.report import log, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,6 +96,7 @@ def bench_family(family: str, plan: dict, directory: Path) -> dict:
     time_vllm(llm, prompts[:2], 2)  # warm-up
     time_generate(model, prompts[:2], 2)
     timings = {"vllm": [], "generate": []}
+    load_before = load_average()  # other processes change CPU timings a lot: recorded with them
     for _ in range(plan["rounds"]):
         seconds, served = time_vllm(llm, prompts, plan["new_tokens"])
         timings["vllm"].append(seconds)
@@ -103,6 +104,7 @@ def bench_family(family: str, plan: dict, directory: Path) -> dict:
         timings["generate"].append(seconds)
     record = {name: rates(seconds, plan) for name, seconds in timings.items()}
     record["same_tokens"] = served == generated
+    record["load_average_before_after"] = [load_before, load_average()]
     record["vllm_over_generate_tokens_per_s"] = round(record["vllm"]["tokens_per_s"]
                                                       / record["generate"]["tokens_per_s"], 2)
     log(f"{family:15s} vLLM {record['vllm']['requests_per_s']:7.2f} req/s {record['vllm']['tokens_per_s']:8.1f} tok/s"
@@ -119,13 +121,14 @@ def main(argv=None) -> None:
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--output", type=Path, default=None, help=f"default: {DEFAULT_OUTPUT} (--quick: none)")
     args = parser.parse_args(argv)
+    import transformers
     import vllm
 
     plan = PLANS["quick" if args.quick else "full"]
     results = {"benchmark": "vllm_cpu", "mode": "quick" if args.quick else "full",
                "command": " ".join(["python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
                "versions": {"vllm": vllm.__version__, "torch": torch.__version__,
-                            "selective_rope": selective_rope.__version__},
+                            "transformers": transformers.__version__, "selective_rope": selective_rope.__version__},
                "device": device_info(torch.get_num_threads()), "source": source_provenance(ROOT, SOURCES),
                "plan": plan, "families": {}}
     with tempfile.TemporaryDirectory() as scratch:
