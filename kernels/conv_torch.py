@@ -13,6 +13,7 @@ def causal_conv1d(
     lengths: torch.Tensor | None = None,
     activation: str | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``y_t = act(Σ_j weight[:, j] · x_{t-K+1+j})`` with the history before ``x_0`` taken from ``initial_state``.
 
@@ -26,6 +27,8 @@ def causal_conv1d(
         cu_seqlens: ``(N + 1,)`` offsets of sequences packed in one row (``x`` of shape ``(1, total, C)``, no
             ``lengths``): the convolution restarts at each boundary, and ``initial_state`` and the final state hold
             one history per sequence, ``(N, K-1, C)``.
+        in_place: write the final state into ``initial_state`` itself and return it (a static cache's history,
+            whose address must not change), where it has ``x``'s dtype and rows are not packed; else a new tensor.
 
     Returns:
         ``y`` of shape ``(B, T, C)`` and the final state ``(B, K-1, C)`` (``(N, K-1, C)`` when packed): the last
@@ -40,18 +43,21 @@ def causal_conv1d(
         return _packed_causal_conv1d(x, weight, initial_state, activation, cu_seqlens)
     batch, seq_len, channels = x.shape
     kernel_size = weight.shape[-1]
+    out = initial_state if in_place and initial_state is not None and initial_state.dtype == x.dtype else None
     if initial_state is None:
         initial_state = x.new_zeros(batch, kernel_size - 1, channels)
-    history = torch.cat([initial_state.to(x.dtype), x], dim=1)  # (B, K-1+T, C)
+    history = torch.cat([initial_state.to(x.dtype), x], dim=1)  # (B, K-1+T, C), a copy: `out` may be overwritten
     y = _taps_over(history, _contiguous_taps(weight, x.dtype), seq_len)
     y = F.silu(y) if activation == "silu" else y
 
     if lengths is None:
-        final_state = history[:, seq_len:].clone()  # not a view: the cache must not keep all of `history` alive
+        # Not a view: the cache must not keep all of `history` alive.
+        final_state = history[:, seq_len:].clone() if out is None else out.copy_(history[:, seq_len:])
     else:
         # The K-1 inputs just before each row's end sit at history[len : len+K-1].
         index = lengths.view(batch, 1) + torch.arange(kernel_size - 1, device=x.device)  # (B, K-1)
-        final_state = history.gather(1, index.unsqueeze(-1).expand(-1, -1, channels))
+        index = index.unsqueeze(-1).expand(-1, -1, channels)
+        final_state = history.gather(1, index) if out is None else torch.gather(history, 1, index, out=out)
     return y, final_state
 
 

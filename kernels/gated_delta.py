@@ -10,20 +10,24 @@ from .heads import repeat_heads
 
 
 def gated_delta_rule(q, k, v, g, beta, *, initial_state=None, output_final_state=False, cu_seqlens=None,
-                     backend: str = "torch"):
+                     in_place=False, backend: str = "torch"):
     """The gated delta rule with grouped value heads.
 
     ``q, k``: ``(B, T, H, K)`` L2-normalised; ``v``: ``(B, T, HV, V)`` with ``HV % H == 0`` (value head ``j`` reads
     key head ``j // (HV / H)``); ``g`` (log decay) and ``beta``: ``(B, T, HV)`` float32; the state ``(B, HV, K, V)``
     float32. Returns ``(o (B, T, HV, V) in v.dtype, final state or None)``. ``cu_seqlens`` (fla only): ``B = 1``
-    packed sequences, states ``(N, HV, K, V)``.
+    packed sequences, states ``(N, HV, K, V)``. ``in_place``: a single token's recurrent torch step writes the final
+    state into ``initial_state`` (a static cache's); fla's kernels and the chunked form leave a new one.
     """
     fla = fla_ops(backend, q.device)
     if fla is None:
         refuse_packing(cu_seqlens, "gated_delta_rule")
         q, k = repeat_heads(v.shape[2] // q.shape[2], q, k)  # our torch ops take one key per value head
-        op = recurrent_gated_delta_rule if q.shape[1] == 1 else chunk_gated_delta_rule
-        return op(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state)
+        if q.shape[1] == 1:
+            return recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state,
+                                              output_final_state=output_final_state, in_place=in_place)
+        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state,
+                                      output_final_state=output_final_state)
     # fla's recurrent kernel has no backward (NotImplementedError in fla 0.6.0): a single token that needs gradients
     # (training on one-token calls) takes the chunked kernel, which is exact at T = 1 too.
     recurrent = q.shape[1] == 1 and not _needs_grad(q, k, v, g, beta, initial_state)

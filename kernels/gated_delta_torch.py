@@ -247,6 +247,7 @@ def recurrent_gated_delta_rule(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token gated delta rule (decoding, where T is usually 1).
 
@@ -258,6 +259,8 @@ def recurrent_gated_delta_rule(
         scale: query scale; defaults to K ** -0.5.
         initial_state: (B, H, K, V) state before the first token, any float dtype (used as float32).
         output_final_state: also return the state after the last token.
+        in_place: update ``initial_state`` itself, when it is float32, and return it as the final state (a static
+            cache's state, whose address must not change); the same values as a new state.
 
     Returns:
         o: (B, T, H, V) in v.dtype, and the final state (B, H, K, V) in float32, or None.
@@ -272,13 +275,15 @@ def recurrent_gated_delta_rule(
     g, beta = (x.float().transpose(1, 2)[..., None, None] for x in (g, beta))  # (B, H, T, 1, 1)
     decay = g.exp()
     state = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
+    in_place = in_place and state is initial_state  # (.float() of a float32 tensor is the tensor itself)
 
     outputs = []
     for t in range(T):
         k_t = k[:, :, t, None, :]  # (B, H, 1, K)
-        state = decay[:, :, t] * state  # (B, H, K, V)
+        state = state.mul_(decay[:, :, t]) if in_place else decay[:, :, t] * state  # (B, H, K, V)
         error = beta[:, :, t] * (v[:, :, t, None, :] - k_t @ state)  # β (v - Sᵀk): (B, H, 1, V)
-        state = state + k_t.transpose(-1, -2) * error  # S + k (β (v - Sᵀk))ᵀ
+        update = k_t.transpose(-1, -2) * error  # k (β (v - Sᵀk))ᵀ
+        state = state.add_(update) if in_place else state + update
         outputs.append(q[:, :, t, None, :] @ state)  # (B, H, 1, K) @ (B, H, K, V) -> (B, H, 1, V)
     o = torch.cat(outputs, dim=2).transpose(1, 2)  # (B, H, T, V) -> (B, T, H, V)
     return o.to(out_dtype), state if output_final_state else None

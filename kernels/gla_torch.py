@@ -219,6 +219,7 @@ def recurrent_gla(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token GLA (decoding, where T is usually 1).
 
@@ -229,6 +230,8 @@ def recurrent_gla(
         scale: query scale; defaults to K ** -0.5.
         initial_state: (B, H, K, V) state before the first token, any float dtype (used as float32).
         output_final_state: also return the state after the last token.
+        in_place: update ``initial_state`` itself, when it is float32, and return it as the final state (a static
+            cache's state, whose address must not change); the same values as a new state.
 
     Returns:
         o: (B, T, H, V) in q.dtype, and the final state (B, H, K, V) in float32, or None.
@@ -240,11 +243,16 @@ def recurrent_gla(
     q, k, v, gk = (x.float() for x in (q, k, v, gk))
     q, decay = q * scale, gk.exp()
     state = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
+    in_place = in_place and state is initial_state  # (.float() of a float32 tensor is the tensor itself)
 
     outputs = []
     for t in range(T):
         # (B, H, K, 1) * (B, H, K, V) + (B, H, K, 1) * (B, H, 1, V) -> (B, H, K, V)
-        state = decay[:, t, :, :, None] * state + k[:, t, :, :, None] * v[:, t, :, None, :]
+        update = k[:, t, :, :, None] * v[:, t, :, None, :]
+        if in_place:  # the same two roundings as out of place
+            state.mul_(decay[:, t, :, :, None]).add_(update)
+        else:
+            state = decay[:, t, :, :, None] * state + update
         outputs.append(q[:, t, :, None, :] @ state)  # (B, H, 1, K) @ (B, H, K, V) -> (B, H, 1, V)
     o = torch.cat(outputs, dim=2).transpose(1, 2)  # (B, H, T, V) -> (B, T, H, V)
     return o.to(out_dtype), state if output_final_state else None

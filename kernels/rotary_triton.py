@@ -920,11 +920,18 @@ def _rotary_decode_impl(
     """Shapes as in ``selective_rotary_decode_triton``: ``projection``, ``phase``, ``conv_state`` and ``gate_logits``
     float64, ``temperature``, ``conv_weight`` and ``bias`` float32; ``phase`` and ``conv_state`` are given (zeros at a
     sequence start). Returns q, k, the new phase and the new history (``(B, 0, C)`` without conv), float64."""
+    return _decode_from_projection(q, k, projection, temperature, phase, conv_state, conv_weight, bias, gate_logits,
+                                   valid, silu, in_place=False)
+
+
+def _decode_from_projection(q, k, projection, temperature, phase, conv_state, conv_weight, bias, gate_logits, valid,
+                            silu: bool, in_place: bool):
+    """``_launch_decode`` of the decode kernel that takes the phase inputs (both custom ops' function)."""
     batch, num_key_heads, rotary_pairs = k.shape[0], k.shape[1], temperature.shape[0]
     gate = projection if gate_logits is None else gate_logits.expand(batch, num_key_heads, rotary_pairs)
     return _launch_decode(_selective_rotary_decode_kernel, (projection, gate), (*projection.stride(), *gate.stride()),
                           {}, q, k, temperature, phase, conv_state, conv_weight, bias, valid, silu,
-                          has_gate=gate_logits is not None)
+                          has_gate=gate_logits is not None, in_place=in_place)
 
 
 @functools.lru_cache(maxsize=None)
@@ -936,23 +943,30 @@ def _decode_blocks(rotary_pairs: int, head_dim: int) -> dict[str, int]:
 
 
 def _launch_decode(kernel, inputs: tuple, input_args: tuple, input_meta: dict, q, k, temperature, phase, conv_state,
-                   conv_weight, bias, valid, silu: bool, has_gate: bool):
+                   conv_weight, bias, valid, silu: bool, has_gate: bool, in_place: bool = False):
     """Allocate a decoding step's outputs and launch ``kernel`` (one of the two decode kernels, which share their
     arguments but for the phase ``inputs``, given after q and k, and ``input_args`` and ``input_meta``, given last)
     with one program per (row, key head). Returns q, k, the new phase and the new history, as
-    ``_rotary_decode_impl``."""
+    ``_rotary_decode_impl``. ``in_place``: the new phase and history are written into ``phase`` and ``conv_state``
+    (contiguous, float64), which are returned: each program reads its own (row, head) slots before it writes them,
+    and history slot j before it writes slot j - 1."""
     batch, num_query_heads, head_dim = q.shape
     num_key_heads, rotary_pairs = k.shape[1], temperature.shape[0]
     out_q, out_k = torch.empty_like(q), torch.empty_like(k)
-    new_phase = torch.empty(batch, num_key_heads, rotary_pairs, dtype=torch.float64, device=q.device)
     conv_k = 0 if conv_weight is None else conv_weight.shape[-1]
-    new_conv = q.new_empty(batch, max(conv_k - 1, 0), num_key_heads * rotary_pairs, dtype=torch.float64)
+    if in_place:
+        new_phase = phase
+        new_conv = conv_state if conv_k else q.new_empty(batch, 0, num_key_heads * rotary_pairs, dtype=torch.float64)
+    else:
+        new_phase = torch.empty(batch, num_key_heads, rotary_pairs, dtype=torch.float64, device=q.device)
+        new_conv = q.new_empty(batch, max(conv_k - 1, 0), num_key_heads * rotary_pairs, dtype=torch.float64)
     if batch == 0 or rotary_pairs == 0:
         out_q.copy_(q)
         out_k.copy_(k)
-        new_phase.copy_(phase)
-        if conv_state is not None:
-            new_conv.copy_(conv_state)
+        if not in_place:
+            new_phase.copy_(phase)
+            if conv_state is not None:
+                new_conv.copy_(conv_state)
         return out_q, out_k, new_phase, new_conv
     placeholder = new_phase  # for pointers a disabled branch never reads
     kernel[(batch * num_key_heads,)](
@@ -983,6 +997,47 @@ def _(q, k, projection, temperature, phase, conv_state, conv_weight, bias, gate_
     return torch.empty_like(q), torch.empty_like(k), new_phase, new_conv
 
 
+def _rotary_decode_in_place_impl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    projection: torch.Tensor,
+    temperature: torch.Tensor,
+    phase: torch.Tensor,
+    conv_state: torch.Tensor | None,
+    conv_weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    gate_logits: torch.Tensor | None,
+    valid: torch.Tensor | None,
+    silu: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_rotary_decode_impl`` writing the new phase and history into ``phase`` and ``conv_state`` (a static cache's:
+    contiguous float64) rather than new tensors. Returns q and k (an op's outputs may not alias its inputs)."""
+    q_out, k_out, _, _ = _decode_from_projection(q, k, projection, temperature, phase, conv_state, conv_weight, bias,
+                                                 gate_logits, valid, silu, in_place=True)
+    return q_out, k_out
+
+
+# The mutation is declared, so functionalization (torch.compile, export) sees the writes to the cache's tensors.
+_rotary_decode_in_place = torch.library.custom_op("selective_rope::rotary_decode_in_place",
+                                                  _rotary_decode_in_place_impl, mutates_args=("phase", "conv_state"))
+
+
+@_rotary_decode_in_place.register_fake
+def _(q, k, projection, temperature, phase, conv_state, conv_weight, bias, gate_logits, valid, silu):
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+def _writable(state: torch.Tensor | None) -> bool:
+    """Whether a step can write its new state into ``state`` (``in_place``): one dense float64 tensor."""
+    return state is not None and state.dtype == torch.float64 and state.is_contiguous()
+
+
+def _in_place(in_place: bool, phase: torch.Tensor | None, conv_state: torch.Tensor | None,
+              conv_weight: torch.Tensor | None) -> bool:
+    """Whether a step asked to write in place can: there is a phase (and a history, with a convolution) to write."""
+    return in_place and _writable(phase) and (conv_weight is None or _writable(conv_state))
+
+
 def _check_phase_weights(x, down, up, gate_weight) -> None:
     num_key_heads, rank, chunk_dim = down.shape
     hidden = x.shape[-1]
@@ -1011,6 +1066,7 @@ def selective_rotary_decode_triton(
     bias: torch.Tensor | None = None,
     gate_logits: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One decoding step of Selective RoPE for every row, fused (SPEC §3 steps 3-8, in training order).
 
@@ -1027,6 +1083,9 @@ def selective_rotary_decode_triton(
         gate_logits: ``G(u)`` before the sigmoid, ``(B, Hk, 1)`` (one per head) or ``(B, Hk, R)``, float64, or
             ``None``.
         valid: ``(B,)`` bool, False where this step's token is padding (adds 0, history unchanged), or ``None``.
+        in_place: write the new phase and history into ``phase`` and ``conv_state`` themselves (a static cache's,
+            whose addresses must not change) and return them, where they are contiguous float64 tensors (else new
+            ones, as without it); traced, a custom op that declares the mutation.
 
     Returns:
         Rotated ``q`` and ``k`` (input dtypes), the new phase ``(B, Hk, R)`` and the new convolution history
@@ -1038,8 +1097,11 @@ def selective_rotary_decode_triton(
     inputs = (q, k, projection, step.temperature, step.phase, step.conv_state, step.conv_weight, step.bias,
               gate_logits, step.valid, step.silu)
     # The custom op's dispatch layers cost ~10 us, a good part of a decoding step's budget: plain eager calls skip them.
-    decode = _rotary_decode_impl if _plain_eager_call(inputs) else _rotary_decode
-    q_out, k_out, new_phase, new_conv = decode(*inputs)
+    plain = _plain_eager_call(inputs)
+    if _in_place(in_place, phase, conv_state, conv_weight):
+        q_out, k_out = (_rotary_decode_in_place_impl if plain else _rotary_decode_in_place)(*inputs)
+        return q_out, k_out, phase, conv_state if conv_weight is not None else None
+    q_out, k_out, new_phase, new_conv = (_rotary_decode_impl if plain else _rotary_decode)(*inputs)
     return q_out, k_out, new_phase, (new_conv if conv_weight is not None else None)
 
 
@@ -1058,6 +1120,7 @@ def selective_rotary_decode_from_input_triton(
     conv_activation: str | None = None,
     bias: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """``selective_rotary_decode_triton`` for the default phase path (a ``"low_rank"`` projection, a per-head gate
     or none), with steps 1-2 in the same launch: from this step's input ``x`` and the phase modules' weights, what
@@ -1088,7 +1151,8 @@ def selective_rotary_decode_from_input_triton(
     q_out, k_out, new_phase, new_conv = _launch_decode(
         _selective_rotary_decode_from_input_kernel, (x, down.contiguous(), up.contiguous(), *gate),
         (chunk_dim, rank, x.stride(0)), meta, q, k, step.temperature, step.phase, step.conv_state, step.conv_weight,
-        step.bias, step.valid, step.silu, has_gate=gate_weight is not None)
+        step.bias, step.valid, step.silu, has_gate=gate_weight is not None,
+        in_place=_in_place(in_place, phase, conv_state, conv_weight))
     return q_out, k_out, new_phase, (new_conv if conv_weight is not None else None)
 
 

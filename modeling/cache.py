@@ -12,7 +12,8 @@ overwrite a running state's tensor with the next value (the compiled CPU rotary 
 Branch from a ``copy.deepcopy`` of a cache; clone a tensor read from it that must outlive the next call.
 
 :class:`SelectiveRopeStaticCache` (``generate(..., cache_implementation="static")``) holds the same names in tensors
-allocated once, at the prefill, and written in place afterwards: running states are copied into their tensors,
+allocated once, at the prefill, and written in place afterwards: running states by the decoding kernels (see
+``LayerState.in_place``) or else copied into their tensors,
 per-token histories are written at the cache's position into buffers of ``max_cache_len`` tokens whose unwritten slots
 a mixer masks (``LayerState.fixed_length``). Every tensor keeps its address across steps, which is what
 ``torch.compile`` (and CUDA graphs) need; design notes in docs/compiled_decoding.md.
@@ -186,7 +187,8 @@ class SelectiveRopeStaticCacheLayer(SelectiveRopeCacheLayer):
     """A layer whose tensors are allocated once, at the first forward (the prefill: shapes are only known to the
     mixer), and then only written in place, so that a compiled decoding step sees the same tensors every step.
 
-    Running states are copied into their tensors at ``commit``; per-token histories are buffers ``(B, max_cache_len,
+    Running states are written into their tensors by the decoding kernels (``LayerState.in_place``), or else copied
+    there at ``commit``; per-token histories are buffers ``(B, max_cache_len,
     ...)`` written at ``position`` (a tensor: a compiled step reads it without a host synchronisation and without
     recompiling as it grows). Unwritten slots hold zeros, so a mixer must mask them (FoX keeps a ``valid`` history
     for that). A step past ``max_cache_len`` is refused (an assertion on ``position``, made on the device), and so is
@@ -210,8 +212,9 @@ class SelectiveRopeStaticCacheLayer(SelectiveRopeCacheLayer):
         return f"{self.__class__.__name__}(max_cache_len={self.max_cache_len}, states={shapes})"
 
     def commit(self, states: dict[str, torch.Tensor], num_new_tokens: int, token_states=()) -> None:
-        """Copy the running states into the layer's tensors (allocated here at the first call); the per-token
-        histories were written by ``extend`` already."""
+        """Copy the running states into the layer's tensors (allocated here at the first call), but for those a
+        kernel wrote there already (handed back as the layer's own tensors); the per-token histories were written
+        by ``extend`` already."""
         first = not self.is_initialized
         for name, tensor in states.items():
             if name in token_states:
@@ -223,7 +226,7 @@ class SelectiveRopeStaticCacheLayer(SelectiveRopeCacheLayer):
                                        "after the prefill: a static cache cannot allocate state while decoding")
                 self._check_batch(tensor.shape[0])
                 self.states[name] = self._own(tensor.clone(memory_format=torch.contiguous_format))
-            elif target is not tensor:  # (the CPU rotary kernel may have written into it already)
+            elif target is not tensor:  # (else a kernel wrote into it already)
                 target.copy_(tensor)
         self.token_states = frozenset(token_states)
         self.position.add_(num_new_tokens)

@@ -158,8 +158,10 @@ class ForgettingAttention(nn.Module):
             previous = {"phase": seen[:, None, None].expand(-1, k.shape[2], self.rotary.rotary_pairs)}
         else:
             previous = rotary_state.previous()
+        # (RoPE's phase here is derived from the key history, not a cached tensor: nothing to write in place.)
         q, k, new_rotary_state = self.rotary(x, q, k, previous, lengths, cu_seqlens, backend=backend,
-                                             overwrite_state=state.keep)
+                                             overwrite_state=state.keep, in_place=state.in_place and
+                                             self.rotary.position_embedding == "selective_rope")
         if self.rotary.position_embedding == "selective_rope":
             rotary_state.update(new_rotary_state)
         return q, k

@@ -103,7 +103,8 @@ class GatedDeltaNet(QKVShortConvolutions):
         rotary_state = state.scope("rotary")
         phase_input = x if phase_input is None else phase_input
         q, k, new_rotary_state = self.rotary(phase_input, q, k, rotary_state.previous(), lengths, cu_seqlens,
-                                             backend=backend, overwrite_state=state.keep)  # the cache's tensors: ours
+                                             backend=backend, overwrite_state=state.keep,  # the cache's tensors: ours
+                                             in_place=state.in_place)
         rotary_state.update(new_rotary_state)
 
         if lengths is not None:  # β = 0 and g = 0: pads leave the state exactly as it was
@@ -111,7 +112,8 @@ class GatedDeltaNet(QKVShortConvolutions):
             beta, g = beta * valid, g * valid
         # Grouped value heads: value head j reads key head j // (num_v_heads / num_heads), inside the op.
         o, recurrent_state = gated_delta_rule(q, k, v, g, beta, initial_state=state.get("recurrent"),
-                                              output_final_state=state.keep, cu_seqlens=cu_seqlens, backend=backend)
+                                              output_final_state=state.keep, cu_seqlens=cu_seqlens,
+                                              in_place=state.in_place, backend=backend)
         if state.keep:
             state.set("recurrent", recurrent_state)
 

@@ -72,7 +72,8 @@ class GatedLinearAttention(QKVShortConvolutions):
         rotary_state = state.scope("rotary")
         phase_input = x if phase_input is None else phase_input
         q, k, new_rotary_state = self.rotary(phase_input, q, k, rotary_state.previous(), lengths, cu_seqlens,
-                                             backend=backend, overwrite_state=state.keep)  # the cache's tensors: ours
+                                             backend=backend, overwrite_state=state.keep,  # the cache's tensors: ours
+                                             in_place=state.in_place)
         rotary_state.update(new_rotary_state)
 
         if lengths is not None:  # pads neither write to nor decay the recurrent state
@@ -81,7 +82,7 @@ class GatedLinearAttention(QKVShortConvolutions):
         # GQA: each key/value head serves `num_heads // num_kv_heads` consecutive query heads (inside the op).
         o, recurrent_state = gated_linear_attention(q, k, v, gk, initial_state=state.get("recurrent"),
                                                     output_final_state=state.keep, cu_seqlens=cu_seqlens,
-                                                    backend=backend)
+                                                    in_place=state.in_place, backend=backend)
         if state.keep:
             state.set("recurrent", recurrent_state)
 

@@ -55,13 +55,15 @@ class ShortConvolution(nn.Conv1d):
         self.activation = activation
 
     def forward(self, x: torch.Tensor, state: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
-                dtype: torch.dtype | None = None,
-                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                dtype: torch.dtype | None = None, cu_seqlens: torch.Tensor | None = None,
+                in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``x``: ``(B, T, C)`` -> ``(B, T, C)`` and the new state ``(B, K-1, C)``; computed in ``dtype`` if given.
-        Packed sequences (``cu_seqlens``, ``x`` of shape ``(1, total, C)``): one state per sequence, ``(N, K-1, C)``."""
+        Packed sequences (``cu_seqlens``, ``x`` of shape ``(1, total, C)``): one state per sequence, ``(N, K-1, C)``.
+        ``in_place``: the new state is written into ``state`` (``causal_conv1d``)."""
         if dtype is not None:
             x = x.to(dtype)
-        return causal_conv1d(x, self.weight.squeeze(1), state, lengths, self.activation, cu_seqlens=cu_seqlens)
+        return causal_conv1d(x, self.weight.squeeze(1), state, lengths, self.activation, cu_seqlens=cu_seqlens,
+                             in_place=in_place)
 
 
 class QKVShortConvolutions(nn.Module):
@@ -86,7 +88,8 @@ class QKVShortConvolutions(nn.Module):
             return q, k, v
         convolved = []
         for name, x, conv in (("q_conv", q, self.q_conv1d), ("k_conv", k, self.k_conv1d), ("v_conv", v, self.v_conv1d)):
-            x, history = conv(x, state.get(name), lengths, cu_seqlens=cu_seqlens)  # history (B, K-1, C)
+            x, history = conv(x, state.get(name), lengths, cu_seqlens=cu_seqlens,
+                              in_place=state.in_place)  # history (B, K-1, C)
             state.set(name, history)
             convolved.append(x)
         return tuple(convolved)

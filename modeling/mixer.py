@@ -52,6 +52,13 @@ class LayerState:
         the mixer must mask them."""
         return self._layer is not None and self._layer.fixed_length
 
+    @property
+    def in_place(self) -> bool:
+        """Whether the cache's running-state tensors (``get``) are also the next state's (a static cache, kept): the
+        kernels then write the new recurrent states, convolution histories and phase into them, and ``set`` hands the
+        same tensors back. A dynamic cache's states are never written: each call leaves new tensors."""
+        return self.keep and self.fixed_length
+
     def _name(self, name: str) -> str:
         return self._prefix + name
 

@@ -468,6 +468,7 @@ class SelectiveRotaryEmbedding(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         backend: str | None = None,
         overwrite_state: bool = False,
+        in_place: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """``backend``: ``"torch"``, ``"torch+c"`` or ``"triton"`` as the model resolved it for this call
         (``dispatch.resolve_backend``); ``None``: resolved here from the config's ``backend`` (and the environment).
@@ -475,7 +476,11 @@ class SelectiveRotaryEmbedding(nn.Module):
         ``overwrite_state``: the caller owns ``state`` and keeps only the new one (the model's cache, when it keeps
         states): the new phase and history may then be written into ``state``'s tensors instead of new ones (the
         compiled CPU path does; the returned state is the one to keep either way). Otherwise ``state`` is never
-        modified."""
+        modified.
+
+        ``in_place``: ``state``'s tensors are a static cache's, which keep their addresses: the single-token steps
+        (torch and Triton) then write the new phase and history into them and return them (where they have the
+        step's dtype and layout: float64, contiguous). Implies ``overwrite_state``."""
         if self.position_embedding == "nope":
             return q, k, {}
         if backend is None:
@@ -496,8 +501,8 @@ class SelectiveRotaryEmbedding(nn.Module):
                 return compiled
         if single_token_step_applies(seq_len, cu_seqlens):
             if backend != "triton":
-                return self._decode_step_torch(x, q, k, state, lengths)
-            return self._decode_step(x, q, k, state, lengths)  # the fused Triton step
+                return self._decode_step_torch(x, q, k, state, lengths, in_place)
+            return self._decode_step(x, q, k, state, lengths, in_place)  # the fused Triton step
         valid = None if lengths is None else valid_mask(lengths, seq_len)  # (B, T)
         with no_autocast(x):
             increment, conv_state = self.phase_increment(x, valid, state.get("phase_conv"), lengths, cu_seqlens)
@@ -505,16 +510,17 @@ class SelectiveRotaryEmbedding(nn.Module):
                                        backend=backend)
         return q, k, self._state(phase, conv_state)
 
-    def _decode_step(self, x, q, k, state, lengths):
+    def _decode_step(self, x, q, k, state, lengths, in_place=False):
         """One token per row (decoding) with the fused Triton step: what ``phase_increment`` followed by
         ``selective_rotary`` compute. The default phase path (``_fusable_phase_weights``) runs as one launch from
         this step's input; other phase paths compute the phase inputs first (``_decode_phase_inputs``); RoPE's are a
         unit step, with no convolution, bias or gate. The convolution's taps (learned, or the fixed difference) are
-        read directly."""
+        read directly. ``in_place``: the kernel writes the new phase and history into ``state``'s (``forward``)."""
         valid = None if lengths is None else lengths > 0
         if self.position_embedding == "rope":
             q_out, k_out, phase, _ = selective_rotary_decode(q[:, 0], k[:, 0], unit_step(x.device), self.temperature,
-                                                             phase=state.get("phase"), valid=valid)
+                                                             phase=state.get("phase"), valid=valid,
+                                                             in_place=in_place)
             return q_out.unsqueeze(1), k_out.unsqueeze(1), self._state(phase, None)
         conv = self.phase_conv
         step_state = dict(
@@ -524,6 +530,7 @@ class SelectiveRotaryEmbedding(nn.Module):
             conv_activation=None if conv is None else conv.activation,
             bias=self.phase_bias,
             valid=valid,
+            in_place=in_place,
         )
         weights = self._fusable_phase_weights()
         step = None if weights is None else selective_rotary_decode_from_input(q[:, 0], k[:, 0], x[:, 0], *weights,
@@ -637,11 +644,12 @@ class SelectiveRotaryEmbedding(nn.Module):
                 plan = None
         return _CachedPlan(plan, self, modules, sizes)
 
-    def _decode_step_torch(self, x, q, k, state, lengths):
+    def _decode_step_torch(self, x, q, k, state, lengths, in_place=False):
         """One token per row (decoding) on the torch path, Selective RoPE or RoPE: what ``phase_increment`` followed
         by ``selective_rotary`` compute, in the same precision, written for a single token (no time axis, no
         cumulative sum, the convolution as one window, q and k rotated together). A decoding step's cost here is the
-        number of tiny ops (each a few microseconds, whatever its size), not their arithmetic."""
+        number of tiny ops (each a few microseconds, whatever its size), not their arithmetic. ``in_place``: the new
+        phase and history are written into ``state``'s tensors where they are float64 and contiguous (``forward``)."""
         batch, dtype = x.shape[0], phase_dtype(x.device)
         valid = None if lengths is None else (lengths > 0).view(batch, 1, 1)  # (B, 1, 1): False for a pad token
         conv_state = None
@@ -649,27 +657,30 @@ class SelectiveRotaryEmbedding(nn.Module):
             increment = x.new_ones((), dtype=dtype) if valid is None else valid.to(dtype)
         else:
             with no_autocast(x):
-                increment, conv_state = self._single_token_increment(x, state.get("phase_conv"), valid)
+                increment, conv_state = self._single_token_increment(x, state.get("phase_conv"), valid, in_place)
             increment = increment.float().to(dtype)  # rounded to float32 once, as a prefill rounds it
         previous = state.get("phase")
         if previous is not None and previous.dtype != dtype:
             previous = previous.to(dtype)
-        phase = increment if previous is None else increment + previous
-        phase = phase.expand(batch, k.shape[2], self.rotary_pairs).contiguous()  # (B, Hk, R)
+        if in_place and _writable(previous, dtype):
+            phase = previous.add_(increment)  # (B, Hk, R): the same sum as below, in the cache's tensor
+        else:
+            phase = increment if previous is None else increment + previous
+            phase = phase.expand(batch, k.shape[2], self.rotary_pairs).contiguous()  # (B, Hk, R)
         angle = rotary_angles(phase, self.temperature)[:, None]  # (B, 1, Hk, R)
         q_out, k_out = rotate_query_and_key(q, k, angle.cos(), angle.sin())
         return q_out, k_out, self._state(phase, conv_state)
 
-    def _single_token_increment(self, x, history, valid):
-        """``c_t`` for one token per row, float64 ``(B, Hk, R)`` (not yet rounded), and the new convolution history;
-        ``valid`` ``(B, 1, 1)`` or None."""
+    def _single_token_increment(self, x, history, valid, in_place=False):
+        """``c_t`` for one token per row, float64 ``(B, Hk, R)`` (not yet rounded), and the new convolution history
+        (written into ``history`` where ``in_place`` and it can be); ``valid`` ``(B, 1, 1)`` or None."""
         u = self._normalized_chunks(x)  # (B, 1, Hk, Dc) float64
         a = self._project(u)[:, 0]  # (B, Hk, R)
         if valid is not None:
             a = a * valid  # pads never enter the convolution history
         conv_state = None
         if self.phase_conv is not None:
-            a, conv_state = self._conv_step(a, history, valid)
+            a, conv_state = self._conv_step(a, history, valid, in_place)
         if self.phase_bias is not None:
             a = a + self.phase_bias.to(u.dtype).exp()
         if self.phase_gate_proj is not None:
@@ -678,22 +689,29 @@ class SelectiveRotaryEmbedding(nn.Module):
             a = a * valid  # pads never advance the phase
         return a, conv_state
 
-    def _conv_step(self, a: torch.Tensor, history: torch.Tensor | None, valid: torch.Tensor | None):
+    def _conv_step(self, a: torch.Tensor, history: torch.Tensor | None, valid: torch.Tensor | None,
+                   in_place: bool = False):
         """The phase convolution for one token: ``a`` ``(B, Hk, R)`` -> its output and the new history
-        ``(B, K-1, C)``. The taps are summed oldest first, as ``causal_conv1d`` sums them (one reduction over the
-        window rather than K products and K-1 additions: fewer ops)."""
+        ``(B, K-1, C)`` (``history`` itself where ``in_place`` and it has ``a``'s dtype). The taps are summed oldest
+        first, as ``causal_conv1d`` sums them (one reduction over the window rather than K products and K-1
+        additions: fewer ops)."""
         batch = a.shape[0]
         current = a.reshape(batch, 1, -1)  # (B, 1, C)
         taps = self.phase_conv.taps(a.device, current.shape[-1]).to(a.dtype)  # (C, K), the last tap on the current one
+        out = history if in_place and _writable(history, a.dtype) else None
         if history is None:
             history = current.new_zeros(batch, taps.shape[1] - 1, current.shape[-1])
         history = history.to(a.dtype)
-        window = torch.cat([history, current], dim=1)  # (B, K, C), oldest first
+        window = torch.cat([history, current], dim=1)  # (B, K, C), oldest first (a copy: `out` may be overwritten)
         y = (window * taps.t()).sum(1)  # (B, C)
         y = F.silu(y) if self.phase_conv.activation == "silu" else y
-        new_history = window[:, 1:].clone()  # not a view: the cache must not keep the window alive
-        if valid is not None:  # a pad keeps the history it had
-            new_history = torch.where(valid, new_history, history)
+        if out is not None:  # a pad keeps the history it had
+            new_history = out.copy_(window[:, 1:]) if valid is None else torch.where(valid, window[:, 1:], out,
+                                                                                       out=out)
+        else:
+            new_history = window[:, 1:].clone()  # not a view: the cache must not keep the window alive
+            if valid is not None:  # a pad keeps the history it had
+                new_history = torch.where(valid, new_history, history)
         return y.view_as(a), new_history
 
     @staticmethod
@@ -707,6 +725,12 @@ class SelectiveRotaryEmbedding(nn.Module):
         q_rows, k_rows, new_state = self.forward(layout.to_rows(x), layout.to_rows(q), layout.to_rows(k),
                                                  state=state, lengths=layout.lengths, backend=backend)
         return layout.from_rows(q_rows), layout.from_rows(k_rows), new_state
+
+
+def _writable(state: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    """Whether a single-token step can write its new state into the cached ``state`` (``in_place``): it has the
+    step's dtype and is one dense tensor (a view of another, e.g. an expanded phase, is not the cache's own)."""
+    return state is not None and state.dtype == dtype and state.is_contiguous()
 
 
 class _CachedPlan:

@@ -53,3 +53,19 @@ def test_training_convolution_with_padding_and_silu_matches_inference():
         y_inference, final_inference = causal_conv1d(x, weight, lengths=lengths, activation="silu")
     assert torch.equal(y, y_inference) and torch.equal(final, final_inference)
     assert y.requires_grad and y.grad_fn is not None
+
+
+@pytest.mark.parametrize("lengths", [None, [1, 0, 1]], ids=["full", "padded"])
+@pytest.mark.parametrize("seq_len", [1, 3])
+def test_in_place_writes_the_final_state_into_the_initial_one(seq_len, lengths):
+    """``in_place`` (a static cache's history): the final state is written into ``initial_state``, which is
+    returned, equal to the new state the call gives otherwise; one of another dtype is left alone."""
+    x, weight = torch.randn(3, seq_len, 5), torch.randn(5, 4)
+    lengths = None if lengths is None else torch.tensor(lengths)
+    state = torch.randn(3, 3, 5)
+    y_ref, final_ref = causal_conv1d(x, weight, state.clone(), lengths, "silu")
+    given = state.clone()
+    y, final = causal_conv1d(x, weight, given, lengths, "silu", in_place=True)
+    assert final is given and torch.equal(final, final_ref) and torch.equal(y, y_ref)
+    wide = state.double()
+    assert causal_conv1d(x, weight, wide, lengths, in_place=True)[1] is not wide and torch.equal(wide, state.double())

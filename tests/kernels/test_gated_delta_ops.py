@@ -309,3 +309,19 @@ def test_output_dtype_follows_v(op):
     assert o.dtype == torch.float32
     o, _ = op(q, k, v.bfloat16(), g, beta, h0)
     assert o.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("seq_len", [1, 3])
+def test_recurrent_in_place_updates_the_given_state(seq_len):
+    """``in_place`` (a static cache's state): the final state is written into the initial state, which is returned,
+    bit for bit what the step that returns a new state gives; a state it cannot write as it is (float64) is left
+    alone, and a new one returned."""
+    q, k, v, g, beta, h0 = make_inputs(seq_len)
+    o_ref, ht_ref = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=h0.clone(), output_final_state=True)
+    state = h0.clone()
+    o, ht = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True,
+                                       in_place=True)
+    assert ht is state and torch.equal(ht, ht_ref) and torch.equal(o, o_ref)
+    wide = h0.double()
+    ht = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=wide, output_final_state=True, in_place=True)[1]
+    assert ht is not wide and torch.equal(wide, h0.double())

@@ -180,3 +180,18 @@ def test_bf16_inputs(op):
     o_ref, ht_ref = naive_with_state(q, k, v, gk, h0)
     torch.testing.assert_close(o.float(), o_ref.float(), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(ht, ht_ref, **FP32_TOL)
+
+
+@pytest.mark.parametrize("seq_len", [1, 3])
+def test_recurrent_in_place_updates_the_given_state(seq_len):
+    """``in_place`` (a static cache's state): the final state is written into the initial state, which is returned,
+    bit for bit what the step that returns a new state gives; a state it cannot write as it is (float64) is left
+    alone, and a new one returned."""
+    q, k, v, gk, h0 = make_inputs(seq_len)
+    o_ref, ht_ref = recurrent_gla(q, k, v, gk, initial_state=h0.clone(), output_final_state=True)
+    state = h0.clone()
+    o, ht = recurrent_gla(q, k, v, gk, initial_state=state, output_final_state=True, in_place=True)
+    assert ht is state and torch.equal(ht, ht_ref) and torch.equal(o, o_ref)
+    wide = h0.double()
+    assert recurrent_gla(q, k, v, gk, initial_state=wide, output_final_state=True, in_place=True)[1] is not wide
+    assert torch.equal(wide, h0.double())

@@ -5,6 +5,8 @@ torch.compile without graph breaks) and the rotary module with ``backend="triton
 With a GPU the same tests run on CUDA tensors.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -722,6 +724,88 @@ def test_decode_from_input_matches_the_modules(heads, chunk_dim, rank, pairs, ga
     torch.testing.assert_close(actual[3], expected[3], rtol=1e-13, atol=1e-13)
     torch.testing.assert_close(actual[3][[0, 2], -1].view(2, heads, pairs), inputs[0][[0, 2]], rtol=1e-13,
                                atol=1e-13)
+
+
+def _with_fresh_state(inputs):
+    return {**inputs, "phase": inputs["phase"].clone(),
+            "conv_state": None if inputs["conv_state"] is None else inputs["conv_state"].clone()}
+
+
+@pytest.mark.parametrize("case", [dict(), dict(conv_size=0), dict(conv_size=2, gate="channel", padded=False)],
+                         ids=lambda c: option_id(c))
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "custom-op"])
+def test_decode_in_place_writes_the_given_state(case, traced):
+    """``in_place``: the step's new phase and history are written into the given tensors (a static cache's), which
+    it returns, with exactly the values of the step that returns new ones; under a dispatch mode (how a tracer
+    calls it) through the custom op that declares the mutation. The padding row's state stays as it was."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    inputs = decode_inputs(**case)
+    expected = selective_rotary_decode_triton(**_with_fresh_state(inputs))
+    given = _with_fresh_state(inputs)
+    mode = Ops()
+    with mode if traced else contextlib.nullcontext():
+        actual = selective_rotary_decode_triton(**given, in_place=True)
+    assert actual[2] is given["phase"] and actual[3] is given["conv_state"]
+    for name, a, e in zip(("q", "k", "phase", "conv_state"), actual, expected):
+        assert (a is None and e is None) or torch.equal(a, e), name
+    if traced:
+        assert "selective_rope.rotary_decode_in_place.default" in mode.ops
+        assert not any(op.startswith("aten.copy") for op in mode.ops), mode.ops  # the kernel wrote the state
+    if inputs["valid"] is not None:
+        assert torch.equal(given["phase"][1], inputs["phase"][1])
+
+
+def test_decode_in_place_needs_a_float64_contiguous_state():
+    """Without a state to write (a sequence start), or with one the kernel cannot write as it is (float32, strided),
+    the in-place step returns new tensors and leaves the given ones untouched."""
+    inputs = decode_inputs(state=False)
+    assert selective_rotary_decode_triton(**inputs, in_place=True)[2] is not None
+    inputs = decode_inputs()
+    phase32, history = inputs["phase"].float(), inputs["conv_state"].transpose(1, 2).contiguous().transpose(1, 2)
+    kept = phase32.clone(), history.clone()
+    _, _, phase, new_history = selective_rotary_decode_triton(**{**inputs, "phase": phase32, "conv_state": history},
+                                                              in_place=True)
+    assert phase is not phase32 and new_history is not history
+    assert torch.equal(phase32, kept[0]) and torch.equal(history, kept[1])
+
+
+def test_decode_from_input_in_place_writes_the_given_state():
+    from selective_rope.modeling.rotary import PhaseLinear, PhaseProjection
+
+    heads, chunk_dim, rank, pairs = 2, 8, 4, 4
+    projection = PhaseProjection("low_rank", heads, chunk_dim, pairs, rank)
+    gate = PhaseLinear(heads * chunk_dim, heads, bias=True)
+    step = dict(q=torch.randn(3, 2 * heads, 10), k=torch.randn(3, heads, 10), x=torch.randn(3, heads * chunk_dim),
+                down=projection.down, up=projection.up, gate_weight=gate.weight, gate_bias=gate.bias,
+                temperature=torch.rand(pairs) + 0.5, conv_weight=torch.randn(heads * pairs, 3),
+                conv_activation="silu", bias=torch.randn(heads, pairs), valid=torch.tensor([True, False, True]))
+    phase, history = torch.randn(3, heads, pairs, dtype=torch.float64), torch.randn(3, 2, heads * pairs,
+                                                                                     dtype=torch.float64)
+    kernel = rotary_triton.selective_rotary_decode_from_input_triton
+    expected = kernel(**step, phase=phase.clone(), conv_state=history.clone())
+    actual = kernel(**step, phase=phase, conv_state=history, in_place=True)
+    assert actual[2] is phase and actual[3] is history
+    for name, a, e in zip(("q", "k", "phase", "conv_state"), actual, expected):
+        assert torch.equal(a, e), name
+
+
+def test_opcheck_decode_in_place():
+    """The in-place op's schema declares what it writes (opcheck's schema test fails on an undeclared mutation)."""
+    inputs = decode_inputs()
+    args = (inputs["q"], inputs["k"], inputs["projection"], inputs["temperature"], inputs["phase"],
+            inputs["conv_state"], inputs["conv_weight"], inputs["bias"], inputs["gate_logits"].expand(3, 2, 4),
+            inputs["valid"].int(), True)
+    torch.library.opcheck(torch.ops.selective_rope.rotary_decode_in_place.default, args)
 
 
 def test_decode_from_input_refuses_disagreeing_weights():

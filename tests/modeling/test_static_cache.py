@@ -21,6 +21,7 @@ from transformers import CompileConfig
 
 from selective_rope import SelectiveRopeStaticCache
 from selective_rope.modeling import returned_cache
+from selective_rope.modeling.cache import SelectiveRopeStaticCacheLayer
 
 from families import FAMILIES
 
@@ -101,6 +102,86 @@ def test_compiled_step_has_one_graph_no_host_read_and_keeps_the_cache_tensors(fa
     assert len(recorder.graphs) == 1  # one compilation for every step: no recompilation as the cache fills
     assert recorder.host_reads() == []
     assert not torch._dynamo.config.capture_scalar_outputs  # (so any .item() would have broken the graph)
+
+
+# FoX's token-shift states (the last key and value) are set by the mixer itself, not by a kernel: the cache's
+# ``commit`` copies them into its tensors.
+COPIED_BY_THE_CACHE = {"k_shift", "v_shift"}
+
+
+def _record_commits(monkeypatch) -> list[tuple[str, bool]]:
+    """``(name, whether the tensor handed over is the layer's own)`` for every running state a static layer's
+    ``commit`` receives after the prefill: the layer's own tensor means a kernel wrote it, and the cache copies
+    nothing."""
+    seen = []
+    commit = SelectiveRopeStaticCacheLayer.commit
+
+    def recording(self, states, num_new_tokens, token_states=()):
+        if self.is_initialized:
+            seen.extend((name, tensor is self.states[name]) for name, tensor in states.items()
+                        if name not in token_states)
+        return commit(self, states, num_new_tokens, token_states)
+
+    monkeypatch.setattr(SelectiveRopeStaticCacheLayer, "commit", recording)
+    return seen
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@torch.no_grad()
+def test_decoding_kernels_write_into_the_static_cache_tensors(family, backend, monkeypatch):
+    """An eager one-token step with a static cache: the kernels (the rotary step, torch or fused Triton, and the
+    torch recurrent and short-convolution steps) write the new running states into the cache's tensors and hand
+    those back, so ``commit`` copies none of them; the states and logits are the dynamic cache's, with a padding
+    token in one row and without."""
+    model = _model(family, backend)
+    ids, mask = _padded_prompt()
+    dynamic = returned_cache(model(ids, attention_mask=mask, use_cache=True))
+    cache = SelectiveRopeStaticCache(model.config, max_cache_len=ids.shape[1] + 2, max_batch_size=3)
+    token = model(ids, attention_mask=mask, cache=cache).logits[:, -1:].argmax(-1)
+    tensors = _states(cache)
+    addresses = {key: t.data_ptr() for key, t in tensors.items()}
+    written = _record_commits(monkeypatch)
+    for step_mask in (torch.tensor([[1], [0], [1]]), torch.ones(3, 1, dtype=torch.long)):
+        expected = model(token, attention_mask=step_mask, cache=dynamic).logits
+        logits = model(token, attention_mask=step_mask, cache=cache).logits
+        torch.testing.assert_close(logits, expected, atol=2e-5, rtol=1e-5)
+        for (i, name), tensor in _states(cache).items():
+            assert tensor is tensors[i, name] and tensor.data_ptr() == addresses[i, name], name
+            if name not in cache.layers[i].token_states:
+                torch.testing.assert_close(tensor, dynamic.layers[i].states[name], atol=2e-5, rtol=1e-5)
+        token = logits.argmax(-1)
+    running = {name for name, _ in written} - COPIED_BY_THE_CACHE
+    assert "rotary.phase" in running and (family.name == "fox" or "recurrent" in running)
+    assert sorted(name for name, own in written if not own) == sorted(
+        name for name, _ in written if name in COPIED_BY_THE_CACHE)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@torch.no_grad()
+def test_aot_compiled_step_with_in_place_kernels_gives_the_dynamic_logits(family, backend):
+    """Under AOTAutograd (``backend="aot_eager"``: functionalization, which the Triton step's custom op passes its
+    writes to the cache through, declared with ``mutates_args``), one graph for every step, no break, the cache's
+    tensors kept and the dynamic cache's logits."""
+    model = _model(family, backend)
+    ids, mask = _padded_prompt()
+    dynamic = returned_cache(model(ids, attention_mask=mask, use_cache=True))
+    cache = SelectiveRopeStaticCache(model.config, max_cache_len=ids.shape[1] + 2, max_batch_size=3)
+    token = model(ids, attention_mask=mask, cache=cache).logits[:, -1:].argmax(-1)
+    tensors = _states(cache)
+    compilations = []
+    step = torch.compile(model, backend=lambda gm, inputs: compilations.append(gm) or torch._dynamo.backends.
+                         debugging.aot_eager(gm, inputs), fullgraph=True)
+    one = torch.ones(3, 1, dtype=torch.long)
+    for _ in range(2):
+        expected = model(token, attention_mask=one, cache=dynamic).logits
+        logits = step(token, attention_mask=one, cache=cache).logits
+        torch.testing.assert_close(logits, expected, atol=2e-5, rtol=1e-5)
+        assert all(tensor is tensors[key] for key, tensor in _states(cache).items())
+        for (i, name), tensor in _states(cache).items():
+            if name not in cache.layers[i].token_states:
+                torch.testing.assert_close(tensor, dynamic.layers[i].states[name], atol=2e-5, rtol=1e-5)
+        token = logits.argmax(-1)
+    assert len(compilations) == 1
 
 
 @torch.no_grad()
