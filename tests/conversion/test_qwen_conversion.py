@@ -156,8 +156,21 @@ def test_the_probe_runs_on_cpu_with_transformers_bound_to_fla(tmp_path):
     script = textwrap.dedent(f"""
         import torch, transformers.models.qwen3_next.modeling_qwen3_next as bound
         from selective_rope.conversion.convert import convert
+        from selective_rope.conversion.qwen import torch_only_modeling
         from selective_rope.conversion.retrofit import RetrofitOptions
-        assert bound.is_fast_path_available if hasattr(bound, "is_fast_path_available") else True
+
+        def from_fla(value):
+            return getattr(value, "__module__", None) and value.__module__.startswith("fla")
+
+        def binds_fla(module):  # a module-level fla function (5.10) or one inside transformers' wrapper (5.24)
+            for value in vars(module).values():
+                cells = [c.cell_contents for c in getattr(value, "__closure__", None) or () if c.cell_contents]
+                if from_fla(value) or any(from_fla(c) for c in cells):
+                    return True
+            return False
+
+        print("binds_fla", binds_fla(bound))
+        assert not binds_fla(torch_only_modeling("qwen3_next"))
         report = convert({str(tmp_path / 'source')!r}, {str(tmp_path / 'out')!r}, RetrofitOptions(forget_gate=False),
                          license="apache-2.0", progress=False, tolerance=1e-5)
         print("difference", report.max_logit_difference)
@@ -165,4 +178,6 @@ def test_the_probe_runs_on_cpu_with_transformers_bound_to_fla(tmp_path):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "difference" in result.stdout
+    if "binds_fla True" not in result.stdout:  # the conversion ran, but there was nothing to keep it off
+        pytest.skip("this transformers binds no fla kernels here (older releases bind them only with CUDA)")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "selective_rope_hybrid"
