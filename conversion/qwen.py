@@ -20,7 +20,7 @@ import importlib
 import importlib.util
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +46,7 @@ NOT_CARRIED_NOTE = ("The source's vision tower and multi-token-prediction (`mtp.
 
 
 @contextlib.contextmanager
-def _without_fla() -> None:
+def _without_fla() -> Iterator[None]:
     """While building a module: ``import fla`` / ``import causal_conv1d`` fail and transformers reports them missing,
     so transformers' modeling code binds its PyTorch paths (5.24: ``use_kernel_func_from_hub_with_fallback`` falls
     back when the import fails; older releases test ``is_flash_linear_attention_available()``)."""

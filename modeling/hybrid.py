@@ -28,9 +28,9 @@ from transformers.utils.generic import can_return_tuple
 
 from ..configuration.hybrid import SelectiveRopeHybridConfig
 from .base import SelectiveRopeDecoderBlock, SelectiveRopeForCausalLMBase, SelectiveRopeModelBase
+from .cache import SelectiveRopeCache
 from .fox import ForgettingAttention
 from .gated_deltanet import GatedDeltaNet
-from .cache import SelectiveRopeCache
 from .inputs import CACHE_FIELD, returned_cache
 from .layers import MLP_ACTIVATIONS, GatedMLP, ZeroCentredRMSNorm
 from .layout import valid_mask

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from families import FAMILIES
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from selective_rope import SelectiveRopeHybridConfig, SelectiveRopeHybridForCausalLM
@@ -13,6 +12,8 @@ from selective_rope.modeling.fox import ForgettingAttention
 from selective_rope.modeling.gated_deltanet import GatedDeltaNet
 from selective_rope.modeling.hybrid import SparseMoeBlock
 from selective_rope.modeling.layers import GatedMLP, ZeroCentredRMSNorm
+
+from families import FAMILIES
 
 HYBRID = FAMILIES["hybrid"]
 
