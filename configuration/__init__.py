@@ -1,6 +1,7 @@
 from .fox import SelectiveRopeFoXConfig
 from .gated_deltanet import SelectiveRopeGatedDeltaNetConfig
 from .gla import SelectiveRopeGLAConfig
+from .hybrid import SelectiveRopeHybridConfig
 from .position_embedding import PRESETS, SelectiveRopeConfigBase
 
 __all__ = [
@@ -9,4 +10,5 @@ __all__ = [
     "SelectiveRopeFoXConfig",
     "SelectiveRopeGLAConfig",
     "SelectiveRopeGatedDeltaNetConfig",
+    "SelectiveRopeHybridConfig",
 ]

@@ -41,6 +41,11 @@ class SelectiveRopeFoXConfig(SelectiveRopeConfigBase):
             the rotation), use_output_gate (``o * sigmoid(W_g x)``), use_output_norm (per-head RMS norm of the
             attention output), use_k_shift / use_v_shift (data-dependent token shift
             ``k'_t = α_t k_{t-1} + (1 - α_t) k_t`` with ``α_t = sigmoid(W x_t)`` per key/value head).
+        output_gate_in_q_proj: the output gate's projection is carried in ``q_proj``, which then emits ``2 ·
+            head_dim`` per head (the query, then that head's gate: Qwen3-Next's and Qwen3.5's layout); needs
+            ``use_output_gate``.
+        qk_norm_zero_centred: the q/k norms scale by ``1 + w`` (``w`` starting at 0, Qwen3-Next's and Qwen3.5's
+            layout) instead of ``w``; needs ``qk_norm``.
     The Selective RoPE fields are documented in :class:`SelectiveRopeConfigBase`; the phases are per key/value head.
     """
 
@@ -62,6 +67,8 @@ class SelectiveRopeFoXConfig(SelectiveRopeConfigBase):
     use_forget_gate: bool = True
     qk_norm: bool = False
     use_output_gate: bool = False
+    output_gate_in_q_proj: bool = False
+    qk_norm_zero_centred: bool = False
     use_output_norm: bool = False
     use_k_shift: bool = False
     use_v_shift: bool = False
@@ -115,5 +122,9 @@ class SelectiveRopeFoXConfig(SelectiveRopeConfigBase):
         return {"num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads}
 
     def validate_fox(self) -> None:
+        _require(not self.output_gate_in_q_proj or self.use_output_gate, "output_gate_in_q_proj",
+                 self.output_gate_in_q_proj, "the output gate's projection needs use_output_gate=True")
+        _require(not self.qk_norm_zero_centred or self.qk_norm, "qk_norm_zero_centred", self.qk_norm_zero_centred,
+                 "zero-centred q/k norms need qk_norm=True")
         _require(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
                  self.num_key_value_heads, f"num_attention_heads ({self.num_attention_heads}) must be a multiple of it")

@@ -21,6 +21,8 @@ modeling code for trust_remote_code, tokenizer files, model card).
 
 Sources (model_type): {", ".join(SUPPORTED_SOURCES)}.
   transformers llama/mistral/qwen2/qwen3 (RoPE types default, linear, llama3, yarn) -> SelectiveRopeFoXForCausalLM
+  transformers qwen3_5 (text, or the language model of a vision-language     -> SelectiveRopeHybridForCausalLM
+    checkpoint: vision tower and mtp.* not carried), qwen3_5_moe, qwen3_next
   flash-linear-attention gla/gated_deltanet/forgetting_transformer (NoPE)      -> our GLA / Gated DeltaNet / FoX
   ours with position_embedding "rope" or "nope"                                -> the same family, Selective RoPE
   the paper's own code, gla/gated_deltanet/transformer (config.json with a     -> our GLA / Gated DeltaNet / FoX
@@ -62,7 +64,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parts.add_argument("--phase-conv-size", type=_non_negative_int, default=defaults.phase_conv_size,
                        help="width of the learned convolution; 0 disables it")
     parts.add_argument("--no-forget-gate", dest="forget_gate", action="store_false",
-                       help="Llama-family sources: no FoX forget gate (plain softmax attention)")
+                       help="Llama-family and Qwen3.5 / Qwen3-Next sources: no FoX forget gate in the attention "
+                       "layers (plain softmax attention; a plain port has none)")
     parts.add_argument("--forget-gate-bias", type=_finite_float, default=defaults.forget_gate_bias,
                        help=f"starting bias of the added forget gate (default {defaults.forget_gate_bias:g}: log f ~ "
                        f"{-math.log1p(math.exp(-defaults.forget_gate_bias)):.0e} per token)")

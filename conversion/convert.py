@@ -60,6 +60,18 @@ from .official import (
     rope_frequencies,
 )
 from .official import notes as official_notes
+from .qwen import (
+    NOT_CARRIED,
+    NOT_CARRIED_NOTE,
+    QWEN_HYBRID_TYPES,
+    Recipe,
+    hybrid_config_from_qwen,
+    hybrid_recipes,
+    load_source_model,
+    read_qwen_source,
+    source_inverse_frequencies,
+    torch_only_modeling,
+)
 from .output import (
     TOKENIZER_FILES,
     refuse_overlap,
@@ -78,7 +90,7 @@ logger = logging.get_logger(__name__)
 OUR_FAMILIES = {family.model_type: family.lm_class for family in FAMILIES.values()}
 OUR_MODEL_TYPES = tuple(OUR_FAMILIES)
 # The paper's own checkpoints reuse fla's model types; their config.json has a `position_embedding` dict.
-SUPPORTED_SOURCES = [*LLAMA_FAMILY, *FLA_MODEL_TYPES, *OUR_MODEL_TYPES,
+SUPPORTED_SOURCES = [*LLAMA_FAMILY, *QWEN_HYBRID_TYPES, *FLA_MODEL_TYPES, *OUR_MODEL_TYPES,
                      *(f"{kind} (the paper's code)" for kind in OFFICIAL_MODEL_TYPES)]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -97,7 +109,9 @@ class SourcePlan:
     rotates: bool  # RoPE source (True) or NoPE (False)
     rename: Callable[[str], str]
     transform: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, tensor: tensor
-    temperature: torch.Tensor | None = None  # replaces the configured schedule (a source's inverse frequencies)
+    # Replaces the configured schedule (a source's inverse frequencies): of every rotary module, or of those a dict
+    # names (rotary module name -> temperature).
+    temperature: torch.Tensor | dict[str, torch.Tensor] | None = None
     load_reference: Callable[[], nn.Module] | None = None  # the source model, when its code runs here
     # Otherwise the probe's reference is a twin (see `_twin_reference`): our family with the source's position
     # embedding ("nope" or "rope"), or with `install_rotaries` putting the source's own rotary math in place.
@@ -108,6 +122,9 @@ class SourcePlan:
     weight_note: str = " (unchanged)"  # for the model card: how the source's weights were carried over
     ignored: Callable[[str], bool] = lambda name: False  # source tensors the target recomputes (not carried over)
     source_keys: list[str] = field(default_factory=list)
+    # Sources whose tensors do not map one to one onto ours (split or stacked): our name -> Recipe, from the source's
+    # tensor names (those not `ignored`); refuses names with no place. Otherwise `rename` and `transform` apply.
+    recipes: Callable[[list[str]], dict[str, Recipe]] | None = None
 
 
 @dataclass
@@ -166,6 +183,8 @@ def plan_conversion(source_dir: Path, options: RetrofitOptions) -> SourcePlan:
                            f"{'norms' if config.qk_norm else 'projections'}" if attention_scaling != 1.0 else "")
                         + window_note + ")",
         )
+    if model_type in QWEN_HYBRID_TYPES:
+        return _qwen_plan(source_dir, options)
     if is_official(raw):  # before fla's: the same model types
         return _official_plan(raw, options)
     if model_type in FLA_MODEL_TYPES:
@@ -188,6 +207,42 @@ def plan_conversion(source_dir: Path, options: RetrofitOptions) -> SourcePlan:
             load_reference=lambda: lm_class.from_pretrained(source_dir, dtype=torch.float32),
         )
     raise ValueError(f"unsupported source architecture {model_type!r}; supported: {SUPPORTED_SOURCES}")
+
+
+def _qwen_plan(source_dir: Path, options: RetrofitOptions) -> SourcePlan:
+    """A Qwen3.5 / Qwen3.5-MoE / Qwen3-Next checkpoint (:mod:`.qwen`): the attention layers rotate (RoPE, retrofitted
+    from the source's own frequencies), the Gated DeltaNet layers do not (NoPE, retrofitted from zero phase)."""
+    source = read_qwen_source(AutoConfig.from_pretrained(source_dir))
+    modeling = torch_only_modeling(source.modeling[0])
+    inverse_frequencies = source_inverse_frequencies(source, modeling)
+    config = hybrid_config_from_qwen(source, inverse_frequencies,
+                                     attention=options.config_overrides(source_rotates=True),
+                                     linear=options.config_overrides(source_rotates=False))
+    config.use_forget_gate = options.selective and options.forget_gate
+    nested = source.prefix != "model."
+    notes = [NOT_CARRIED_NOTE] if nested else []
+    if nested:
+        logger.warning(NOT_CARRIED_NOTE)
+
+    def reference() -> nn.Module:
+        with ExitStack() as stack:
+            tensors = open_source_tensors(source_dir, stack)
+            return load_source_model(source, {name: tensors.get(name) for name in tensors.keys()
+                                              if not NOT_CARRIED.match(name)})
+
+    temperature = {f"model.layers.{i}.attn.rotary": inverse_frequencies
+                   for i, kind in enumerate(config.layer_types) if kind == "full_attention"}
+    return SourcePlan(
+        description=f"transformers {source.model_type} ({config.layer_types.count('linear_attention')} Gated "
+                    f"DeltaNet and {config.layer_types.count('full_attention')} attention layers"
+                    + (f", {config.num_experts} experts" if config.num_experts else "") + ")",
+        config=config, model_class=FAMILIES["hybrid"].lm_class, rotates=True, rename=lambda name: name,
+        temperature=temperature, load_reference=reference, notes=notes,
+        ignored=lambda name: bool(NOT_CARRIED.match(name)),
+        recipes=lambda names: hybrid_recipes(source, config, names),
+        weight_note=" (Gated DeltaNet's fused projections and convolution split per q, k, v, gate, β and decay; "
+                    "the attention layers' frequencies τ are the source's own inverse frequencies)",
+    )
 
 
 RETROFIT_PARTS = ("phase_gate", "phase_gate_type", "phase_gate_rank", "phase_proj", "phase_proj_rank",
@@ -359,9 +414,9 @@ def write_weights(plan: SourcePlan, source: SourceTensors, directory: Path, opti
     if plan.config.tie_word_embeddings:
         targets.pop("lm_head.weight", None)  # tied to the embeddings: transformers saves it once
 
-    mapped: dict[str, str] = {}  # target name -> source name
+    mapped: dict[str, Recipe] = {}  # target name -> how it is made from source tensors
     unused = []
-    for name in source.keys():
+    for name in ([] if plan.recipes is not None else source.keys()):
         if plan.ignored(name):
             continue
         target = plan.rename(name)
@@ -373,23 +428,30 @@ def write_weights(plan: SourcePlan, source: SourceTensors, directory: Path, opti
         if target not in targets:
             unused.append(name)
         elif target in mapped:
-            raise ValueError(f"source tensors {mapped[target]!r} and {name!r} both map onto {target!r}")
+            raise ValueError(f"source tensors {mapped[target].sources[0]!r} and {name!r} both map onto {target!r}")
         else:
-            mapped[target] = name
+            mapped[target] = Recipe((name,), lambda tensors, target=target: plan.transform(target, tensors[0]))
+    if plan.recipes is not None:
+        mapped = plan.recipes([name for name in source.keys() if not plan.ignored(name)])
     if unused:
         raise ValueError(f"{len(unused)} source tensors have no place in {plan.model_class.__name__}: "
                          f"{unused[:8]}{' ...' if len(unused) > 8 else ''}")
-    plan.source_keys = sorted(mapped.values())
+    plan.source_keys = sorted({name for recipe in mapped.values() for name in recipe.sources})
     starting = starting_parameters(model, options, plan.temperature)
     new = [name for name in targets if name not in mapped]
     missing = [name for name in new if name not in starting]
     if missing:
         raise ValueError(f"the source lacks {len(missing)} tensors the model needs: {missing[:8]}")
 
-    out_dtype = dtype or source.get(mapped.get("model.embeddings.weight", plan.source_keys[0])).dtype
+    first = mapped["model.embeddings.weight"].sources[0] if "model.embeddings.weight" in mapped else plan.source_keys[0]
+    out_dtype = dtype or source.get(first).dtype
 
     def tensor_for(name: str) -> torch.Tensor:
-        tensor = plan.transform(name, source.get(mapped[name])) if name in mapped else starting[name]
+        if name in mapped:
+            recipe = mapped[name]
+            tensor = recipe.build([source.get(source_name) for source_name in recipe.sources])
+        else:
+            tensor = starting[name]
         if tuple(tensor.shape) != tuple(targets[name].shape):
             raise ValueError(f"{name}: source shape {tuple(tensor.shape)}, expected {tuple(targets[name].shape)}")
         keep = torch.float32 if _keeps_float32(model, name) else out_dtype

@@ -19,7 +19,7 @@ from ..configuration.position_embedding import fla_mlp_width
 from ..families import FAMILIES
 
 # gla, gated_deltanet, forgetting_transformer
-FLA_MODEL_TYPES = tuple(family.fla_model_type for family in FAMILIES.values())
+FLA_MODEL_TYPES = tuple(family.fla_model_type for family in FAMILIES.values() if family.fla_model_type)
 _TOKENS = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings", "initializer_range")
 
 

@@ -60,7 +60,7 @@ from ..families import FAMILIES
 from .fla import _check_source, _copy, fla_config, fla_key
 
 # gla, gated_deltanet, transformer
-OFFICIAL_MODEL_TYPES = tuple(family.official_model_type for family in FAMILIES.values())
+OFFICIAL_MODEL_TYPES = tuple(family.official_model_type for family in FAMILIES.values() if family.official_model_type)
 _TOKENS = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings", "initializer_range")
 # Every argument of the official SelectiveRoPE a config can set (the layer sets the head sizes itself).
 _SELECTIVE_KEYS = {"type", "skip_conv", "dtype", "d_conv", "temp_type", "temp_theta", "temp_max", "temp_grad",

@@ -79,12 +79,13 @@ class RetrofitOptions:
 
 
 @torch.no_grad()
-def starting_parameters(model: nn.Module, options: RetrofitOptions, temperature: torch.Tensor | None = None,
-                        ) -> dict[str, torch.Tensor]:
+def starting_parameters(model: nn.Module, options: RetrofitOptions,
+                        temperature: torch.Tensor | dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Identity-preserving values of every Selective RoPE parameter and FoX forget gate of ``model``.
 
     ``model`` may live on the meta device; only these small modules are materialised (on the CPU). ``temperature``
-    (e.g. a source's inverse frequencies) replaces the configured schedule. The caller uses these values for the
+    (e.g. a source's inverse frequencies) replaces the configured schedule: of every rotary module, or of those a
+    dict names (rotary module name -> temperature). The caller uses these values for the
     parameters its source does not provide.
     """
     generator_state = torch.random.get_rng_state()
@@ -94,7 +95,7 @@ def starting_parameters(model: nn.Module, options: RetrofitOptions, temperature:
         for name, module in model.named_modules():
             if isinstance(module, SelectiveRotaryEmbedding) and module.position_embedding != "nope":
                 module.to_empty(device="cpu")
-                _start_rotary(module, temperature)
+                _start_rotary(module, temperature.get(name) if isinstance(temperature, dict) else temperature)
                 values.update(_detached(module, name))
             elif name.endswith(".f_proj") and isinstance(module, nn.Linear):
                 module.to_empty(device="cpu")

@@ -23,11 +23,12 @@ import selective_rope  # noqa: F401  (registers our models with the Auto classes
 from selective_rope.demo import continuation_accuracy, demo_config, progressions
 from selective_rope.families import FAMILY_NAMES
 
-# FSDP2 through accelerate: every decoder block is one unit (all-gathered before its forward, resharded after), its
-# activations are recomputed in the backward pass, and checkpoints are torch.distributed.checkpoint shards.
+# FSDP2 through accelerate: every decoder block is one unit, all-gathered before its forward and resharded after (the
+# class the model's `_no_split_modules` names, accelerate's default: SelectiveRopeDecoderBlock, or the hybrid's
+# SelectiveRopeHybridDecoderBlock), its activations are recomputed in the backward pass, and checkpoints are
+# torch.distributed.checkpoint shards.
 FSDP_CONFIG = {
     "version": 2,
-    "transformer_layer_cls_to_wrap": ["SelectiveRopeDecoderBlock"],  # also the default (`_no_split_modules`)
     "activation_checkpointing": True,  # FSDP's own; not TrainingArguments(activation_checkpointing=True)
     "state_dict_type": "SHARDED_STATE_DICT",
 }

@@ -3,6 +3,7 @@ from .cache import SelectiveRopeCache, SelectiveRopeCacheLayer, SelectiveRopeSta
 from .fox import ForgettingAttention, SelectiveRopeFoXForCausalLM, SelectiveRopeFoXModel
 from .gated_deltanet import GatedDeltaNet, SelectiveRopeGatedDeltaNetForCausalLM, SelectiveRopeGatedDeltaNetModel
 from .gla import GatedLinearAttention, SelectiveRopeGLAForCausalLM, SelectiveRopeGLAModel
+from .hybrid import SelectiveRopeHybridForCausalLM, SelectiveRopeHybridModel
 from .inputs import CACHE_FIELD, returned_cache
 from .rotary import SelectiveRotaryEmbedding, rotary_temperature
 
@@ -23,6 +24,8 @@ __all__ = [
     "SelectiveRopeGLAModel",
     "SelectiveRopeGatedDeltaNetForCausalLM",
     "SelectiveRopeGatedDeltaNetModel",
+    "SelectiveRopeHybridForCausalLM",
+    "SelectiveRopeHybridModel",
     "SelectiveRopeModelBase",
     "SelectiveRotaryEmbedding",
     "returned_cache",

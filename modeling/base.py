@@ -175,12 +175,14 @@ class SelectiveRopeModelBase(SelectiveRopePreTrainedModel):
     def __init__(self, config):
         super().__init__(config)
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        self.layers = nn.ModuleList(
-            SelectiveRopeDecoderBlock(config, i, self.mixer_class) for i in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(self.decoder_block(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.gradient_checkpointing = False
         self.post_init()
+
+    def decoder_block(self, config, layer_idx: int) -> nn.Module:
+        """The block of layer ``layer_idx``: the family's mixer in every layer (the hybrid's differ by layer)."""
+        return SelectiveRopeDecoderBlock(config, layer_idx, self.mixer_class)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embeddings

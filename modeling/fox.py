@@ -8,7 +8,8 @@ Mixer (parameter names follow transformers' Llama attention and flash-linear-att
     log f_t   = logsigmoid(f_proj(x_t))                         per query head, optional forget gate
     q, k      = SelectiveRoPE(x, q, k)                          last transform: the cache stores rotated keys
     o_t       = Σ_τ softmax_τ(q_t·k_τ / √D + Σ_{s=τ+1..t} log f_s) v_τ
-    out       = o_proj(sigmoid(g_proj(x)) ⊙ RMSNorm(o))         optional output norm and gate (FoX Pro)
+    out       = o_proj(sigmoid(g_proj(x)) ⊙ RMSNorm(o))         optional output norm and gate (FoX Pro); the gate's
+                                                                projection may be carried in q_proj (Qwen3-Next)
 
 With ``use_forget_gate=False``, ``position_embedding="rope"`` and no Pro option this is exactly Llama's attention, so a
 Llama / Mistral / Qwen2 / Qwen3 checkpoint maps onto it weight for weight (see ``conversion/``).
@@ -32,7 +33,7 @@ from ..kernels.forgetting_attention import (
 from ..kernels.rotary_torch import phase_dtype
 from ..kernels.segments import packed_positions
 from .base import SelectiveRopeForCausalLMBase, SelectiveRopeModelBase
-from .layers import RMSNorm
+from .layers import RMSNorm, ZeroCentredRMSNorm
 from .layout import SequenceLayout, valid_mask
 from .mixer import LayerState
 from .rotary import SelectiveRotaryEmbedding
@@ -86,18 +87,23 @@ class ForgettingAttention(nn.Module):
         self.head_dim = config.head_dim
         hidden, heads, kv_heads, head_dim = config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
 
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=config.attention_bias)
+        # With the gate carried in q_proj, each head's query is followed by its output gate: (H · 2D) outputs.
+        self.gate_in_q_proj = config.output_gate_in_q_proj
+        q_width = heads * head_dim * (2 if self.gate_in_q_proj else 1)
+        self.q_proj = nn.Linear(hidden, q_width, bias=config.attention_bias)
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=config.attention_bias)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=config.attention_bias)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=config.attention_output_bias)
         self.f_proj = nn.Linear(hidden, heads, bias=True) if config.use_forget_gate else None
         self.k_shift_proj = nn.Linear(hidden, kv_heads, bias=False) if config.use_k_shift else None
         self.v_shift_proj = nn.Linear(hidden, kv_heads, bias=False) if config.use_v_shift else None
-        self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
+        qk_norm = ZeroCentredRMSNorm if config.qk_norm_zero_centred else RMSNorm
+        self.q_norm = qk_norm(head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = qk_norm(head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
         self.rotary = SelectiveRotaryEmbedding(config, heads, kv_heads, head_dim)
         self.o_norm = RMSNorm(head_dim, eps=config.rms_norm_eps) if config.use_output_norm else None
-        self.g_proj = nn.Linear(hidden, heads * head_dim, bias=False) if config.use_output_gate else None
+        separate_gate = config.use_output_gate and not self.gate_in_q_proj
+        self.g_proj = nn.Linear(hidden, heads * head_dim, bias=False) if separate_gate else None
 
     def forward(self, x: torch.Tensor, state: LayerState, *, lengths: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, backend: str = "torch",
@@ -111,7 +117,11 @@ class ForgettingAttention(nn.Module):
 
         # Head counts from the projections' outputs, not the config: under tensor parallelism each rank computes its
         # own heads (configuration/tensor_parallel.py).
-        q = self.q_proj(x).view(batch, seq_len, -1, self.head_dim)  # (B, T, Hq, D)
+        gate = None
+        if self.gate_in_q_proj:  # (B, T, Hq, 2D) -> the queries and the output gate, (B, T, Hq, D) each
+            q, gate = self.q_proj(x).view(batch, seq_len, -1, 2 * self.head_dim).chunk(2, dim=-1)
+        else:
+            q = self.q_proj(x).view(batch, seq_len, -1, self.head_dim)  # (B, T, Hq, D)
         k = self.k_proj(x).view(batch, seq_len, -1, self.head_dim)  # (B, T, Hk, D)
         v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim)
         if self.k_shift_proj is not None:  # the shift state is the last unshifted key / value
@@ -142,7 +152,9 @@ class ForgettingAttention(nn.Module):
             o = self.o_norm(o)
         o = o.reshape(batch, seq_len, -1)  # (B, T, Hq * D)
         if self.g_proj is not None:
-            o = o * torch.sigmoid(self.g_proj(x))
+            gate = self.g_proj(x)
+        if gate is not None:
+            o = o * torch.sigmoid(gate.reshape(batch, seq_len, -1))
         return self.o_proj(o)
 
     def _rotate(self, x, q, k, state: LayerState, lengths, cu_seqlens, backend):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import initialization as init
 
 from ..kernels.conv_torch import causal_conv1d
 from .mixer import LayerState
@@ -24,6 +25,28 @@ class RMSNorm(nn.Module):
         x_float = x if x.dtype == torch.float32 else x.float()
         x_float = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * (x_float if x.dtype == torch.float32 else x_float.to(x.dtype))
+
+
+class ZeroCentredRMSNorm(nn.Module):
+    """RMS norm scaled by ``1 + weight`` (Qwen3-Next's and Qwen3.5's layout; ``weight`` starts at 0), computed in
+    float32 and cast back after the scaling, as theirs. Kept in this form rather than folded into a plain weight:
+    ``1 + w`` rounded to bf16 is not ``w`` rounded to bf16 plus one, so a folded bf16 checkpoint would not be exact."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    @torch.no_grad()
+    def init_custom_parameters(self) -> None:
+        """Zero: the identity scale (transformers' initialisation would set ones, a scale of 2); a loaded weight is
+        kept."""
+        init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_float = x.float()
+        x_float = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x_float * (1.0 + self.weight.float())).to(x.dtype)
 
 
 # The configs' `hidden_act` values: "swish" (flash-linear-attention's name) and "silu" (Llama's) are one function.

@@ -35,6 +35,9 @@ def _settings_table(config) -> str:
     rows = ["| field | value |", "| --- | --- |"]
     for field in POSITION_EMBEDDING_FIELDS:
         rows.append(f"| `{field}` | `{getattr(config, field)!r}` |")
+    # A hybrid's layer types may set fields of their own (SelectiveRopeHybridConfig.layer_type_position_embedding).
+    for layer_type, fields in sorted((getattr(config, "layer_type_position_embedding", None) or {}).items()):
+        rows.extend(f"| `{field}` ({layer_type} layers) | `{value!r}` |" for field, value in sorted(fields.items()))
     return "\n".join(rows)
 
 

@@ -1,4 +1,4 @@
-"""selective-rope: Selective RoPE for GLA, Gated DeltaNet and FoX as Hugging Face Transformers models.
+"""selective-rope: Selective RoPE for GLA, Gated DeltaNet, FoX and their hybrid as Hugging Face Transformers models.
 
 Importing the package registers the configs and models of every family (:mod:`selective_rope.families`) with
 ``AutoConfig``, ``AutoModel`` and ``AutoModelForCausalLM``, and registers PEFT's default LoRA target modules for our
@@ -15,6 +15,7 @@ try:
         SelectiveRopeFoXConfig,
         SelectiveRopeGatedDeltaNetConfig,
         SelectiveRopeGLAConfig,
+        SelectiveRopeHybridConfig,
     )
 except ModuleNotFoundError as error:
     # The sub-packages live at the repository root and pip maps them into the package (pyproject's package-dir):
@@ -37,6 +38,8 @@ from .modeling import (
     SelectiveRopeGatedDeltaNetModel,
     SelectiveRopeGLAForCausalLM,
     SelectiveRopeGLAModel,
+    SelectiveRopeHybridForCausalLM,
+    SelectiveRopeHybridModel,
     SelectiveRopeStaticCache,
     SelectiveRotaryEmbedding,
 )
@@ -62,5 +65,8 @@ __all__ = [
     "SelectiveRopeGatedDeltaNetConfig",
     "SelectiveRopeGatedDeltaNetForCausalLM",
     "SelectiveRopeGatedDeltaNetModel",
+    "SelectiveRopeHybridConfig",
+    "SelectiveRopeHybridForCausalLM",
+    "SelectiveRopeHybridModel",
     "SelectiveRotaryEmbedding",
 ]

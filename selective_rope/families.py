@@ -11,7 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .configuration import SelectiveRopeFoXConfig, SelectiveRopeGatedDeltaNetConfig, SelectiveRopeGLAConfig
+from .configuration import (
+    SelectiveRopeFoXConfig,
+    SelectiveRopeGatedDeltaNetConfig,
+    SelectiveRopeGLAConfig,
+    SelectiveRopeHybridConfig,
+)
 from .modeling import (
     SelectiveRopeFoXForCausalLM,
     SelectiveRopeFoXModel,
@@ -19,11 +24,17 @@ from .modeling import (
     SelectiveRopeGatedDeltaNetModel,
     SelectiveRopeGLAForCausalLM,
     SelectiveRopeGLAModel,
+    SelectiveRopeHybridForCausalLM,
+    SelectiveRopeHybridModel,
 )
 
 # The module names LoRA adapts by default in every family (why these: selective_rope/lora.py).
 MIXER_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "g_proj"]
 MLP_TARGETS = ["gate_proj", "up_proj", "down_proj"]
+# The hybrid: every projection of both layer kinds (attention: q, k, v, o; Gated DeltaNet: q, k, v, o, the output
+# gate g and the decay / write-strength projections a, b) and the dense MLPs and shared experts; not the routed
+# experts (stacked 3-D parameters, not Linear modules) nor the routers (see selective_rope/lora.py).
+HYBRID_TARGETS = [*MIXER_TARGETS, "a_proj", "b_proj", *MLP_TARGETS]
 
 
 @dataclass(frozen=True)
@@ -39,8 +50,9 @@ class Family:
             key) widths keep the family's defaults.
         square: the fields that make every key and value head ``hidden_size // num_heads`` wide too (the layout of
             the demo and the synthetic tasks).
-        fla_model_type: the ``model_type`` of flash-linear-attention's counterpart (converted onto this family).
-        official_model_type: the ``model_type`` of the paper's own code that converts onto this family.
+        fla_model_type: the ``model_type`` of flash-linear-attention's counterpart (converted onto this family), if
+            any.
+        official_model_type: the ``model_type`` of the paper's own code that converts onto this family, if any.
         lora_targets: the modules LoRA adapts when ``target_modules`` is not given.
     """
 
@@ -51,8 +63,8 @@ class Family:
     lm_class: type
     heads: Callable[[int, int], dict]
     square: dict
-    fla_model_type: str
-    official_model_type: str
+    fla_model_type: str | None
+    official_model_type: str | None
     lora_targets: list[str] = field(default_factory=lambda: MIXER_TARGETS + MLP_TARGETS)
 
     @property
@@ -80,6 +92,14 @@ FAMILIES: dict[str, Family] = {
                heads=lambda hidden, heads: dict(num_attention_heads=heads, num_key_value_heads=heads),
                square={},
                fla_model_type="forgetting_transformer", official_model_type="transformer"),
+        # One attention layer after each Gated DeltaNet layer (every head square: the demo's layout).
+        Family("hybrid", "Hybrid", SelectiveRopeHybridConfig, SelectiveRopeHybridModel, SelectiveRopeHybridForCausalLM,
+               heads=lambda hidden, heads: dict(
+                   num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads,
+                   linear_num_key_heads=heads, linear_num_value_heads=heads, linear_key_head_dim=hidden // heads,
+                   linear_value_head_dim=hidden // heads),
+               square={},
+               fla_model_type=None, official_model_type=None, lora_targets=HYBRID_TARGETS),
     )
 }
 FAMILY_NAMES = tuple(FAMILIES)

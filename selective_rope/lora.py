@@ -2,7 +2,7 @@
 
 PEFT picks LoRA's target modules from ``peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``
 keyed by ``config.model_type``; unknown model types must name ``target_modules``. :func:`register_lora_defaults`
-(called by ``import selective_rope``) adds our three model types, so ``get_peft_model(model, LoraConfig(r=8))``
+(called by ``import selective_rope``) adds our model types, so ``get_peft_model(model, LoraConfig(r=8))``
 works as it does for Llama.
 
 What is adapted, per block (every family uses these names; a name that a configuration does not build, such as
@@ -26,6 +26,13 @@ What is deliberately *not* adapted:
   update of anything, and perturbing a converted model's "no forgetting" gate is a poor default. Add them to
   ``target_modules`` or ``modules_to_save`` explicitly when wanted.
 * embeddings and the LM head (as PEFT does for Llama).
+
+The hybrid (``selective_rope_hybrid``) adapts every projection of both layer kinds: the attention layers' ``q_proj``
+(which also carries the output gate), ``k_proj``, ``v_proj``, ``o_proj``; the Gated DeltaNet layers' ``q_proj``,
+``k_proj``, ``v_proj``, ``g_proj``, ``o_proj`` and ``a_proj`` / ``b_proj``; the dense MLPs and each MoE block's shared
+expert (``gate_proj``, ``up_proj``, ``down_proj``). The routed experts are stacked 3-D parameters
+(``mlp.experts.gate_up_proj`` / ``down_proj``), not ``nn.Linear`` modules: LoRA leaves them (and the routers,
+``mlp.gate``, and ``shared_expert_gate``) frozen; train them in full with ``modules_to_save=["experts"]`` if wanted.
 
 PEFT's own default for Llama is ``q_proj`` and ``v_proj`` only. We adapt every main linear map instead (as QLoRA
 recommends and ``target_modules="all-linear"`` would, minus the small gates above): for these models fine-tuning

@@ -40,6 +40,15 @@ TINY = {
                 head_dim=8, intermediate_size=48, attention_bias=True, mlp_bias=True, qk_norm=True,
                 use_output_gate=True, use_output_norm=True, use_k_shift=True, use_v_shift=True,
                 initializer_range=0.2),
+    # A Gated DeltaNet layer with a dense MLP, then an attention layer with a sparse MoE block (GQA, partial rotation,
+    # grouped value heads); Selective RoPE settings per layer type.
+    "hybrid": dict(**TOKENS, hidden_size=32, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                   linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=3,
+                   intermediate_size=48, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                   shared_expert_intermediate_size=24, decoder_sparse_step=2, initializer_range=0.2,
+                   layer_type_position_embedding={"full_attention": {"partial_rotary_factor": 0.5},
+                                                  "linear_attention": {"temperature_max": 0.5}}),
 }
 # Each family's other option sets the model-level suite also runs (Family.variants): the settings TINY does not reach.
 VARIANTS = {

@@ -130,7 +130,7 @@ def test_bench_runs_and_writes_json(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "prefill tok/s" in out and "load average" in out
     report = json.loads((tmp_path / "bench.json").read_text())
-    assert [row["family"] for row in report["results"]] == ["gla", "gated_deltanet", "fox"]
+    assert [row["family"] for row in report["results"]] == ["gla", "gated_deltanet", "fox", "hybrid"]
     for row in report["results"]:
         assert row["prefill_tokens_per_s"] > 0 and row["decode_ms_per_token"] > 0 and row["train_tokens_per_s"] > 0
         assert row["config"]["hidden_size"] == 32

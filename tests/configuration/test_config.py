@@ -224,6 +224,12 @@ FAMILY_RANGES = {
     "fox": {"vocab_size": [0, 10**30], "hidden_size": [0, 2**64], "intermediate_size": [0, 10**12],
             "num_hidden_layers": [-1, 10**12], "num_attention_heads": [0, 2**64], "num_key_value_heads": [0, 2**31],
             "head_dim": [0, 10**12], "rms_norm_eps": [0, math.inf], "initializer_range": [math.nan, 1e12]},
+    "hybrid": {"vocab_size": [0], "hidden_size": [0], "num_hidden_layers": [0], "intermediate_size": [0],
+               "rms_norm_eps": [0], "num_attention_heads": [0], "num_key_value_heads": [0], "head_dim": [0],
+               "linear_num_key_heads": [0], "linear_num_value_heads": [0], "linear_key_head_dim": [0],
+               "linear_value_head_dim": [0], "linear_conv_kernel_dim": [0], "num_experts": [-1],
+               "num_experts_per_tok": [0], "moe_intermediate_size": [0], "shared_expert_intermediate_size": [0],
+               "decoder_sparse_step": [0], "router_aux_loss_coef": [math.nan], "initializer_range": [-0.1]},
 }
 
 

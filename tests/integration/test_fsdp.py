@@ -234,7 +234,8 @@ def test_fsdp2_trains_like_one_process(runs, references, name):
     # FSDP's activation-checkpointing wrapper (which accelerate shards too, as an empty unit), the embeddings, the
     # final norm + head, the root.
     assert logs["block"] == "FSDPCheckpointWrapper"
-    assert logs["units"].count("FSDPSelectiveRopeDecoderBlock") == 2
+    assert sum(unit in ("FSDPSelectiveRopeDecoderBlock", "FSDPSelectiveRopeHybridDecoderBlock")
+               for unit in logs["units"]) == 2
     assert logs["units"].count("FSDPSelectiveRotaryEmbedding") == 2
     assert logs["attn_calls"] == 2 * STEPS * ACCUMULATION  # each micro-batch's forward runs again in backward
 

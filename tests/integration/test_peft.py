@@ -29,11 +29,21 @@ EXPECTED_TARGETS = {
     "gla": {"q_proj", "k_proj", "v_proj", "g_proj", "o_proj"},
     "gated_deltanet": {"q_proj", "k_proj", "v_proj", "g_proj", "o_proj"},
     "fox": {"q_proj", "k_proj", "v_proj", "g_proj", "o_proj"},  # tiny FoX has use_output_gate
+    # Both layer kinds: every projection (the attention's output gate is inside q_proj), and the shared expert's MLP.
+    "hybrid": {"q_proj", "k_proj", "v_proj", "g_proj", "o_proj", "a_proj", "b_proj"},
 }
 MLP = {"gate_proj", "up_proj", "down_proj"}
-# Never adapted by default: the Selective RoPE module and the per-head decay / forget / shift gates.
+# Never adapted by default: the Selective RoPE module and the per-head decay / forget / shift gates (except in the
+# hybrid, whose default is every projection of both layer kinds); the hybrid's routers and stacked experts are not
+# Linear modules.
 NOT_ADAPTED = ("rotary", "gk_proj", "a_proj", "b_proj", "f_proj", "k_shift_proj", "v_shift_proj", "embeddings",
                "lm_head")
+HYBRID_ADAPTED = ("a_proj", "b_proj")
+
+
+def not_adapted(model_type: str) -> tuple[str, ...]:
+    skip = HYBRID_ADAPTED if model_type == "selective_rope_hybrid" else ()
+    return (*(part for part in NOT_ADAPTED if part not in skip), "gate", "experts")
 
 
 
@@ -66,7 +76,7 @@ def _train(model, ids, steps=6, lr=2e-2):
 def test_defaults_are_registered_for_every_model_type():
     for model_type, targets in LORA_TARGET_MODULES.items():
         assert TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING[model_type] == targets
-        assert not any("rotary" in t or t in NOT_ADAPTED for t in targets)
+        assert not any("rotary" in t or t in not_adapted(model_type) for t in targets)
 
 
 def test_lora_without_target_modules_trains_saves_reloads_and_merges(family, tmp_path):
@@ -77,7 +87,7 @@ def test_lora_without_target_modules_trains_saves_reloads_and_merges(family, tmp
     adapted = {name.rsplit(".", 1)[0] for name, _ in peft_model.named_parameters() if ".lora_A." in name}
     suffixes = {name.split(".lora_A")[0].rsplit(".", 1)[-1] for name in adapted}
     assert suffixes == EXPECTED_TARGETS[family.name] | MLP
-    assert not any(part in name.split(".") for name in adapted for part in NOT_ADAPTED)
+    assert not any(part in name.split(".") for name in adapted for part in not_adapted(family.config_class.model_type))
     trainable = {name for name, p in peft_model.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
 

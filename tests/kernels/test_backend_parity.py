@@ -145,6 +145,10 @@ def _interpreted_fla():
 def fla_calls(request, monkeypatch):
     """The calls of each fla op made during the test (on CPU also those of our rotary op); packed calls again under
     ``"<name>[packed]"``."""
+    if getattr(getattr(request.node, "callspec", None), "params", {}).get("family") == "hybrid":
+        # The hybrid's layers run the Gated DeltaNet and FoX mixers, whose fast paths this file checks; its own check
+        # (fla calls per layer type) is not written yet.
+        pytest.skip("the fast-path parity of the hybrid (per layer type) is not checked here yet")
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
     if not torch.cuda.is_available():
         calls = request.getfixturevalue("_interpreted_fla")
