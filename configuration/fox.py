@@ -14,7 +14,6 @@ from .position_embedding import (
     SelectiveRopeConfigBase,
     _require,
     at_least,
-    interval,
     layer_count,
     positive,
     strict_config,

@@ -60,6 +60,15 @@ from .official import (
     rope_frequencies,
 )
 from .official import notes as official_notes
+from .output import (
+    TOKENIZER_FILES,
+    refuse_overlap,
+    refuse_replacing,
+    refuse_special_file,
+    refuse_special_files,
+    remove_stale_partials,
+    staged_output,
+)
 from .qwen import (
     NOT_CARRIED,
     NOT_CARRIED_NOTE,
@@ -71,15 +80,6 @@ from .qwen import (
     read_qwen_source,
     source_inverse_frequencies,
     torch_only_modeling,
-)
-from .output import (
-    TOKENIZER_FILES,
-    refuse_overlap,
-    refuse_replacing,
-    refuse_special_file,
-    refuse_special_files,
-    remove_stale_partials,
-    staged_output,
 )
 from .retrofit import RetrofitOptions, starting_parameters
 from .source_card import check_base_model, check_license, source_license

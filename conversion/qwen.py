@@ -149,7 +149,7 @@ def hybrid_config_from_qwen(source: QwenSource, inverse_frequencies: torch.Tenso
                    decoder_sparse_step=getattr(text, "decoder_sparse_step", None) or 1,
                    mlp_only_layers=list(getattr(text, "mlp_only_layers", None) or []),
                    router_aux_loss_coef=getattr(text, "router_aux_loss_coef", 0.001))
-    intermediate = getattr(text, "intermediate_size", None) or getattr(text, "moe_intermediate_size")
+    intermediate = getattr(text, "intermediate_size", None) or text.moe_intermediate_size
     rotary_pairs = inverse_frequencies.numel()
     rope_theta = float(text.rope_parameters["rope_theta"])
     return SelectiveRopeHybridConfig(

@@ -62,7 +62,12 @@ class SelectiveRopeDecoderBlock(GradientCheckpointingLayer):
         x = self.attn_norm(hidden_states)  # (B, T, D)
         hidden_states = hidden_states + self.attn(x, state, lengths=lengths, cu_seqlens=cu_seqlens, backend=backend,
                                                   phase_input=self._phase_input(hidden_states, x))
-        return hidden_states + self.mlp(self.mlp_norm(hidden_states))
+        return hidden_states + self.feed_forward(self.mlp_norm(hidden_states), lengths)
+
+    def feed_forward(self, x: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+        """``(B, T, D)`` -> ``(B, T, D)``. ``lengths``: real tokens per row (None: all), for blocks that route
+        tokens."""
+        return self.mlp(x)
 
     def _phase_input(self, hidden_states: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """What the Selective RoPE phase path reads: the attention norm's output ``x``, or for a bf16/fp16 model the

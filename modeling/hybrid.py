@@ -34,7 +34,6 @@ from .gated_deltanet import GatedDeltaNet
 from .inputs import CACHE_FIELD, returned_cache
 from .layers import MLP_ACTIVATIONS, GatedMLP, ZeroCentredRMSNorm
 from .layout import valid_mask
-from .mixer import LayerState
 
 MIXERS = {"linear_attention": GatedDeltaNet, "full_attention": ForgettingAttention}
 
@@ -81,7 +80,14 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x`` ``(N, D)``, the chosen ``experts`` and their ``weights`` ``(N, k)`` -> ``(N, D)``: only the tokens
-        routed to an expert go through it."""
+        routed to an expert go through it (eagerly; compiled, every expert runs on every token, weighted by zero where
+        not chosen: a loop over the experts a batch chose is data-dependent, and a compiled step is one token)."""
+        if torch.compiler.is_compiling():
+            routing = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device)
+            routing = routing.scatter_add(1, experts, weights)  # (N, E): each expert's weight, 0 where not chosen
+            gate, up = torch.einsum("nd,eid->nei", x, self.gate_up_proj).chunk(2, dim=-1)  # (N, E, I) each
+            y = torch.einsum("nei,edi->ned", self.act_fn(gate) * up, self.down_proj)  # (N, E, D)
+            return (y * routing[..., None]).sum(dim=1).to(x.dtype)
         out = torch.zeros_like(x)
         for expert in experts.unique().tolist():
             token, slot = torch.where(experts == expert)
@@ -105,13 +111,16 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` ``(B, T, D)`` -> ``(B, T, D)``. With ``valid`` ``(B, T)`` only the real tokens are routed (padding
         gets zeros): the router sees exactly the tokens of the batch, as the load-balancing loss needs."""
-        tokens = x.reshape(-1, x.shape[-1]) if valid is None else x[valid]  # (N, D)
+        if valid is None or torch.compiler.is_compiling():  # every slot routed (no data-dependent shape), pads zeroed
+            out = self._route(x.reshape(-1, x.shape[-1])).view_as(x)
+            return out if valid is None else out * valid[..., None]
+        return x.new_zeros(x.shape).index_put_((valid,), self._route(x[valid]))
+
+    def _route(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``(N, D)`` -> ``(N, D)``: the routed experts plus the gated shared expert."""
         _, weights, experts = self.gate(tokens)
         out = self.experts(tokens, experts, weights)
-        out = out + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
-        if valid is None:
-            return out.view_as(x)
-        return x.new_zeros(x.shape).index_put_((valid,), out)
+        return out + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
 
 
 class SelectiveRopeHybridDecoderBlock(SelectiveRopeDecoderBlock):
@@ -128,14 +137,10 @@ class SelectiveRopeHybridDecoderBlock(SelectiveRopeDecoderBlock):
         self.mlp = (SparseMoeBlock(config) if config.is_sparse_layer(layer_idx)
                     else GatedMLP(config.hidden_size, config.intermediate_size, activation=config.hidden_act))
 
-    def forward(self, hidden_states: torch.Tensor, state: LayerState, lengths: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None, backend: str = "torch") -> torch.Tensor:
-        hidden_states = hidden_states + self.attn(self.attn_norm(hidden_states), state, lengths=lengths,
-                                                  cu_seqlens=cu_seqlens, backend=backend)
+    def feed_forward(self, x: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
         if not isinstance(self.mlp, SparseMoeBlock):
-            return hidden_states + self.mlp(self.mlp_norm(hidden_states))
-        valid = valid_mask(lengths, hidden_states.shape[1]) if lengths is not None else None  # (N, L)
-        return hidden_states + self.mlp(self.mlp_norm(hidden_states), valid)
+            return self.mlp(x)
+        return self.mlp(x, valid_mask(lengths, x.shape[1]) if lengths is not None else None)  # valid: (B, T)
 
 
 @contextlib.contextmanager

@@ -22,7 +22,8 @@ import contextlib
 
 import torch
 
-try:  # the DTensor tensor-parallel API (transformers.distributed, from 5.16 on); 5.15 and older shard with local tensors
+# The DTensor tensor-parallel API (transformers.distributed, from 5.16 on); 5.15 and older shard with local tensors.
+try:
     from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, TensorParallelLayer
 except ImportError:
     ALL_PARALLEL_STYLES = TensorParallelLayer = None

@@ -26,9 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: families.py
 
-from families import FAMILIES, OPTION_VARIANTS  # noqa: E402
-
 from selective_rope.modeling.tensor_parallel import check_tensor_parallel, tensor_parallel_supported  # noqa: E402
+
+from families import FAMILIES, OPTION_VARIANTS  # noqa: E402
 
 needs_dtensor_api = pytest.mark.skipif(
     not tensor_parallel_supported(),
@@ -191,7 +191,7 @@ def test_per_head_phase_parameters_split_with_the_heads():
 
 
 def test_configs_that_cannot_split_are_refused():
-    for name, family in FAMILIES.items():
+    for family in FAMILIES.values():
         config = family.config_class(**family.tiny)
         check_tensor_parallel(config, 2)  # the tiny configs split in two
         heads = config.tensor_parallel_heads
