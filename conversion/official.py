@@ -252,9 +252,10 @@ class OfficialSelectiveRoPE(nn.Module):
         self.options, self.num_heads = options, num_heads
         self.tensors = {name: tensor.double() for name, tensor in tensors.items()}
 
-    def forward(self, x, q, k, state=None, lengths=None, cu_seqlens=None, backend=None, overwrite_state=False):
+    def forward(self, x, q, k, state=None, lengths=None, cu_seqlens=None, backend=None, overwrite_state=False,
+                in_place=False):
         """Our rotary module's signature; ``backend`` is not read (this is float64 PyTorch whatever the backend), nor
-        ``overwrite_state`` (there is no state)."""
+        ``overwrite_state`` and ``in_place`` (there is no state)."""
         if state or lengths is not None or cu_seqlens is not None:
             raise ValueError("the official reference runs whole unpadded sequences without cache")
         get, weights = self.options.get, self.tensors
