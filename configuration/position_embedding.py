@@ -121,6 +121,21 @@ layer_count = at_least(1, MAX_LAYERS)
 weight_std = interval(0, 1)
 
 
+def token_ids_in_vocabulary(ids: dict, vocab_size: int) -> dict:
+    """A source checkpoint's ``*_token_id`` fields with every id that names no row of its ``vocab_size`` vocabulary
+    replaced by None: checkpoints store -1 for "no such token" (transformers only warns), which our configs refuse
+    (``validate_token_ids``). A list keeps its ids that are rows (None if none is left)."""
+    def kept(token):
+        return isinstance(token, int) and not isinstance(token, bool) and 0 <= token < vocab_size
+
+    result = {}
+    for name, value in ids.items():
+        if isinstance(value, list):
+            value = [token for token in value if kept(token)] or None
+        result[name] = value if value is None or isinstance(value, list) or kept(value) else None
+    return result
+
+
 def generator_seed(value) -> None:
     """A validator: a seed ``torch.Generator.manual_seed`` takes."""
     if value is not None and not -(2**63) <= value < 2**64:

@@ -15,7 +15,7 @@ import re
 from ..configuration.fox import SelectiveRopeFoXConfig
 from ..configuration.gated_deltanet import SelectiveRopeGatedDeltaNetConfig
 from ..configuration.gla import SelectiveRopeGLAConfig
-from ..configuration.position_embedding import fla_mlp_width
+from ..configuration.position_embedding import fla_mlp_width, token_ids_in_vocabulary
 from ..families import FAMILIES
 
 # gla, gated_deltanet, forgetting_transformer
@@ -31,7 +31,12 @@ def _check_source(source: dict, field: str, ok, allowed: str) -> None:
 
 
 def _copy(source: dict, names) -> dict:
-    return {name: source[name] for name in names if name in source}
+    """The fields ``names`` that ``source`` has; token ids that name no row of its vocabulary become None."""
+    fields = {name: source[name] for name in names if name in source}
+    ids = {name: value for name, value in fields.items() if name.endswith("_token_id")}
+    if not ids or source.get("vocab_size") is None:
+        return fields
+    return {**fields, **token_ids_in_vocabulary(ids, source["vocab_size"])}
 
 
 def fla_config(source: dict, **overrides):

@@ -21,6 +21,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from ..configuration.fox import SelectiveRopeFoXConfig
+from ..configuration.position_embedding import token_ids_in_vocabulary
 
 ROTARY_EMBEDDINGS = {
     "llama": LlamaRotaryEmbedding,
@@ -102,9 +103,8 @@ def fox_config_from_llama(source: PreTrainedConfig, **overrides) -> SelectiveRop
         qk_norm=source.model_type == "qwen3",
         tie_word_embeddings=source.tie_word_embeddings,
         initializer_range=source.initializer_range,
-        pad_token_id=source.pad_token_id,
-        bos_token_id=source.bos_token_id,
-        eos_token_id=source.eos_token_id,
+        **token_ids_in_vocabulary(dict(pad_token_id=source.pad_token_id, bos_token_id=source.bos_token_id,
+                                       eos_token_id=source.eos_token_id), source.vocab_size),
         position_embedding="rope",
         use_forget_gate=False,
         temperature_type="rope",  # the checkpoint's temperature holds the source's own frequencies

@@ -28,6 +28,7 @@ from torch import nn
 from transformers import PreTrainedConfig
 
 from ..configuration.hybrid import SelectiveRopeHybridConfig
+from ..configuration.position_embedding import token_ids_in_vocabulary
 
 # model_type -> (transformers' model package, causal-LM class, rotary class); "..._text" are the text configs of the
 # vision-language checkpoints (what a Qwen3.5 ...ForCausalLM saves), the plain names the whole checkpoints.
@@ -168,8 +169,8 @@ def hybrid_config_from_qwen(source: QwenSource, inverse_frequencies: torch.Tenso
             "linear_attention": linear,
         },
         initializer_range=text.initializer_range, tie_word_embeddings=source.tie_word_embeddings,
-        pad_token_id=getattr(text, "pad_token_id", None), bos_token_id=getattr(text, "bos_token_id", None),
-        eos_token_id=getattr(text, "eos_token_id", None),
+        **token_ids_in_vocabulary({name: getattr(text, name, None) for name in
+                                   ("pad_token_id", "bos_token_id", "eos_token_id")}, text.vocab_size),
     )
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     GPT2Config,
@@ -113,6 +114,17 @@ def test_llama_family_is_reproduced(architecture, rope, tmp_path):
         torch.testing.assert_close(converted(ids).logits, source(ids).logits, atol=1e-4, rtol=0)
     expected = source.generate(ids[:, :9], max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(converted.generate(ids[:, :9], max_new_tokens=8, do_sample=False, pad_token_id=0), expected)
+
+
+def test_token_ids_outside_the_vocabulary_become_none(tmp_path):
+    """A source storing -1 for "no padding token" (transformers only warns) converts; our config, which refuses -1,
+    gets None there, and ids that are rows are kept."""
+    llama_source(tmp_path / "source", "llama", pad_token_id=-1, bos_token_id=1, eos_token_id=[2, 99])
+    assert AutoConfig.from_pretrained(tmp_path / "source").pad_token_id == -1
+    report = convert(tmp_path / "source", tmp_path / "out", progress=False)
+    assert report.max_logit_difference <= 1e-4
+    config = AutoConfig.from_pretrained(tmp_path / "out")
+    assert (config.pad_token_id, config.bos_token_id, config.eos_token_id) == (None, 1, [2])
 
 
 def test_starting_values_are_exact_identities():
