@@ -31,9 +31,11 @@ def demo_config(family: str = "gla"):
     from .families import get_family
 
     spec = get_family(family)
+    # The hybrid's default layer_types put attention on every fourth layer (Qwen3-Next's rule): none in two layers.
+    layers = {"layer_types": ["linear_attention", "full_attention"]} if family == "hybrid" else {}
     return spec.config_class(vocab_size=MODULUS + 2, hidden_size=64, num_hidden_layers=2, intermediate_size=128,
                              bos_token_id=BOS, eos_token_id=None, pad_token_id=PAD, phase_bias=True,
-                             initializer_range=0.05, **spec.head_layout(64, 2, square=True))
+                             initializer_range=0.05, **layers, **spec.head_layout(64, 2, square=True))
 
 
 def train(model, seconds: float, max_steps: int, generator: torch.Generator, batch: int = 32, length: int = 24):

@@ -32,6 +32,10 @@ def test_demo_trains_saves_reloads_and_generates(tmp_path, capsys, family):
     assert f"reloaded as {type(reloaded).__name__}" in capsys.readouterr().out
 
 
+def test_the_hybrid_demo_has_both_layer_kinds():
+    assert demo_config("hybrid").layer_types == ["linear_attention", "full_attention"]
+
+
 def test_demo_default_family_is_gla():
     assert isinstance(AutoModelForCausalLM.from_config(demo_config()), SelectiveRopeGLAForCausalLM)
 
