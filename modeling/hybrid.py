@@ -186,6 +186,7 @@ class SelectiveRopeHybridModel(SelectiveRopeModelBase):
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         output_router_logits: bool | None = None,
         cu_seqlens: torch.LongTensor | None = None,
         cache: SelectiveRopeCache | None = None,
@@ -193,17 +194,21 @@ class SelectiveRopeHybridModel(SelectiveRopeModelBase):
     ) -> MoeModelOutputWithPast:
         """The shared model's ``forward`` (:meth:`SelectiveRopeModelBase.forward`), plus ``output_router_logits``
         (default: the config's): ``router_logits``, one ``(N, num_experts)`` tensor per MoE layer over the real
-        tokens (``N = B · T`` in batch order without padding; with padding, the real tokens only, row by row)."""
+        tokens (``N = B · T`` in batch order without padding; with padding, the real tokens only, row by row).
+        ``attentions`` (``output_attentions``) holds one tensor per ``"full_attention"`` layer only: the Gated
+        DeltaNet layers have no attention weights (as in transformers' Qwen3-Next)."""
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
         with recording_router_logits(self.layers, output_router_logits) as recorded:
             outputs = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                       past_key_values=past_key_values, inputs_embeds=inputs_embeds,
                                       use_cache=use_cache, output_hidden_states=output_hidden_states,
-                                      cu_seqlens=cu_seqlens, cache=cache, **kwargs)
+                                      output_attentions=output_attentions, cu_seqlens=cu_seqlens, cache=cache,
+                                      **kwargs)
         return MoeModelOutputWithPast(
             last_hidden_state=outputs.last_hidden_state,
             hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
             router_logits=tuple(recorded) if recorded is not None else None,
             **{CACHE_FIELD: returned_cache(outputs)},
         )
@@ -226,6 +231,9 @@ class SelectiveRopeHybridForCausalLM(SelectiveRopeForCausalLMBase):
     model_class = SelectiveRopeHybridModel
     _no_split_modules = SelectiveRopeHybridModel._no_split_modules
     _keep_in_fp32_modules_strict = SelectiveRopeHybridModel._keep_in_fp32_modules_strict
+    # No tensor-parallel plan yet (the config has no base_model_tp_plan), so the head is not sharded either: a tied
+    # head sharded over a replicated embedding would gather tp x vocab logits.
+    _tp_plan = {}
 
     @can_return_tuple
     def forward(
@@ -238,6 +246,7 @@ class SelectiveRopeHybridForCausalLM(SelectiveRopeForCausalLMBase):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         output_router_logits: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         cu_seqlens: torch.LongTensor | None = None,
@@ -254,8 +263,8 @@ class SelectiveRopeHybridForCausalLM(SelectiveRopeForCausalLMBase):
             outputs = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                       past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
                                       use_cache=use_cache, output_hidden_states=output_hidden_states,
-                                      logits_to_keep=logits_to_keep, cu_seqlens=cu_seqlens, cache=cache,
-                                      output_router_logits=False, **kwargs)
+                                      output_attentions=output_attentions, logits_to_keep=logits_to_keep,
+                                      cu_seqlens=cu_seqlens, cache=cache, output_router_logits=False, **kwargs)
         loss, aux_loss = outputs.loss, None
         if recorded:  # (a model without MoE layers has no router)
             aux_loss = load_balancing_loss(recorded, self.config.num_experts, self.config.num_experts_per_tok)
@@ -266,6 +275,7 @@ class SelectiveRopeHybridForCausalLM(SelectiveRopeForCausalLMBase):
             aux_loss=aux_loss,
             logits=outputs.logits,
             hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
             router_logits=tuple(recorded) if recorded is not None else None,
             **{CACHE_FIELD: returned_cache(outputs)},
         )

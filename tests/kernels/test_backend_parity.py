@@ -9,6 +9,10 @@
   error ``rms(a - b) / rms(b)`` (as fla's own tests do): fla's kernels use TF32 matmuls even for float32 inputs, so
   float32 agreement is ~1e-3, not 1e-6. Those tolerances are first estimates, to be tightened from the first GPU run.
 
+The hybrid runs the same checks, its calls counted per layer type (fla's Gated DeltaNet kernels in its
+``"linear_attention"`` layers, fla's forgetting attention in its ``"full_attention"`` layers, our rotary in both),
+and once more with the attention layers' forget gate on (off in its tiny config, as in a port).
+
 Forward and parameter gradients with left padding, a training step on one-token calls, cached decoding (steps where
 one row's token is padding) and ``generate``, and packed sequences kept packed (``cu_seqlens`` given to the kernels,
 the cache each sequence ends with). Every test counts the fla calls, so a silent fallback to the torch mixers fails
@@ -34,14 +38,16 @@ from selective_rope.kernels.rotary import selective_rotary_decode  # noqa: E402
 from selective_rope.kernels.rotary_torch import selective_rotary  # noqa: E402
 from selective_rope.modeling import returned_cache  # noqa: E402
 
-from families import OPTION_VARIANTS  # noqa: E402
+from families import FAMILIES, OPTION_VARIANTS  # noqa: E402
 from triton_interpreter import counting, fla_kernels_on_cpu  # noqa: E402
 
 FP32, BF16 = torch.float32, torch.bfloat16
 
-# The fla op each family's mixer calls for a whole sequence and for one decoding step.
+# The fla op each mixer calls for a whole sequence and for one decoding step (a family's own mixer, or the hybrid's:
+# Gated DeltaNet in its "linear_attention" layers, FoX's attention in its "full_attention" layers).
 CHUNK = {"gla": "chunk_gla", "gated_deltanet": "chunk_gated_delta_rule", "fox": "parallel_forgetting_attn"}
 STEP = {"gla": "fused_recurrent_gla", "gated_deltanet": "fused_recurrent_gated_delta_rule", "fox": None}
+HYBRID_MIXERS = {"linear_attention": "gated_deltanet", "full_attention": "fox"}
 
 # Realistic head sizes on the GPU, two layers, GQA / grouped value heads, odd lengths.
 CUDA_CONFIGS = {
@@ -50,6 +56,12 @@ CUDA_CONFIGS = {
                            use_short_conv=True, allow_neg_eigval=True),
     "fox": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512,
                 qk_norm=True, use_output_gate=True, use_k_shift=True, use_v_shift=True),
+    "hybrid": dict(hidden_size=256, layer_types=["linear_attention", "full_attention"], num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+                   linear_key_head_dim=64, linear_value_head_dim=64, intermediate_size=512, num_experts=4,
+                   num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=256,
+                   decoder_sparse_step=2, use_forget_gate=True,
+                   layer_type_position_embedding={"full_attention": {"partial_rotary_factor": 0.5}}),
 }
 CUDA_COMMON = dict(vocab_size=512, num_hidden_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                    phase_bias=True, initializer_range=0.05)
@@ -145,10 +157,6 @@ def _interpreted_fla():
 def fla_calls(request, monkeypatch):
     """The calls of each fla op made during the test (on CPU also those of our rotary op); packed calls again under
     ``"<name>[packed]"``."""
-    if getattr(getattr(request.node, "callspec", None), "params", {}).get("family") == "hybrid":
-        # The hybrid's layers run the Gated DeltaNet and FoX mixers, whose fast paths this file checks; its own check
-        # (fla calls per layer type) is not written yet.
-        pytest.skip("the fast-path parity of the hybrid (per layer type) is not checked here yet")
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
     if not torch.cuda.is_available():
         calls = request.getfixturevalue("_interpreted_fla")
@@ -175,6 +183,25 @@ def assert_ratio(actual, expected, name, tol):
     assert torch.isfinite(actual).all(), f"{name}: not finite"
     ratio = err_ratio(actual, expected)
     assert ratio <= tol, f"{name}: relative RMS error {ratio:.2e} > {tol:.0e}"
+
+
+def mixers(family, model) -> Counter:
+    """How many layers run each mixer (named by its family): every layer a family's own, the hybrid's by
+    ``layer_types``."""
+    if family.name == "hybrid":
+        return Counter(HYBRID_MIXERS[kind] for kind in model.config.layer_types)
+    return Counter({family.name: model.config.num_hidden_layers})
+
+
+def assert_calls(fla_calls: Counter, family, model, per_layer: dict[str, dict[str, int]], suffix: str = ""):
+    """Each op's calls (``name + suffix``) equal the sum over the layers of what ``per_layer[mixer]`` says one layer
+    of that mixer makes: the hybrid's Gated DeltaNet and attention layers are counted apart."""
+    expected = Counter()
+    for mixer, layers in mixers(family, model).items():
+        for op, calls in per_layer[mixer].items():
+            expected[op] += calls * layers
+    for op, calls in expected.items():
+        assert fla_calls[op + suffix] == calls, f"{op + suffix}: {fla_calls[op + suffix]} calls, expected {calls}"
 
 
 def grads_of(model) -> dict[str, torch.Tensor]:
@@ -216,7 +243,22 @@ def weighted_sum(logits: torch.Tensor, weights: torch.Tensor | None = None) -> t
 # --------------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("target", targets(cuda_dtypes=(FP32, BF16)))
 def test_forward_backward_with_left_padding(target, family, monkeypatch, fla_calls, tmp_path):
-    model = target.model(family, tmp_path).train()
+    check_forward_backward(target, family, target.model(family, tmp_path).train(), monkeypatch, fla_calls)
+
+
+@needs_cpu_interpreter
+def test_hybrid_with_forget_gate_in_the_other_layer_order(monkeypatch, fla_calls, tmp_path):
+    """The hybrid's attention layers with their forget gate (off in a port, so off in the tiny config: fla's kernel
+    then gets no gates), three layers starting with attention, a MoE block in each."""
+    family = FAMILIES["hybrid"]
+    model = Target("cpu").model(family, tmp_path, num_hidden_layers=3, use_forget_gate=True, decoder_sparse_step=1,
+                                layer_types=["full_attention", "linear_attention", "full_attention"])
+    assert all(layer.attn.f_proj is not None for layer in model.model.layers[::2])
+    check_forward_backward(Target("cpu"), family, model.train(), monkeypatch, fla_calls)
+
+
+def check_forward_backward(target, family, model, monkeypatch, fla_calls):
+    """Logits and parameter gradients of a left-padded batch: the fast path equals the torch path."""
     length, pad = (7, 2) if target.device == "cpu" else (100, 7)
     ids = target.tokens(2, length, generator=seeded(target))
     mask = torch.ones(2, length, dtype=torch.long, device=target.device)
@@ -230,7 +272,8 @@ def test_forward_backward_with_left_padding(target, family, monkeypatch, fla_cal
         results[backend] = out.logits.detach(), grads_of(model)
     layers = model.config.num_hidden_layers
     if target.device == "cpu":
-        assert fla_calls[CHUNK[family.name]] == layers and fla_calls["selective_rotary_triton"] == layers
+        assert_calls(fla_calls, family, model, {name: {op: 1} for name, op in CHUNK.items()})
+        assert fla_calls["selective_rotary_triton"] == layers
     else:
         assert fla_calls, "the CUDA path did not reach flash-linear-attention"
     real = mask.bool()
@@ -256,16 +299,15 @@ def test_one_token_training_step(target, family, monkeypatch, fla_calls, tmp_pat
         out = model(token, past_key_values=cache, use_cache=True)
         weighted_sum(out.logits, weights).backward()
         results[backend] = out.logits.detach(), grads_of(model)
-    layers = model.config.num_hidden_layers
     if target.device == "cuda":
         assert fla_calls and not fla_calls["fused_recurrent_gated_delta_rule"]
-    elif family.name == "gla":  # fused_recurrent_gla has a backward
-        assert fla_calls["chunk_gla"] == layers and fla_calls["fused_recurrent_gla"] == layers
-    elif family.name == "gated_deltanet":
-        assert fla_calls["chunk_gated_delta_rule"] == 2 * layers
-        assert fla_calls["fused_recurrent_gated_delta_rule"] == 0
-    else:  # FoX: the prompt through fla; the token continues a cached timeline, which the torch op serves
-        assert fla_calls["parallel_forgetting_attn"] == layers
+    else:
+        assert_calls(fla_calls, family, model, {
+            "gla": {"chunk_gla": 1, "fused_recurrent_gla": 1},  # fused_recurrent_gla has a backward
+            "gated_deltanet": {"chunk_gated_delta_rule": 2, "fused_recurrent_gated_delta_rule": 0},
+            # FoX: the prompt through fla; the token continues a cached timeline, which the torch op serves
+            "fox": {"parallel_forgetting_attn": 1},
+        })
     target.assert_close(results[target.backend][0], results["torch"][0], "logits")
     assert_same_grads(target, results[target.backend][1], results["torch"][1])
 
@@ -306,12 +348,10 @@ def test_cached_decoding_and_generate(target, options, family, monkeypatch, fla_
                 out = model(ids, attention_mask=seen, past_key_values=returned_cache(out), use_cache=True)
                 history.append(out.logits[call_mask.bool()])
         logits[backend], caches[backend] = history, returned_cache(out)
-    layers = model.config.num_hidden_layers
     if target.device == "cpu":
-        if family.name == "fox":  # only the prefill has no cached keys before its queries
-            assert fla_calls["parallel_forgetting_attn"] == layers
-        else:
-            assert fla_calls[CHUNK[family.name]] == 2 * layers and fla_calls[STEP[family.name]] == 2 * layers
+        # FoX: only the prefill has no cached keys before its queries; the recurrent mixers' two-token call is chunked
+        assert_calls(fla_calls, family, model, {name: {CHUNK[name]: 1} if name == "fox" else
+                                                {CHUNK[name]: 2, STEP[name]: 2} for name in CHUNK})
     for i, (a, e) in enumerate(zip(logits[target.backend], logits["torch"])):
         target.assert_close(a, e, f"logits of call {i}")
     assert_same_caches(target, caches[target.backend], caches["torch"])
@@ -325,7 +365,7 @@ def test_cached_decoding_and_generate(target, options, family, monkeypatch, fla_
                                  output_logits=True, return_dict_in_generate=True)
         generated[backend] = out.sequences, torch.stack(out.logits)
     if target.device == "cpu":
-        assert fla_calls[CHUNK[family.name]] == layers
+        assert_calls(fla_calls, family, model, {name: {op: 1} for name, op in CHUNK.items()})
         # every step (on CUDA only the first: in bf16 a near tie may legitimately flip a greedy choice)
         target.assert_close(generated[target.backend][1], generated["torch"][1], "generate logits")
     else:
@@ -369,7 +409,8 @@ def test_packed_sequences_stay_packed(target, options, family, monkeypatch, fla_
     layers = model.config.num_hidden_layers
     if target.device == "cpu":
         # FoX: fla attends to whole sequences only; the call continuing a cached timeline goes through the torch op
-        assert fla_calls[CHUNK[family.name] + "[packed]"] == (1 if family.name == "fox" else 2) * layers
+        assert_calls(fla_calls, family, model, {name: {op: 1 if name == "fox" else 2} for name, op in CHUNK.items()},
+                     suffix="[packed]")
         assert fla_calls["selective_rotary_triton[packed]"] == 2 * layers
     else:
         assert sum(n for name, n in fla_calls.items() if name.endswith("[packed]")) == layers

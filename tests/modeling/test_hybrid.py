@@ -97,3 +97,27 @@ def test_experts_receive_gradients_and_gradient_checkpointing_matches():
     model(ids, labels=ids, output_router_logits=True).loss.backward()
     for name, grad in grads.items():
         torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, atol=1e-6, rtol=1e-5)
+
+
+def test_attention_weights_come_from_the_attention_layers_only():
+    # the Gated DeltaNet layer has no weights: one (B, H, T, T) tensor, the full_attention layer's, from the keyword
+    # or from the config, on the base model and the LM (as transformers' Qwen3-Next)
+    model = build(layer_types=["linear_attention", "full_attention"])
+    ids = torch.randint(3, 61, (2, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        asked = model(ids, output_attentions=True).attentions
+        base = model.model(ids, output_attentions=True).attentions
+        model.config.output_attentions = True
+        from_config = model(ids).attentions
+    assert len(asked) == 1 and asked[0].shape == (2, 4, 6, 6)
+    torch.testing.assert_close(asked[0].sum(-1), torch.ones(2, 4, 6))  # softmax rows
+    assert torch.equal(asked[0].triu(1), torch.zeros_like(asked[0]))  # causal
+    torch.testing.assert_close(base[0], asked[0])
+    torch.testing.assert_close(from_config[0], asked[0])
+
+
+def test_a_tied_head_is_not_sharded_without_a_tensor_parallel_plan():
+    # the hybrid has no base_model_tp_plan: sharding the tied head alone would gather tp x vocab logits
+    model = build(tie_word_embeddings=True)
+    assert model.config.base_model_tp_plan in (None, {})
+    assert "lm_head" not in model.tp_plan and "model.embeddings" not in model.tp_plan
