@@ -28,6 +28,14 @@ from .position_embedding import (
     strict_config,
     weight_std,
 )
+from .tensor_parallel import (
+    attention_mixer_plan,
+    base_model_plan,
+    gated_deltanet_mixer_plan,
+    merge_plans,
+    mlp_plan,
+    sparse_moe_plan,
+)
 
 LAYER_TYPES = ("linear_attention", "full_attention")  # transformers' names (Qwen3-Next, Qwen3.5)
 # The Selective RoPE fields a layer type may set for itself (every field of SelectiveRopeConfigBase but `backend`).
@@ -127,6 +135,29 @@ class SelectiveRopeHybridConfig(SelectiveRopeConfigBase):
         sparse_layers = sum(map(self.is_sparse_layer, range(self.num_hidden_layers)))
         experts = sparse_layers * self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
         return super().estimated_parameters() + experts
+
+    @property
+    def base_model_tp_plan(self) -> dict[str, str]:
+        """transformers' tensor-parallel plan of the base model (``configuration/tensor_parallel.py``): the mixer plans
+        of the layer types present and the MLP rules of the MLP kinds present (dense, sparse MoE), by pattern."""
+        mixers = {"linear_attention": gated_deltanet_mixer_plan, "full_attention": attention_mixer_plan}
+        kinds = sorted(set(self.layer_types))
+        sparse = [self.is_sparse_layer(i) for i in range(self.num_hidden_layers)]
+        mlps = ([mlp_plan()] if not all(sparse) else []) + ([sparse_moe_plan()] if any(sparse) else [])
+        return base_model_plan(merge_plans(*(mixers[kind](self.layer_config(kind)) for kind in kinds)),
+                               merge_plans(*mlps))
+
+    @property
+    def tensor_parallel_heads(self) -> dict[str, int]:
+        """The head counts tensor parallelism splits, of the layer types present (each must divide by the number of
+        ranks; query heads then split in whole GQA groups, linear value heads behind their key head)."""
+        heads = {}
+        if "full_attention" in self.layer_types:
+            heads |= {"num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads}
+        if "linear_attention" in self.layer_types:
+            heads |= {"linear_num_key_heads": self.linear_num_key_heads,
+                      "linear_num_value_heads": self.linear_num_value_heads}
+        return heads
 
     def is_sparse_layer(self, layer_idx: int) -> bool:
         """Whether layer ``layer_idx`` has a sparse MoE block (Qwen3-Next's rule) rather than the dense MLP."""

@@ -18,8 +18,10 @@ The plans are built from the config (a model lists exactly the modules it has, s
 matches nothing) and per part: one function per mixer kind, the MLP and the rotary module, each returning entries under
 a prefix. Their ``config`` is whatever the mixer is built from: it reads the same fields (``position_embedding``, and
 ``use_short_conv``, ``use_gate``, ``use_output_gate``, ``use_forget_gate``, ``qk_norm``, ... as each mixer has them).
-A model stacking several mixers (the hybrid) composes the entries of its layers' mixers: where two mixer kinds sit
-under the same prefix, the rules they share agree (``q_proj`` colwise, ``o_proj`` rowwise, ``rotary`` ...).
+A model stacking several mixers (the hybrid) composes the entries of its layers' mixers (``merge_plans``): transformers
+matches every layer number as ``*``, so the two mixer kinds under ``layers.*.attn`` share one rule per name, and the
+rules they both have agree (``q_proj`` colwise, ``o_proj`` rowwise, ``rotary`` ...); a rule only one kind has matches
+nothing in the other's layers. Likewise dense MLPs and sparse MoE blocks (``sparse_moe_plan``) under ``layers.*.mlp``.
 """
 
 from __future__ import annotations
@@ -93,14 +95,39 @@ def attention_mixer_plan(config, prefix: str = f"{LAYERS}.attn") -> dict[str, st
         plan[f"{prefix}.k_norm"] = "replicated_with_grad_allreduce"
     if config.use_output_norm:
         plan[f"{prefix}.o_norm"] = "replicated_with_grad_allreduce"
-    if config.use_output_gate:
+    if config.use_output_gate and not config.output_gate_in_q_proj:
         plan[f"{prefix}.g_proj"] = "colwise"
+    # A gate carried in q_proj is packed per head ([query | gate] rows of each head, viewed (B, T, H, 2 * head_dim)):
+    # a colwise split of its rows gives each rank whole heads with their gates.
     return plan | rotary_plan(config, f"{prefix}.rotary")
 
 
-def base_model_plan(mixer_plans: dict[str, str]) -> dict[str, str]:
-    """A base model's plan: vocabulary-parallel input embeddings, the mixers' entries, the MLP."""
-    return {"embeddings": "embedding_rowwise", **mixer_plans, **mlp_plan()}
+def sparse_moe_plan(prefix: str = f"{LAYERS}.mlp") -> dict[str, str]:
+    """The sparse MoE block, as transformers' Qwen3-Next plan: every expert split along its intermediate dim (the
+    stacked ``gate_up_proj`` ``(E, 2I, D)`` packed colwise, each rank taking its share of the gate rows and of the up
+    rows; ``down_proj`` ``(E, D, I)`` rowwise), the experts module ``moe_tp_experts`` (the routing weights' gradient and
+    the partial outputs summed over the ranks), the shared expert as Llama's MLP. The router (``gate``) and the shared
+    expert's gate stay whole: each rank routes the replicated input alike."""
+    return {f"{prefix}.experts.gate_up_proj": "packed_colwise", f"{prefix}.experts.down_proj": "rowwise",
+            f"{prefix}.experts": "moe_tp_experts", **mlp_plan(f"{prefix}.shared_expert")}
+
+
+def merge_plans(*plans: dict[str, str]) -> dict[str, str]:
+    """The union of several plans whose rules name modules by pattern (transformers matches every layer number as
+    ``*``, so two kinds of layers share their rules): a name two plans give different styles is refused."""
+    merged: dict[str, str] = {}
+    for plan in plans:
+        for name, style in plan.items():
+            if merged.setdefault(name, style) != style:
+                raise ValueError(f"tensor-parallel rule {name!r} is {merged[name]!r} for one kind of layer and "
+                                 f"{style!r} for another: transformers cannot tell the layers apart")
+    return merged
+
+
+def base_model_plan(mixer_plans: dict[str, str], mlp_plans: dict[str, str] | None = None) -> dict[str, str]:
+    """A base model's plan: vocabulary-parallel input embeddings, the mixers' entries, the MLP (``mlp_plans``;
+    default: the dense MLP of every layer)."""
+    return {"embeddings": "embedding_rowwise", **mixer_plans, **(mlp_plan() if mlp_plans is None else mlp_plans)}
 
 
 # Pipeline parallelism (transformers' `base_model_pp_plan`) does not apply: our base model's layers take the decoding
