@@ -231,9 +231,6 @@ class SelectiveRopeHybridForCausalLM(SelectiveRopeForCausalLMBase):
     model_class = SelectiveRopeHybridModel
     _no_split_modules = SelectiveRopeHybridModel._no_split_modules
     _keep_in_fp32_modules_strict = SelectiveRopeHybridModel._keep_in_fp32_modules_strict
-    # No tensor-parallel plan yet (the config has no base_model_tp_plan), so the head is not sharded either: a tied
-    # head sharded over a replicated embedding would gather tp x vocab logits.
-    _tp_plan = {}
 
     @can_return_tuple
     def forward(

@@ -116,8 +116,7 @@ def test_attention_weights_come_from_the_attention_layers_only():
     torch.testing.assert_close(from_config[0], asked[0])
 
 
-def test_a_tied_head_is_not_sharded_without_a_tensor_parallel_plan():
-    # the hybrid has no base_model_tp_plan: sharding the tied head alone would gather tp x vocab logits
+def test_a_tied_head_is_sharded_with_the_embeddings():
+    # a head sharded over a replicated embedding would gather tp x vocab logits
     model = build(tie_word_embeddings=True)
-    assert model.config.base_model_tp_plan in (None, {})
-    assert "lm_head" not in model.tp_plan and "model.embeddings" not in model.tp_plan
+    assert "lm_head" in model.tp_plan and "model.embeddings" in model.tp_plan
