@@ -110,7 +110,10 @@ class GenerationChecks:
             first = self._generate(model, input_ids, do_sample=False)
             cache = getattr(first, CACHE_FIELD)  # `cache` from transformers 5.24 on, `past_key_values` before
             self.assertIsNotNone(cache)
-            second = self._generate(model, first.sequences, do_sample=False, **{CACHE_FIELD: cache})
+            # An explicit mask: a generated token equal to pad_token_id would otherwise read as right-padding.
+            mask = torch.ones_like(first.sequences)
+            second = self._generate(model, first.sequences, attention_mask=mask, do_sample=False,
+                                    **{CACHE_FIELD: cache})
             self.assertTrue(torch.equal(second.sequences, once.sequences))
             for a, b in zip(first.logits + second.logits, once.logits):
                 torch.testing.assert_close(a, b, **TOL)
