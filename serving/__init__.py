@@ -1,4 +1,4 @@
-"""Serving the three families with vLLM (``pip install "selective-rope[vllm]"``; design: docs/serving.md).
+"""Serving GLA, Gated DeltaNet and FoX with vLLM (``pip install "selective-rope[vllm]"``; design: docs/serving.md).
 
 vLLM finds :func:`register` through the ``vllm.general_plugins`` entry point (pyproject.toml) in every process it
 starts, before it reads a model's config: it registers our configs with transformers' ``AutoConfig`` (importing
@@ -11,9 +11,19 @@ Nothing else in the package imports this sub-package, and it imports vLLM only i
 
 from __future__ import annotations
 
+# The families served: the hybrid family (Qwen3.5 / Qwen3-Next layouts) is not yet (its layers keep different states
+# per layer type), so vLLM refuses its architecture as one it does not support.
+SERVED_MODEL_TYPES = ("selective_rope_gla", "selective_rope_gated_deltanet", "selective_rope_fox")
 # Families with attention (paged keys and values) besides their running states: vLLM "hybrid" models. The others are
 # state-only. (Each served model checks this against what its mixer keeps: serving/models.py.)
 HYBRID_MODEL_TYPES = ("selective_rope_fox",)
+
+
+def served_families() -> list:
+    """The families the plugin registers with vLLM."""
+    from ..families import FAMILIES  # importing the package registered our configs with AutoConfig
+
+    return [family for family in FAMILIES.values() if family.config_class.model_type in SERVED_MODEL_TYPES]
 
 
 def register() -> None:
@@ -21,10 +31,8 @@ def register() -> None:
     from vllm import ModelRegistry
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
-    from ..families import FAMILIES  # importing the package registered our configs with AutoConfig
-
     config_hook = _model_config()
-    for family in FAMILIES.values():
+    for family in served_families():
         architecture = family.lm_class.__name__  # what save_pretrained writes in config.json's "architectures"
         if architecture not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(architecture, f"{__name__}.models:{architecture}")

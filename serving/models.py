@@ -30,10 +30,10 @@ from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree, IsHybrid
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from ..families import FAMILIES, family_of_model_type
+from ..families import family_of_model_type
 from ..modeling.cache import SelectiveRopeCache
 from ..modeling.layout import SequenceLayout
-from . import HYBRID_MODEL_TYPES
+from . import HYBRID_MODEL_TYPES, served_families
 from .states import StateLayout, layer_states
 
 
@@ -329,5 +329,5 @@ def _served_model(lm_class: type) -> type:
 
 
 # One vLLM class per family, named as the family's causal LM (the architecture in its config.json).
-for _family in FAMILIES.values():
+for _family in served_families():
     globals()[_family.lm_class.__name__] = _served_model(_family.lm_class)
