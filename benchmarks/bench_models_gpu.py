@@ -24,6 +24,12 @@ Usage::
     python benchmarks/bench_models_gpu.py --families gla --quick
     python benchmarks/bench_models_gpu.py --backends auto --seq-len 4096 --context 4096
 
+fla's autotuned kernels run their saved autotuning choice where Triton's cache holds one (``scripts/gpu_check.sh``
+restores the archive of earlier runs) and their first candidate otherwise (``pinned_autotuning.py``; the JSON lists
+those kernels under ``first_candidate_kernels``); ``--autotune`` lets them autotune instead (minutes per kernel on a
+bare machine). Each family's NoPE rows run again after the other variants (``"repeat": 2``), to show the drift
+within the run that the ratios to NoPE are read against.
+
 Needs a CUDA GPU; exits with a message otherwise (and falls back, with a warning, to PyTorch kernels where triton
 or flash-linear-attention are missing: the JSON records which kernels ran).
 """
@@ -39,6 +45,7 @@ from pathlib import Path
 
 import torch
 from bench_rotary_gpu import L2Flush, cuda_timings, gpu_info, require_cuda
+from pinned_autotuning import first_candidates, saved_or_first_configuration
 
 from selective_rope.bench.machine import source_provenance
 from selective_rope.bench.measure import num_parameters
@@ -55,6 +62,7 @@ SOURCES = ["kernels/dispatch.py", "kernels/rotary_triton.py", "kernels/gla.py", 
            "kernels/forgetting_attention.py", "modeling/rotary.py", "modeling/gla.py", "modeling/gated_deltanet.py",
            "modeling/fox.py", "benchmarks/bench_models_gpu.py", "benchmarks/bench_rotary_gpu.py"]
 VARIANTS = ("nope", "rope", "selective_rope")
+ORDER = (*VARIANTS, "nope")  # NoPE again last: the run's drift
 SEED = 0
 SHARED_CONFIG = {"hidden_size": 1024, "num_hidden_layers": 24, "vocab_size": 32000, "tie_word_embeddings": False}
 MODEL_CONFIGS = {  # flash-linear-attention's 340M recipes; FoX as a Llama of the same width and depth
@@ -115,7 +123,7 @@ def packed_lengths(total: int, mean: int, generator: torch.Generator) -> list[in
 # 1. training step
 # --------------------------------------------------------------------------------------------------------------------
 def bench_training(family: str, variant: str, backend: str, layers: int, batch: int, seq_len: int, steps: int,
-                   packed: bool = False) -> dict:
+                   packed: bool = False, repeat: int = 1) -> dict:
     """One row; ``packed``: the ``batch * seq_len`` tokens as one row of random-length sequences (``cu_seqlens``)."""
     model = build_model(family, variant, layers).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -145,7 +153,7 @@ def bench_training(family: str, variant: str, backend: str, layers: int, batch: 
               "layout": "packed" if packed else "dense", "batch": batch, "seq_len": seq_len,
               "tokens_per_s": round(tokens_per_s),
               "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-              "num_parameters": num_parameters(model), "first_step_s": round(first_s, 2), **stats}
+              "num_parameters": num_parameters(model), "first_step_s": round(first_s, 2), "repeat": repeat, **stats}
     if packed:
         result["num_sequences"] = len(lengths)
     log(f"  train {family:14s} {variant:15s} {backend:5s} {result['layout']:6s}: {stats['median_s'] * 1e3:8.1f} ms/step"
@@ -157,7 +165,8 @@ def bench_training(family: str, variant: str, backend: str, layers: int, batch: 
 # 2. decoding
 # --------------------------------------------------------------------------------------------------------------------
 @torch.inference_mode()
-def bench_decode(family: str, variant: str, backend: str, layers: int, batch: int, context: int, steps: int) -> dict:
+def bench_decode(family: str, variant: str, backend: str, layers: int, batch: int, context: int, steps: int,
+                 repeat: int = 1) -> dict:
     model = cast_like_from_pretrained(build_model(family, variant, layers), torch.bfloat16).eval()
     generator = torch.Generator(device="cuda").manual_seed(2)
     vocab = MODEL_CONFIGS[family]["vocab_size"]
@@ -176,7 +185,7 @@ def bench_decode(family: str, variant: str, backend: str, layers: int, batch: in
     stats = cuda_timings({"step": step}, repeats=steps, warmup=4, flush=L2Flush(False))["step"]
     result = {"family": family, "variant": variant, "backend": backend, "kernels": kernels_used(backend),
               "batch": batch, "context": context, "ms_per_token": round(stats["median_s"] * 1e3, 3),
-              "first_prefill_s": round(prefill_s, 2), "first_step_s": round(first_s, 2), **stats}
+              "first_prefill_s": round(prefill_s, 2), "first_step_s": round(first_s, 2), "repeat": repeat, **stats}
     log(f"  decode {family:14s} {variant:15s} {backend:5s} B={batch}: {result['ms_per_token']:7.2f} ms/token")
     return result
 
@@ -186,7 +195,7 @@ def with_ratios(rows: list[dict], key: str) -> list[dict]:
     packed rows also get ``<key>_vs_dense``, the ratio to the dense row of the same variant."""
     def match(row, **fixed):
         same = ("family", "backend", "batch")
-        return next((r for r in rows if all(r[f] == row[f] for f in same)
+        return next((r for r in rows if all(r[f] == row[f] for f in same) and r.get("repeat", 1) == 1
                      and all(r.get(f, "dense") == v for f, v in fixed.items())), None)
 
     for row in rows:
@@ -206,6 +215,7 @@ def record(results: dict, start: float, output: Path) -> None:
     with_ratios(results["training"], "tokens_per_s")
     with_ratios(results["decode"], "ms_per_token")
     results["total_wall_s"] = round(time.perf_counter() - start, 1)
+    results["first_candidate_kernels"] = first_candidates()
     write_results(output, results)
 
 
@@ -218,13 +228,15 @@ def print_summary(results: dict) -> None:
         log(f"  training (bf16 autocast, {plan['batch_size']} x {plan['seq_len']} tokens, dense or packed):")
         for row in (r for r in results["training"] if r["family"] == family):
             vs_dense = f", {row['tokens_per_s_vs_dense']:.3f}x dense" if "tokens_per_s_vs_dense" in row else ""
-            log(f"    {row['variant']:15s} {row['backend']:5s} {row['layout']:6s} ({row['kernels']['mixer']}/"
+            log(f"    {row['variant'] + (' (again)' if row.get('repeat', 1) > 1 else ''):15s} {row['backend']:5s} "
+                f"{row['layout']:6s} ({row['kernels']['mixer']}/"
                 f"{row['kernels']['rotary']}): {row['tokens_per_s']:>9,} tokens/s  "
                 f"({row.get('tokens_per_s_vs_nope', float('nan')):.3f}x NoPE{vs_dense})  "
                 f"peak {row['peak_memory_gib']:.1f} GiB")
         log(f"  decoding (bf16, context {plan['context']}):")
         for row in (r for r in results["decode"] if r["family"] == family):
-            log(f"    {row['variant']:15s} {row['backend']:5s} B={row['batch']}: {row['ms_per_token']:7.2f} ms/token  "
+            log(f"    {row['variant'] + (' (again)' if row.get('repeat', 1) > 1 else ''):15s} {row['backend']:5s} "
+                f"B={row['batch']}: {row['ms_per_token']:7.2f} ms/token  "
                 f"({row.get('ms_per_token_vs_nope', float('nan')):.3f}x NoPE)")
     log("=" * 100)
 
@@ -243,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-steps", type=int, default=None, help="timed training steps (default 20, quick 3)")
     parser.add_argument("--decode-steps", type=int, default=None, help="timed decoding steps (default 100, quick 10)")
     parser.add_argument("--no-packed", action="store_true", help="skip the packed training rows")
+    parser.add_argument("--autotune", action="store_true",
+                        help="let fla's kernels autotune where no saved choice exists (default: their first candidate)")
     args = parser.parse_args(argv)
     require_cuda("bench_models_gpu.py")
 
@@ -254,37 +268,47 @@ def main(argv: list[str] | None = None) -> int:
             "context": context, "decode_batches": args.decode_batches, "train_steps": train_steps,
             "decode_steps": decode_steps, "backends": args.backends, "variants": list(VARIANTS),
             "packed": not args.no_packed, "optimizer": "AdamW(fused=True)",
-            "training_precision": "bf16 autocast, float32 weights", "decode_precision": "bf16 weights"}
+            "training_precision": "bf16 autocast, float32 weights", "decode_precision": "bf16 weights",
+            "autotuning": "full" if args.autotune else "saved choice or first candidate"}
     results = {"benchmark": "bench_models_gpu", "mode": "quick" if args.quick else "full", "command": sys.argv,
                "device": gpu_info(), "source": source_provenance(REPO_ROOT, SOURCES), "plan": plan,
                "model_config": {}, "training": [], "decode": []}
     start = time.perf_counter()
-    for family in args.families:
-        probe = build_model(family, "selective_rope", layers)
-        results["model_config"][family] = {**MODEL_CONFIGS[family], "num_hidden_layers": layers,
-                                           "num_parameters": num_parameters(probe),
-                                           "full_config": probe.config.to_diff_dict()}
-        del probe
-        torch.cuda.empty_cache()
-        log(f"[bench_models_gpu] {family} on {results['device']['gpu']}, "
-            f"{results['model_config'][family]['num_parameters']:,} parameters")
-        for backend in args.backends:
-            with backend_override(backend):
-                for variant in VARIANTS:
-                    layouts = [False] + ([True] if backend == "auto" and not args.no_packed else [])
-                    for packed in layouts:
-                        results["training"].append(bench_training(family, variant, backend, layers,
-                                                                  args.batch_size, seq_len, train_steps, packed))
-                        record(results, start, args.output)
-                        torch.cuda.empty_cache()  # the model and optimizer state of the previous row are gone
-                for batch in args.decode_batches:
-                    for variant in VARIANTS:
-                        results["decode"].append(bench_decode(family, variant, backend, layers, batch, context,
-                                                              decode_steps))
-                        record(results, start, args.output)
-                        torch.cuda.empty_cache()
+    with contextlib.nullcontext() if args.autotune else saved_or_first_configuration():
+        for family in args.families:
+            run_family(family, args, layers, seq_len, context, train_steps, decode_steps, results, start)
     print_summary(results)
     return 0
+
+
+def run_family(family: str, args, layers: int, seq_len: int, context: int, train_steps: int, decode_steps: int,
+               results: dict, start: float) -> None:
+    """One family's rows: training (each variant, dense then packed), then decoding, NoPE last again."""
+    probe = build_model(family, "selective_rope", layers)
+    results["model_config"][family] = {**MODEL_CONFIGS[family], "num_hidden_layers": layers,
+                                       "num_parameters": num_parameters(probe),
+                                       "full_config": probe.config.to_diff_dict()}
+    del probe
+    torch.cuda.empty_cache()
+    log(f"[bench_models_gpu] {family} on {results['device']['gpu']}, "
+        f"{results['model_config'][family]['num_parameters']:,} parameters")
+    for backend in args.backends:
+        with backend_override(backend):
+            for index, variant in enumerate(ORDER):
+                repeat = ORDER[:index + 1].count(variant)
+                layouts = [False] + ([True] if backend == "auto" and not args.no_packed else [])
+                for packed in layouts:
+                    results["training"].append(bench_training(family, variant, backend, layers,
+                                                              args.batch_size, seq_len, train_steps, packed,
+                                                              repeat))
+                    record(results, start, args.output)
+                    torch.cuda.empty_cache()  # the model and optimizer state of the previous row are gone
+            for batch in args.decode_batches:
+                for index, variant in enumerate(ORDER):
+                    results["decode"].append(bench_decode(family, variant, backend, layers, batch, context,
+                                                          decode_steps, ORDER[:index + 1].count(variant)))
+                    record(results, start, args.output)
+                    torch.cuda.empty_cache()
 
 
 @contextlib.contextmanager
