@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per repeat (default 50, quick 8)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    require_cuda()
+    require_cuda("bench_graphed_decode_gpu.py")
     layers = args.layers or (2 if args.quick else 24)
     context = args.context or (256 if args.quick else 4096)
     steps = args.steps or (8 if args.quick else 50)
