@@ -18,6 +18,11 @@ distinct keys from one half of the vocabulary and values from the other; each qu
 the answer ``a_j`` (scored after reading ``q_j``) is that key's value. Queries are fed with their answers (teacher
 forcing), so a whole batch is scored in one forward.
 
+``a3`` (state tracking on the alternating group A3, the even permutations of 3 elements): ``BOS g_1 ... g_n END``
+with uniformly drawn elements; the answer after ``g_t`` is the composition ``g_1 ∘ ... ∘ g_t`` (apply ``g_1`` first),
+per-token supervision as in the word problems of Liu et al. (2023) and Grazzi et al. (2025) that the paper follows.
+A3 is cyclic of order 3, so an input-dependent rotation by a third of a turn per 3-cycle solves it exactly.
+
 ``copy`` (string copying, Jelassi et al. 2024): ``BOS s_1 ... s_n COPY s_1 ... s_n EOS`` (then padding); after
 ``COPY`` the model must reproduce the string token by token and then emit ``EOS``. Scored with teacher forcing; a
 string is copied exactly when every one of its ``n + 1`` answers is right, which is also exactly when greedy decoding
@@ -96,6 +101,42 @@ class Parity:
         return length
 
 
+# ------------------------------------------------------------------------------------------------------ A3 (state)
+
+def compose(first: tuple[int, ...], then: tuple[int, ...]) -> tuple[int, ...]:
+    """The permutation "apply ``first``, then ``then``" in one-line notation: ``i -> then[first[i]]``."""
+    return tuple(then[i] for i in first)
+
+
+class A3:
+    """Prefix products on A3. Tokens 0, 1, 2 are the group's elements (also the answers), then BOS, END."""
+
+    name = "a3"
+    # identity, then the two 3-cycles; ELEMENTS[a] ∘ ELEMENTS[b] = ELEMENTS[(a + b) % 3]
+    ELEMENTS = ((0, 1, 2), (1, 2, 0), (2, 0, 1))
+    BOS, END = 3, 4
+    vocab_size = 5
+
+    @classmethod
+    def sample(cls, batch: int, length: int, generator: torch.Generator) -> Batch:
+        return cls.from_elements(torch.randint(0, 3, (batch, length), generator=generator))
+
+    @classmethod
+    def from_elements(cls, elements: torch.Tensor) -> Batch:
+        """The batch for given element indices ``(B, n)``: ``BOS elements END``, prefix products as targets."""
+        batch, length = elements.shape
+        products = torch.cumsum(elements, dim=1) % 3  # A3 is cyclic: composing rotations adds their indices
+        input_ids = torch.cat([torch.full((batch, 1), cls.BOS), elements, torch.full((batch, 1), cls.END)], dim=1)
+        targets = torch.full_like(input_ids, IGNORE)
+        targets[:, 1:length + 1] = products  # the answer read at the position of g_t
+        return _batch(input_ids, targets)
+
+    @staticmethod
+    def final_position(length: int) -> int:
+        """Position (in ``input_ids``) whose logits answer the product of the whole word."""
+        return length
+
+
 # ----------------------------------------------------------------------------------------------------------- MQAR
 
 class MQAR:
@@ -159,4 +200,4 @@ class Copy:
         return _batch(input_ids, targets, attention_mask)
 
 
-TASKS = ("parity", "mqar", "copy")
+TASKS = ("parity", "a3", "mqar", "copy")

@@ -1,4 +1,5 @@
-"""Train one tiny model on one synthetic task (parity / MQAR / copy) on CPU and write a results JSON.
+"""Train one tiny model on one synthetic task (parity / A3 / MQAR / copy / the MAD recall tasks) on CPU and write a
+results JSON.
 
     python examples/synthetic/train.py --task parity --variant selective --seed 0
 
@@ -43,10 +44,13 @@ for folder in (HERE, HERE.parent):  # tasks.py here; examples/example_utils.py, 
         sys.path.insert(0, str(folder))
 
 from example_utils import lr_at  # noqa: E402
-from tasks import IGNORE, MQAR, TASKS, Copy, Parity  # noqa: E402
+from mad import MAD_TASKS  # noqa: E402
+from tasks import A3, IGNORE, MQAR, Copy, Parity  # noqa: E402
+from tasks import TASKS as BASIC_TASKS  # noqa: E402
 
 from selective_rope.configuration import PRESETS  # noqa: E402
 
+TASKS = BASIC_TASKS + tuple(MAD_TASKS)
 REPO = HERE.parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "synthetic"
 
@@ -78,12 +82,28 @@ TASK_DEFAULTS = {
     "parity": dict(family="gla", layers=1, hidden=64, heads=2, steps=600, batch=64, lr=3e-3,
                    train_length=40, eval_lengths=[20, 40, 80, 160, 320], eval_batch=256, bit_density="half",
                    config=dict(phase_conv_size=0)),
+    # A3 (docs/evidence.md): 2-layer Gated DeltaNet; the paper trains at 128 and tests to 512 elements
+    "a3": dict(family="gated_deltanet", layers=2, hidden=64, heads=2, steps=600, batch=64, lr=3e-3,
+               train_length=32, eval_lengths=[32, 64, 128], eval_batch=256),
     "mqar": dict(family="gla", layers=2, hidden=64, heads=2, steps=400, batch=64, lr=3e-3,
                  train_length=8, eval_lengths=[4, 8, 16, 24], eval_batch=256, num_keys=32),
     "copy": dict(family="gla", layers=2, hidden=64, heads=2, steps=1000, batch=32, lr=3e-3,
                  train_length=16, min_length=2, eval_lengths=[8, 16, 32, 64], eval_batch=128, alphabet=26),
 }
-LENGTH_UNIT = {"parity": "bits", "mqar": "key-value pairs", "copy": "string length"}
+# The MAD recall tasks (docs/evidence.md) at MAD's baseline vocabularies, sequences scaled down for the CPU: 2-layer
+# GLA, hidden 64; `mad` holds the generator's own arguments (examples/synthetic/mad.py).
+MAD_MODEL = dict(family="gla", layers=2, hidden=64, heads=2, steps=400, batch=32, lr=3e-3, eval_batch=256)
+TASK_DEFAULTS.update({
+    "compress": dict(MAD_MODEL, train_length=32, eval_lengths=[32], mad=dict(vocab_size=16)),
+    "fuzzy_recall": dict(MAD_MODEL, train_length=64, eval_lengths=[64], mad=dict(vocab_size=16)),
+    "in_context_recall": dict(MAD_MODEL, train_length=64, eval_lengths=[64], mad=dict(vocab_size=16)),
+    "memorize": dict(MAD_MODEL, train_length=32, eval_lengths=[32], mad=dict(vocab_size=256)),
+    "noisy_recall": dict(MAD_MODEL, train_length=64, eval_lengths=[64],
+                         mad=dict(vocab_size=32, noise_vocab_size=16, frac_noise=0.2)),
+    "selective_copy": dict(MAD_MODEL, train_length=64, eval_lengths=[64], mad=dict(vocab_size=16, tokens_to_copy=8)),
+})
+LENGTH_UNIT = {"parity": "bits", "a3": "group elements", "mqar": "key-value pairs", "copy": "string length",
+               **{name: "tokens" for name in MAD_TASKS}}
 
 
 # ----------------------------------------------------------------------------------------------------------- model
@@ -112,6 +132,10 @@ def task_settings(task_name: str, **overrides) -> dict:
 def make_task(name: str, settings: dict):
     if name == "parity":
         return Parity()
+    if name == "a3":
+        return A3()
+    if name in MAD_TASKS:
+        return MAD_TASKS[name](**settings["mad"])
     if name == "mqar":
         return MQAR(settings["num_keys"])
     if name == "copy":
@@ -122,8 +146,10 @@ def make_task(name: str, settings: dict):
 def sample(task, settings: dict, batch: int, length: int, generator: torch.Generator, train: bool):
     if task.name == "parity":  # evaluation always reads fair bits; training may vary the density of 1s
         return task.sample(batch, length, generator, settings["bit_density"] if train else "half")
-    if task.name == "mqar":
+    if task.name in ("a3", "mqar"):
         return task.sample(batch, length, generator)
+    if task.name in MAD_TASKS:  # recall tasks: next-token training, scored only where a value can be recalled
+        return task.sample(batch, length, generator, train)
     if task.name == "copy":  # training draws lengths in [min, train]; evaluation uses exactly `length`
         return task.sample(batch, settings["min_length"] if train else length, length, generator)
     raise ValueError(task.name)
@@ -148,7 +174,7 @@ def evaluate(model, task, settings: dict, length: int, seed: int) -> dict:
         # every scored answer of a sequence right (parity: every prefix; copy: the whole string, = greedy exact match)
         "sequence_accuracy": (correct.sum(1) == scored.sum(1)).float().mean().item(),
     }
-    if task.name == "parity":
+    if task.name in ("parity", "a3"):
         final = task.final_position(length)
         result["final_token_accuracy"] = correct[:, final].float().mean().item()
     return result
@@ -281,6 +307,8 @@ def run(task_name: str, variant: str, seed: int, output: Path | None = None, ove
     config = build_config(task, settings["family"], variant, settings["layers"], settings["hidden"],
                           settings["heads"], overrides)
     model = AutoModelForCausalLM.from_config(config)
+    if hasattr(task, "wrap_model"):  # compress: MAD's auto-encoder around the backbone
+        model = task.wrap_model(model)
     parameters = sum(p.numel() for p in model.parameters())
     if not quiet:
         print(f"{task_name} / {variant} / seed {seed}: {type(model).__name__}, {parameters:,} parameters", flush=True)

@@ -1,0 +1,211 @@
+"""Smoke tests of docs/evidence.md's experiments: the A3 and MAD generators against independent computations, the
+compression auto-encoder, and each script's ``--quick`` run (examples/synthetic/evidence.py, examples/lm/retrofit.py).
+The full runs: `python examples/synthetic/evidence.py a3|mad`, `python examples/lm/retrofit.py run`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+for folder in (EXAMPLES / "synthetic", EXAMPLES / "lm"):
+    sys.path.insert(0, str(folder))
+
+import evidence  # noqa: E402
+import mad  # noqa: E402
+import retrofit  # noqa: E402
+import train  # noqa: E402
+from tasks import A3, IGNORE, compose  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def check_layout(batch, length: int, vocab_size: int) -> None:
+    assert batch.input_ids.shape[1] == length
+    assert batch.input_ids.shape == batch.attention_mask.shape == batch.labels.shape == batch.targets.shape
+    assert torch.equal(batch.labels[:, 1:], batch.targets[:, :-1]) and (batch.labels[:, 0] == IGNORE).all()
+    assert 0 <= int(batch.input_ids.min()) and int(batch.input_ids.max()) < vocab_size
+    scored = batch.targets[batch.targets != IGNORE]
+    assert scored.numel() > 0 and int(scored.max()) < vocab_size
+
+
+# ---------------------------------------------------------------------------------------------------------- A3
+
+def test_a3_elements_are_the_even_permutations_of_three():
+    from itertools import permutations
+
+    even = {p for p in permutations(range(3)) if sum(p[i] > p[j] for i in range(3) for j in range(i + 1, 3)) % 2 == 0}
+    assert set(A3.ELEMENTS) == even and A3.ELEMENTS[0] == (0, 1, 2)
+
+
+def test_a3_labels_are_the_composed_permutations():
+    batch = A3.sample(16, 24, gen())
+    check_layout(batch, 26, A3.vocab_size)
+    for row in range(16):
+        product = A3.ELEMENTS[0]
+        for t in range(1, 25):  # BOS g_1 ... g_24 END
+            product = compose(product, A3.ELEMENTS[int(batch.input_ids[row, t])])
+            assert A3.ELEMENTS[int(batch.targets[row, t])] == product
+        assert int(batch.targets[row, A3.final_position(24)]) == A3.ELEMENTS.index(product)
+    assert (batch.targets[:, [0, 25]] == IGNORE).all()
+
+
+def test_compose_applies_the_first_permutation_first():
+    swap01, swap12 = (1, 0, 2), (0, 2, 1)
+    assert compose(swap01, swap12) == (2, 0, 1)  # 0 -> 1 -> 2, 1 -> 0 -> 0, 2 -> 2 -> 1
+    assert compose(swap12, swap01) == (1, 2, 0)  # S3 is not abelian: the order matters
+
+
+# --------------------------------------------------------------------------------------------------------- MAD
+
+def recall_reference(ids: list[int], keys: int, noise_start: int) -> dict[int, int]:
+    """{position of a key whose value is recallable: that value}, by a plain scan of the pairs."""
+    table, answers = {}, {}
+    for i in range(0, len(ids), 2):
+        key, value = ids[i], ids[i + 1]
+        if key >= noise_start:  # a noise pair
+            continue
+        assert key < keys <= value < noise_start
+        if key in table:
+            assert table[key] == value  # one value per key within a sequence
+            answers[i] = value
+        table[key] = value
+    return answers
+
+
+@pytest.mark.parametrize("task", [mad.InContextRecall(), mad.NoisyRecall()])
+def test_in_context_recall_scores_exactly_the_recallable_values(task):
+    batch = task.sample(8, 64, gen(), train=False)
+    check_layout(batch, 64, task.vocab_size)
+    for row in range(8):
+        ids = batch.input_ids[row].tolist()
+        expected = recall_reference(ids, task.keys, task.noise_start)
+        scored = {t: int(v) for t, v in enumerate(batch.targets[row].tolist()) if v != IGNORE}
+        assert scored == expected and (len(ids) - 2) in scored  # the last pair always probes a seen key
+    training = task.sample(8, 64, gen(), train=True)  # next-token prediction everywhere
+    assert torch.equal(training.targets[:, :-1], training.input_ids[:, 1:])
+
+
+def test_noisy_recall_noise_fraction():
+    task = mad.NoisyRecall(frac_noise=0.5)
+    ids = task.sample(64, 64, gen(), train=False).input_ids
+    pairs_noisy = (ids[:, 0::2] >= task.noise_start).float().mean().item()
+    assert 0.4 < pairs_noisy < 0.55 and ((ids[:, 1::2] >= task.noise_start) == (ids[:, 0::2] >= task.noise_start)).all()
+
+
+def test_fuzzy_recall_scores_next_tokens_of_recalled_values():
+    task = mad.FuzzyRecall()
+    batch = task.sample(8, 64, gen(), train=False)
+    check_layout(batch, 64, task.vocab_size)
+    values = set(task.value_vocab)
+    for row in range(8):
+        ids, targets = batch.input_ids[row].tolist(), batch.targets[row].tolist()
+        for t, target in enumerate(targets):
+            if target != IGNORE:  # next-token layout: the value token that follows, never a key or a pad
+                assert target == ids[t + 1] and target in values
+        assert targets[-2] != IGNORE  # the final probe's value is scored
+        pads = batch.attention_mask[row] == 0
+        assert all(i == task.PAD for i in batch.input_ids[row][pads].tolist())
+    training = task.sample(8, 64, gen(), train=True)
+    real = (training.input_ids[:, :-1] != task.PAD) & (training.input_ids[:, 1:] != task.PAD)
+    assert (training.targets[:, :-1][~real] == IGNORE).all()
+    assert torch.equal(training.targets[:, :-1][real], training.input_ids[:, 1:][real])
+
+
+def test_memorize_uses_one_fixed_map():
+    task, again = mad.Memorize(), mad.Memorize()
+    assert torch.equal(task.table, again.table) and len(set(task.table.tolist())) == task.num_keys
+    batch = task.sample(4, 32, gen(), train=True)
+    check_layout(batch, 32, task.vocab_size)
+    assert (batch.input_ids[:, 1::2] == task.INSERT).all()
+    assert torch.equal(batch.targets[:, 1::2], task.table[batch.input_ids[:, 0::2]])
+    assert (batch.targets[:, 0::2] == IGNORE).all()
+
+
+def test_selective_copy_targets_are_the_scattered_tokens_in_order():
+    task = mad.SelectiveCopy(tokens_to_copy=8)
+    batch = task.sample(8, 48, gen(), train=False)
+    check_layout(batch, 48, task.vocab_size)
+    for row in range(8):
+        ids = batch.input_ids[row].tolist()
+        copy_at = ids.index(task.COPY)
+        assert copy_at == 48 - 8 - 1 and ids[copy_at + 1:] == [task.BLANK] * 8
+        assert [i for i in ids[:copy_at] if i != task.BLANK] == batch.targets[row, copy_at + 1:].tolist()
+        assert (batch.targets[row, :copy_at + 1] == IGNORE).all()
+
+
+def test_compress_rebuilds_every_token_from_the_last_state():
+    task = mad.Compress()
+    batch = task.sample(4, 16, gen())
+    check_layout(batch, 16, task.vocab_size)
+    assert torch.equal(batch.targets, batch.input_ids) and (batch.input_ids[:, -1] == task.COMPRESS).all()
+    model = task.wrap_model(_tiny_gla(task.vocab_size))
+    out = model(batch.input_ids, labels=batch.labels)
+    assert out.logits.shape == (4, 16, task.vocab_size) and out.loss.ndim == 0
+    # every position is decoded from the backbone's last hidden state alone
+    encoder_last = model.encoder(batch.input_ids).last_hidden_state[:, -1]
+    torch.testing.assert_close(out.logits, model.decoder(encoder_last[:, None] + model.positions[:16]))
+
+
+def _tiny_gla(vocab_size: int):
+    from transformers import AutoModelForCausalLM
+
+    import selective_rope  # noqa: F401
+
+    config = train.build_config(type("T", (), {"vocab_size": vocab_size})(), "gla", "selective_plain", 1, 16, 2, {})
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("name, length", [("compress", 16), ("in_context_recall", 16), ("noisy_recall", 16),
+                                          ("fuzzy_recall", 32), ("memorize", 16), ("selective_copy", 24)])
+def test_mad_tasks_sample_at_the_given_length(name, length):
+    settings = train.task_settings(name)
+    task = train.make_task(name, settings)
+    batch = train.sample(task, settings, 2, length, gen(), train=False)
+    assert batch.input_ids.shape == (2, length)
+    if name in ("in_context_recall", "noisy_recall"):
+        with pytest.raises(ValueError, match="even length"):
+            task.sample(2, 15, gen(), train=False)
+
+
+# ------------------------------------------------------------------------------------------------ quick runs
+
+@pytest.mark.parametrize("section, runs", [("a3", 6), ("mad", 18)])
+def test_evidence_quick_runs_every_configuration(section, runs, capsys):
+    assert evidence.main([section, "--quick"]) == 0
+    assert f"quick: {runs} runs" in capsys.readouterr().out
+
+
+def test_retrofit_quick_converts_exactly_and_finetunes_every_arm(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(retrofit.tempfile, "TemporaryDirectory", lambda: _Keep(tmp_path))
+    assert retrofit.main(["run", "--quick"]) == 0
+    import json
+
+    runs = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "results").glob("*_seed0.json")}
+    assert set(runs) == {f"{arm}_seed0" for arm in retrofit.ARMS}
+    before = [[row["perplexity"] for row in run["eval_before"]] for run in runs.values()]
+    for other in before[1:]:  # every conversion starts computing what the Llama computes
+        assert other == pytest.approx(before[0], rel=1e-4)
+    assert runs["selective_forget_seed0"]["config"]["use_forget_gate"] is True
+    assert "use_forget_gate" not in runs["selective_seed0"]["config"] or not runs["selective_seed0"]["config"][
+        "use_forget_gate"]
+
+
+class _Keep:
+    """A stand-in for TemporaryDirectory that leaves the folder to pytest's tmp_path."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        return str(self.path)
+
+    def __exit__(self, *exc):
+        return False
