@@ -50,6 +50,8 @@ def load(results: Path = RESULTS) -> dict[str, dict[str, list[dict]]]:
         if not match:
             continue
         run = json.loads(path.read_text())
+        if run["task"] not in METRICS:  # A3 and the MAD tasks: examples/synthetic/evidence.py summarises them
+            continue
         runs[run["task"]][match["group"]].append(run)
     return runs
 
