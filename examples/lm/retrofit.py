@@ -208,7 +208,9 @@ def plot(summary: dict, lengths: list[int], train_length: int, path: Path) -> No
                               [max(values[n]) - statistics.mean(values[n]) for n in lengths]],
                         marker="o", capsize=3, label=f"{LABELS[arm]}, fine-tuned")
     ax.axvline(train_length, color="grey", linestyle=":", linewidth=1)
-    ax.set(xscale="log", yscale="log", xticks=lengths, xticklabels=[str(n) for n in lengths],
+    ax.set_xscale("log")
+    ax.minorticks_off()
+    ax.set(xticks=lengths, xticklabels=[str(n) for n in lengths],
            xlabel="context (tokens; training context dotted)", ylabel="held-out perplexity",
            title="Retrofit: Llama vs its Selective RoPE conversions")
     ax.legend(fontsize=7)

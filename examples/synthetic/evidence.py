@@ -124,20 +124,20 @@ def mad_table(results: Path) -> tuple[str, dict]:
     lines = [header, "| --- |" + " --- |" * (len(tasks) + 1)]
     summary = {}
     for variant in MAD_VARIANTS:
-        ours, seeds = [], set()
+        ours = []
         for task in tasks:
             runs = load(results / "mad" / task).get(variant, [])
-            seeds.add(len(runs))
             ours.append([100 * r["eval"][0]["token_accuracy"] for r in runs])
         if not any(ours):
             continue
-        means = [statistics.mean(v) if v else float("nan") for v in ours]
+        means = [statistics.mean(v) if v else None for v in ours]
         summary[variant] = {t: v for t, v in zip(tasks, ours)}
         paper = [PAPER_MAD[variant][t] for t in tasks]
-        seed_note = "/".join(str(s) for s in sorted(seeds))
+        counts = sorted(len(v) for v in ours if v)
+        seed_note = f"{counts[0]}" if counts[0] == counts[-1] else f"{counts[0]}–{counts[-1]}"
         lines.append(f"| {LABELS[variant]}, here ({seed_note} seeds) | "
                      + " | ".join(f"{m:.1f} ({min(v):.0f}–{max(v):.0f})" if v else "—" for m, v in zip(means, ours))
-                     + f" | {statistics.mean(means):.1f} |")
+                     + (f" | {statistics.mean(means):.1f} |" if all(v for v in ours) else " | — |"))
         lines.append(f"| {LABELS[variant]}, paper | " + " | ".join(f"{p:.1f}" for p in paper)
                      + f" | {statistics.mean(paper):.1f} |")
     return "\n".join(lines), summary
@@ -158,7 +158,10 @@ def plots(a3: dict, mad: dict, docs: Path) -> None:
             ax.plot(lengths, mean, marker="o", linestyle="--" if "_negeig" in name else "-",
                     label=f"{LABELS[variant]}{', β∈(0,2)' if '_negeig' in name else ''}")
         ax.axvline(A3_BUDGET["train_length"], color="grey", linestyle=":", linewidth=1)
-        ax.set(xscale="log", xticks=lengths, xticklabels=[str(n) for n in lengths], ylim=(0, 102),
+        ax.axhline(100 / 3, color="grey", linestyle="-.", linewidth=0.8)  # chance
+        ax.set_xscale("log")
+        ax.minorticks_off()
+        ax.set(xticks=lengths, xticklabels=[str(n) for n in lengths], ylim=(0, 102),
                xlabel="word length (elements of A3)", ylabel="final-token accuracy (%)",
                title="A3, 2-layer Gated DeltaNet (mean over seeds)")
         ax.legend(fontsize=7)
