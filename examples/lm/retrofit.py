@@ -13,9 +13,12 @@ Arms (every one fine-tuned with the same windows, steps and learning rate for a 
     llama              the pretrained Llama itself (RoPE)
     selective          ``selective-rope convert --no-forget-gate``: softmax attention, Selective RoPE
     selective_forget   ``selective-rope convert``: the FoX forget gate (starting at "no forgetting") and Selective RoPE
+    selective_forget_bias4
+                       the same with ``--forget-gate-bias 4`` (log f = -0.018 per token: it forgets from the start, so it
+                       does not start exact; ``--tolerance 1`` lets the converter write it)
 
-Each converted model starts computing exactly what the Llama computes (the converter checks it on a probe batch); the
-JSON also records the perplexity of every arm before fine-tuning, which must be equal across arms.
+Each converted model but the last starts computing exactly what the Llama computes (the converter checks it on a probe
+batch); the JSON also records the perplexity of every arm before fine-tuning, equal across those arms.
 Files: the pretrained and converted models under ``examples/lm/.cache/retrofit/`` (ignored by git), results under
 ``benchmarks/results/lm/retrofit/``.
 """
@@ -47,9 +50,11 @@ RESULTS = REPO / "benchmarks" / "results" / "lm" / "retrofit"
 MODELS = train_lm.CACHE / "retrofit"
 DOCS = REPO / "docs"
 
-ARMS = {"llama": None, "selective": ["--no-forget-gate"], "selective_forget": []}  # arm -> convert flags
+ARMS = {"llama": None, "selective": ["--no-forget-gate"], "selective_forget": [],  # arm -> convert flags
+        "selective_forget_bias4": ["--forget-gate-bias", "4", "--tolerance", "1"]}
 LABELS = {"llama": "Llama (RoPE)", "selective": "converted: Selective RoPE",
-          "selective_forget": "converted: Selective RoPE + forget gate"}
+          "selective_forget": "converted: Selective RoPE + forget gate",
+          "selective_forget_bias4": "converted: Selective RoPE + forget gate, bias 4 (not exact at start)"}
 SETTINGS = dict(hidden=64, layers=2, heads=2, length=256, batch=8, pretrain_steps=1000, pretrain_lr=3e-3,
                 finetune_steps=200, finetune_lr=1e-3, eval_windows=16, eval_multiples=(1, 2, 4))
 QUICK = dict(SETTINGS, hidden=32, length=16, batch=2, pretrain_steps=2, finetune_steps=2, eval_windows=2)
@@ -96,11 +101,12 @@ def pretrain(tokens: dict, vocab_size: int, settings: dict, models: Path, result
     return source
 
 
-def convert(source: Path, models: Path) -> dict[str, Path]:
+def convert(source: Path, models: Path, arms: list[str]) -> dict[str, Path]:
     """``selective-rope convert`` once per converted arm (the command-line tool itself, as a user runs it)."""
     from selective_rope.cli import main as cli_main
     paths = {"llama": source}
-    for arm, flags in ARMS.items():
+    for arm in arms:
+        flags = ARMS[arm]
         if flags is None:
             continue
         paths[arm] = models / arm
@@ -136,15 +142,17 @@ def finetune(arm: str, path: Path, seed: int, tokens: dict, settings: dict, resu
                         "train_seconds": training["train_seconds"], **environment()})
 
 
-def run(seeds: list[int], cache: Path, models: Path, results: Path, settings: dict) -> None:
+def run(seeds: list[int], cache: Path, models: Path, results: Path, settings: dict,
+        arms: list[str] | None = None) -> None:
+    arms = list(ARMS) if arms is None else arms
     if not (cache / "tokens.pt").exists():
         raise SystemExit(f"{cache / 'tokens.pt'} is missing: run `python examples/lm/train_lm.py prepare` first")
     tokens = torch.load(cache / "tokens.pt")
     vocab_size = json.loads((cache / "corpus.json").read_text())["vocab_size"]
     source = pretrain(tokens, vocab_size, settings, models, results)
-    paths = convert(source, models)
+    paths = convert(source, models, arms)
     for seed in seeds:
-        for arm in ARMS:
+        for arm in arms:
             finetune(arm, paths[arm], seed, tokens, settings, results)
 
 
@@ -162,7 +170,7 @@ def summarize(results: Path, docs: Path, make_plots: bool) -> None:
     lines = ["| model | seeds | " + " | ".join(f"ppl at {n}" for n in lengths) + " | Δ vs Llama at "
              + " / ".join(str(n) for n in lengths) + " (paired by seed) |",
              "| --- | --- |" + " --- |" * (len(lengths) + 1),
-             "| pretrained Llama, before fine-tuning (every arm) | — | "
+             "| pretrained Llama, before fine-tuning (= every exact conversion) | — | "
              + " | ".join(f"{row['perplexity']:.2f}" for row in pretrained["eval"]) + " | — |"]
     summary = {"pretrained": {row["length"]: row["perplexity"] for row in pretrained["eval"]}}
     baseline = {r["seed"]: r for r in runs.get("llama", [])}
@@ -255,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["run", "summary"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), help="run only these arms (default: all)")
     parser.add_argument("--quick", action="store_true", help="run: every step at toy size in a temporary folder")
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
@@ -264,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.quick:
         quick()
     else:
-        run(args.seeds, train_lm.CACHE, MODELS, RESULTS, SETTINGS)
+        run(args.seeds, train_lm.CACHE, MODELS, RESULTS, SETTINGS, args.arms)
     return 0
 
 
