@@ -5,7 +5,7 @@ held-out perplexity at 1x, 2x and 4x the training context.
 
     python examples/lm/train_lm.py prepare        # once: the tokenizer and the encoded corpus
     python examples/lm/retrofit.py run --seeds 0 1 2
-    python examples/lm/retrofit.py summary        # table (printed, and into docs/evidence.md) + docs/evidence_retrofit.png
+    python examples/lm/retrofit.py summary        # table (printed, into docs/evidence.md), docs/evidence_retrofit.png
     python examples/lm/retrofit.py run --quick    # a few seconds: a tiny corpus, 2 steps each, in a temporary folder
 
 Arms (every one fine-tuned with the same windows, steps and learning rate for a given seed):
@@ -14,8 +14,8 @@ Arms (every one fine-tuned with the same windows, steps and learning rate for a 
     selective          ``selective-rope convert --no-forget-gate``: softmax attention, Selective RoPE
     selective_forget   ``selective-rope convert``: the FoX forget gate (starting at "no forgetting") and Selective RoPE
     selective_forget_bias4
-                       the same with ``--forget-gate-bias 4`` (log f = -0.018 per token: it forgets from the start, so it
-                       does not start exact; ``--tolerance 1`` lets the converter write it)
+                       the same with ``--forget-gate-bias 4`` (log f = -0.018 per token: it forgets from the start,
+                       so it does not start exact; ``--tolerance 1`` lets the converter write it)
 
 Each converted model but the last starts computing exactly what the Llama computes (the converter checks it on a probe
 batch); the JSON also records the perplexity of every arm before fine-tuning, equal across those arms.
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys

@@ -26,10 +26,9 @@ for folder in (HERE, HERE.parent):
         sys.path.insert(0, str(folder))
 
 import torch  # noqa: E402
+import train  # noqa: E402
 from example_utils import MarkersNotFound, write_between_markers  # noqa: E402
 from mad import MAD_TASKS  # noqa: E402
-
-import train  # noqa: E402
 
 REPO = HERE.parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "synthetic"
@@ -136,7 +135,7 @@ def mad_table(results: Path) -> tuple[str, dict]:
         counts = sorted(len(v) for v in ours if v)
         seed_note = f"{counts[0]}" if counts[0] == counts[-1] else f"{counts[0]}–{counts[-1]}"
         lines.append(f"| {LABELS[variant]}, here ({seed_note} seeds) | "
-                     + " | ".join(f"{m:.1f} ({min(v):.0f}–{max(v):.0f})" if v else "—" for m, v in zip(means, ours))
+                     + " | ".join(f"{m:.1f} ({min(v):.1f}–{max(v):.1f})" if v else "—" for m, v in zip(means, ours))
                      + (f" | {statistics.mean(means):.1f} |" if all(v for v in ours) else " | — |"))
         lines.append(f"| {LABELS[variant]}, paper | " + " | ".join(f"{p:.1f}" for p in paper)
                      + f" | {statistics.mean(paper):.1f} |")
@@ -156,6 +155,7 @@ def plots(a3: dict, mad: dict, docs: Path) -> None:
             variant = name.replace("_negeig", "")
             mean = [statistics.mean(row[n]) for n in lengths]
             ax.plot(lengths, mean, marker="o", linestyle="--" if "_negeig" in name else "-",
+                    color=f"C{A3_VARIANTS.index(variant)}",
                     label=f"{LABELS[variant]}{', β∈(0,2)' if '_negeig' in name else ''}")
         ax.axvline(A3_BUDGET["train_length"], color="grey", linestyle=":", linewidth=1)
         ax.axhline(100 / 3, color="grey", linestyle="-.", linewidth=0.8)  # chance

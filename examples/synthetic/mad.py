@@ -28,9 +28,8 @@ import random
 from types import SimpleNamespace
 
 import torch
-from torch import nn
-
 from tasks import IGNORE, Batch, _batch
+from torch import nn
 
 
 def _next_token_targets(input_ids: torch.Tensor, pad: int | None = None) -> torch.Tensor:
@@ -233,7 +232,8 @@ class Memorize:
         self.INSERT = vocab_size - 1
         content = vocab_size - 1
         self.num_keys = content // 2
-        values = content // 2 + torch.randperm(content - content // 2, generator=torch.Generator().manual_seed(map_seed))
+        fixed = torch.Generator().manual_seed(map_seed)
+        values = content // 2 + torch.randperm(content - content // 2, generator=fixed)
         self.table = values[: self.num_keys]  # (num_keys,): fixed for every sequence, seed and run
 
     def sample(self, batch: int, length: int, generator: torch.Generator, train: bool = True) -> Batch:
