@@ -27,6 +27,7 @@ keep our ops' conventions: the default query scale ``D^-0.5``, log-space decays,
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import warnings
@@ -139,6 +140,18 @@ def fla_ops(backend: str, device: torch.device) -> SimpleNamespace | None:
         warn_once("selective-rope: flash-linear-attention cannot be imported, so the GLA / Gated DeltaNet / FoX "
                   "mixers run in PyTorch on CUDA (pip install flash-linear-attention for its kernels)")
     return ops
+
+
+def fla_refuses_gated_delta_backward() -> bool:
+    """Whether fla's gated delta rule refuses its backward here: fla 0.6 raises in it on Hopper GPUs with Triton in
+    [3.4, 3.7.1) unless tilelang takes the kernel, because that Triton computes wrong gradients there (fla issue
+    #640). Found on an H200 with torch 2.11's Triton 3.6 (benchmarks/results/gpu/2026-11-28-h200)."""
+    try:
+        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+    except ImportError:  # an fla without the check
+        return False
+    tilelang = importlib.util.find_spec("tilelang") is not None
+    return IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1 and not tilelang
 
 
 def keeps_packed(backend: str, device: torch.device | str) -> bool:
