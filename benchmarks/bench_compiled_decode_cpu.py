@@ -30,11 +30,12 @@ from pathlib import Path
 import torch
 
 from selective_rope import SelectiveRopeStaticCache
-from selective_rope.bench.measure import num_parameters
-from selective_rope.bench.report import log, write_results
-from selective_rope.bench.runner import configure, start_results
 from selective_rope.families import FAMILIES as REGISTRY
 from selective_rope.modeling import returned_cache
+
+from harness.measure import num_parameters
+from harness.report import log, write_results
+from harness.runner import configure, start_results
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
 DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / "compiled_decode_cpu.json"

@@ -31,9 +31,10 @@ from bench_models_gpu import build_model, cast_like_from_pretrained, kernels_use
 from bench_rotary_gpu import L2Flush, cuda_timings, gpu_info, require_cuda
 
 from selective_rope import SelectiveRopeStaticCache
-from selective_rope.bench.machine import source_provenance
-from selective_rope.bench.report import log, write_results
 from selective_rope.modeling import returned_cache
+
+from harness.machine import source_provenance
+from harness.report import log, write_results
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = REPO_ROOT / "benchmarks" / "results" / "graphed_decode_gpu.json"

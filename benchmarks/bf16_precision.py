@@ -46,11 +46,12 @@ import torch
 from torch import nn
 
 from selective_rope import FAMILIES
-from selective_rope.bench.measure import num_parameters
-from selective_rope.bench.report import log, write_results
-from selective_rope.bench.runner import start_results
 from selective_rope.modeling import returned_cache
 from selective_rope.modeling.base import SelectiveRopeDecoderBlock
+
+from harness.measure import num_parameters
+from harness.report import log, write_results
+from harness.runner import start_results
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
 DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / "bf16_precision.json"

@@ -1,5 +1,6 @@
-"""The benchmark harness (bench/, ``selective_rope.bench``): a family spec's whole run at tiny sizes writes the
-record every CPU benchmark writes, with the shared sections after the family's own, numbered in turn."""
+"""The benchmark harness (benchmarks/harness/, a tool of the repository, not of the installed package): a family
+spec's whole run at tiny sizes writes the record every CPU benchmark writes, with the shared sections after the
+family's own, numbered in turn."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from selective_rope.bench.machine import Quiet
-from selective_rope.bench.runner import (
+from harness.machine import Quiet
+from harness.runner import (
     FamilyBenchmark,
     prefill_section,
     print_prefill_section,
@@ -19,7 +20,7 @@ from selective_rope.bench.runner import (
     script_paths,
     selective_vs_nope_comparison,
 )
-from selective_rope.bench.timing import paired_ratio, target, timed_rounds
+from harness.timing import paired_ratio, target, timed_rounds
 
 TINY = dict(hidden_size=32, num_hidden_layers=1, num_heads=2, vocab_size=64, use_short_conv=True)
 PLAN = {"prefill_lengths": [8, 16], "prefill_repeats": 1, "decode_contexts": [4, 12], "decode_steps": 2,
@@ -191,7 +192,7 @@ def test_results_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
     file as it was, and no partial file beside it."""
     import os
 
-    from selective_rope.bench.report import write_results
+    from harness.report import write_results
 
     path = tmp_path / "results.json"
     write_results(path, {"rows": [1]})

@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..modeling import CACHE_FIELD, returned_cache
+from selective_rope.modeling import CACHE_FIELD, returned_cache
+
 from .machine import Quiet
 from .report import comparison_cell, log
 from .timing import comparison_record, paired_ratio, target, timed_rounds

@@ -1,22 +1,106 @@
-"""``selective-rope bench``: the quick benchmark of each family (:mod:`.quick`), or ``--full``: the careful
-per-family scripts of the source repository (``benchmarks/bench_<family>_cpu.py``, driven by :mod:`.runner`)."""
+"""``selective-rope bench``: a quick benchmark of randomly initialised models of each family, in float32 under
+``torch.inference_mode`` (training: forward + backward): prefill throughput, cached decoding latency and training
+throughput, medians of a few timed runs after one warm-up. Configs come from the family registry.
+
+The careful benchmarks (interleaved variants, contention detection, JSON records with provenance) are scripts of the
+source repository, not of the installed package: ``python benchmarks/bench_<family>_cpu.py`` (docs/performance.md).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
-import subprocess
-import sys
+import statistics
+import time
 from pathlib import Path
 
-from ..arguments import fail, positive, torch_device
-from ..families import FAMILY_NAMES
-from .machine import cpu_model_name, load_average
-from .quick import measure_family
+from .arguments import fail, positive, torch_device
+from .families import FAMILY_NAMES, get_family
 
-# The full CPU benchmark scripts (bench_<family>_cpu.py) live in the source repository, not in the installed package.
-BENCHMARKS_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+
+def cpu_model_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+def bench_config(family: str, hidden: int, layers: int, vocab: int, position_embedding: str):
+    heads = max(1, hidden // 64)
+    if hidden % heads or (hidden // heads) % 2:
+        raise fail("bench", f"--hidden-size {hidden} must split into {heads} heads of an even size")
+    common = dict(hidden_size=hidden, num_hidden_layers=layers, vocab_size=vocab, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=0, intermediate_size=32 * -(-8 * hidden // 96), position_embedding=position_embedding)
+    spec = get_family(family)
+    return spec.config_class(**common, **spec.head_layout(hidden, heads))
+
+
+def median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_family(family: str, args: argparse.Namespace, device) -> dict:
+    import torch
+
+    from .modeling import CACHE_FIELD, returned_cache
+
+    lm_class = get_family(family).lm_class
+    torch.manual_seed(0)
+    config = bench_config(family, args.hidden_size, args.layers, args.vocab_size, args.position_embedding)
+    model = lm_class(config).to(device).eval()
+    ids = torch.randint(3, args.vocab_size, (args.batch, args.seq_len), device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def prefill():
+        with torch.inference_mode():
+            model(ids, use_cache=False)
+        sync()
+
+    def decode():  # seconds per decoded token, after a cached prefill (not timed)
+        with torch.inference_mode():
+            out = model(ids, use_cache=True)
+            cache, token = returned_cache(out), out.logits[:, -1:].argmax(-1)
+            sync()
+            start = time.perf_counter()
+            for _ in range(args.decode_tokens):
+                out = model(token, **{CACHE_FIELD: cache}, use_cache=True)
+                cache, token = returned_cache(out), out.logits[:, -1:].argmax(-1)
+            sync()
+            return (time.perf_counter() - start) / args.decode_tokens
+
+    def train_step():
+        model.train()
+        model(ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+        model.eval()
+        sync()
+
+    tokens = args.batch * args.seq_len
+    result = {"family": family, "parameters": model.num_parameters(), "config": config.to_diff_dict(),
+              "prefill_tokens_per_s": tokens / median_seconds(prefill, args.repeats)}
+    decode()  # warm-up
+    result["decode_ms_per_token"] = 1e3 * statistics.median(decode() for _ in range(args.repeats))
+    if args.train:
+        result["train_tokens_per_s"] = tokens / median_seconds(train_step, args.repeats)
+    return result
 
 
 def cpu_name() -> str:
@@ -34,8 +118,7 @@ forward + backward): prefill throughput (tokens/s), cached decoding latency (ms/
 tokens) and training throughput (tokens/s). Medians over --repeats timed runs after one warm-up run; the machine
 (device, threads, torch version) and its load average are printed with the numbers, since other processes on the
 machine change them a lot. For careful numbers (interleaved variants, contention detection, JSON with provenance)
-use --full, which runs the family's script from the source repository's benchmarks/ folder
-(benchmarks/bench_<family>_cpu.py; their --help describes them).
+run the source repository's scripts: python benchmarks/bench_<family>_cpu.py (their --help describes them).
 """
 
 
@@ -60,40 +143,13 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=positive(int), default=None, help="torch intra-op threads")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON to this path")
-    parser.add_argument("--full", action="store_true",
-                        help="run benchmarks/bench_<family>_cpu.py from the source repository instead")
     parser.add_argument("--quick", action="store_true",
-                        help="with --full: the scripts' short smoke run; otherwise the defaults become a tiny model "
-                        "and short inputs (hidden size 64, 2 layers, 64 tokens, 8 decoded, 1 run)")
-    parser.add_argument("--compare", action="store_true",
-                        help="with --full: only the scripts' interleaved comparisons (--compare-only): FoX against "
-                        "transformers' Llama (a random Llama converted as a plain port and as Selective RoPE FoX), "
-                        "GLA and Gated DeltaNet with Selective RoPE against NoPE; decode and prefill ratios")
+                        help="a tiny model and short inputs (hidden size 64, 2 layers, 64 tokens, 8 decoded, 1 run)")
     return parser
-
-
-def _run_full_benchmarks(families: list[str], quick: bool, compare: bool = False) -> int:
-    scripts = [BENCHMARKS_DIR / f"bench_{family}_cpu.py" for family in families]
-    missing = [str(script) for script in scripts if not script.exists()]
-    if missing:
-        raise fail("bench", f"--full needs the source repository's benchmark scripts, not found: {', '.join(missing)} "
-                    "(they are not part of the installed package; run without --full for the built-in benchmark)")
-    for script in scripts:
-        flags = [*(["--quick"] if quick else []), *(["--compare-only"] if compare else [])]
-        command = [sys.executable, str(script), *flags]
-        print("$ " + " ".join(command), flush=True)
-        code = subprocess.run(command, cwd=BENCHMARKS_DIR.parent).returncode
-        if code:
-            raise fail("bench", f"{script.name} exited with status {code}")
-    return 0
 
 
 def run(args: argparse.Namespace) -> int:
     families = list(FAMILY_NAMES) if args.family == "all" else [args.family]
-    if args.compare and not args.full:
-        raise fail("bench", "--compare runs the source repository's benchmark scripts: use it with --full")
-    if args.full:
-        return _run_full_benchmarks(families, args.quick, args.compare)
     defaults = BENCH_QUICK if args.quick else BENCH_DEFAULTS
     for name, value in defaults.items():  # sizes not given on the command line
         if getattr(args, name) is None:

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from ..families import get_family
+from selective_rope.families import get_family
+
 from .machine import BUSY_THRESHOLD, LoadProbe, Quiet, device_info, load_average, source_provenance, usable_cores
 from .measure import (
     COMPARE_PLANS,

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from selective_rope.bench import cpu_model_name, load_average
+
 BUSY_THRESHOLD = 0.5  # cores kept busy by other processes above which a round counts as disturbed
 
 # Source files every family's numbers depend on (the benchmarks add their family's kernel / modeling files).
@@ -33,10 +35,10 @@ SHARED_SOURCES = [
     "modeling/cache.py",
     "modeling/base.py",
     "configuration/position_embedding.py",
-    "bench/machine.py",
-    "bench/timing.py",
-    "bench/measure.py",
-    "bench/runner.py",
+    "benchmarks/harness/machine.py",
+    "benchmarks/harness/timing.py",
+    "benchmarks/harness/measure.py",
+    "benchmarks/harness/runner.py",
 ]
 
 
@@ -45,24 +47,6 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
-
-
-def cpu_model_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
-def load_average() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except (AttributeError, OSError):
-        return None
 
 
 def device_info(threads: int) -> dict:
@@ -94,7 +78,7 @@ def device_info(threads: int) -> dict:
 def cpu_rotary_call() -> str:
     """How the rotary module's CPU inference calls run here: ``"entry"`` (the compiled kernel through its CPython
     entry), ``"ctypes"`` (the compiled kernel through ctypes) or ``"torch"`` (no compiled kernel)."""
-    from ..kernels import rotary_cpu, rotary_cpu_entry
+    from selective_rope.kernels import rotary_cpu, rotary_cpu_entry
 
     if not rotary_cpu.available():
         return "torch"
