@@ -217,3 +217,13 @@ def _umask() -> int:
     current = os.umask(0)
     os.umask(current)
     return current
+
+
+def test_the_committed_performance_page_is_what_the_results_give():
+    """docs/performance.md is generated from benchmarks/results/ by benchmarks/performance_page.py: a page edited by
+    hand, or results rerun without regenerating it, fail here."""
+    import performance_page
+
+    expected = performance_page.page()
+    assert performance_page.PAGE.read_text() == expected, "run: python benchmarks/performance_page.py"
+    assert "benchmarks/results/fox_vs_llama_cpu.json" in expected and "fox_selective" in expected
