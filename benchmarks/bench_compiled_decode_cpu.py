@@ -1,4 +1,4 @@
-"""Compiled decoding with the static cache against eager decoding with the dynamic cache, on the CPU (issue 45).
+"""Compiled decoding with the static cache against eager decoding with the dynamic cache, on the CPU.
 
 For each family (GLA, Gated DeltaNet, FoX; Selective RoPE, fp32) and batch size (1 and 8): a prompt of ``context``
 tokens is prefilled eagerly into each cache, then greedy one-token steps run in interleaved rounds, the eager model

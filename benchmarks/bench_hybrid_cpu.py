@@ -9,7 +9,7 @@ medians, ratios paired by round, waiting for a quiet machine), in float32 under 
 1. prefill (``use_cache=False``, batch 1) at several lengths;
 2. cached greedy decoding (ms per token) after a context.
 
-Targets (issue 43): the port at most 1.05x transformers' time, Selective RoPE at most 1.15x.
+Targets: the port at most 1.05x transformers' time, Selective RoPE at most 1.15x.
 
 Usage::
 

@@ -152,7 +152,7 @@ def test_the_width_script_compares_each_family_at_each_width(tmp_path, capsys):
 
 def test_the_bf16_precision_script_compares_both_dtypes_and_runs_every_ablation(tmp_path):
     """``benchmarks/bf16_precision.py`` at tiny lengths: per family and length the bf16 against float32 statistics,
-    and one row per ablation (the rounded phase input of the code before issue 41 included)."""
+    and one row per ablation (the rounded phase input of the code before the bf16 fix included)."""
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "bf16_precision.py"
     spec = importlib.util.spec_from_file_location("bf16_precision", path)
     script = importlib.util.module_from_spec(spec)
