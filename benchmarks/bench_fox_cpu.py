@@ -21,7 +21,7 @@ Measures, on the CPU, in float32 and under ``torch.inference_mode``:
    default). Cached decoding (ms/token after 256 and 4096 tokens) and prefill (2048 and 8192 tokens), all four
    models interleaved round by round; ratios to Llama pair the calls of the same round (median and quartiles, wall
    time; process CPU time too). Targets: Selective RoPE FoX decode <= 1.15x and prefill at 8k <= 1.10x Llama, the
-   plain port <= 1.05x. ``--compare-only`` runs this section alone (``selective-rope bench --full --compare``).
+   plain port <= 1.05x. ``--compare-only`` runs this section alone.
 
 
 Timing and load watching are shared with the other benchmarks (the harness ``benchmarks/harness`` runs this

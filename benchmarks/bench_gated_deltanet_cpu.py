@@ -11,8 +11,7 @@ Measures, on the CPU, in float32 and under ``torch.inference_mode``:
    down with the context length;
 4. the prefill overhead of Selective RoPE (and of fixed RoPE) over NoPE for the same model.
 5. Selective RoPE against NoPE, decode (ms/token after 256 and 4096 tokens) and prefill (2048 and 8192 tokens),
-   interleaved, ratios paired by round (target <= 1.10x each); ``--compare-only`` runs this section alone
-   (``selective-rope bench --full --compare``).
+   interleaved, ratios paired by round (target <= 1.10x each); ``--compare-only`` runs this section alone.
 
 The transformers reference: transformers decorates ``torch_chunk_gated_delta_rule`` so that, when
 flash-linear-attention is importable, calling it runs fla's *Triton* ``chunk_gated_delta_rule`` instead (which

@@ -9,8 +9,7 @@ Measures, on the CPU, in float32 and under ``torch.inference_mode``:
    down with the context length;
 4. the prefill overhead of Selective RoPE (and of fixed RoPE) over NoPE for the same model.
 5. Selective RoPE against NoPE, decode (ms/token after 256 and 4096 tokens) and prefill (2048 and 8192 tokens),
-   interleaved, ratios paired by round (target <= 1.10x each); ``--compare-only`` runs this section alone
-   (``selective-rope bench --full --compare``).
+   interleaved, ratios paired by round (target <= 1.10x each); ``--compare-only`` runs this section alone.
 
 Every target is reported as ``{"value", "target", "met"}``. Timings are medians over repeats after a warm-up
 (``time.perf_counter``). Whatever is compared (chunk vs naive, the two decode contexts, the three position
