@@ -52,6 +52,8 @@ def train(model, seconds: float, max_steps: int, generator: torch.Generator, bat
 
     The progress bar counts steps, so its remaining time is the ETA of the whole run."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    # Cosine decay over the planned steps: the last steps settle instead of hopping around the minimum.
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max_steps, eta_min=3e-4)
     model.train()
     deadline = time.monotonic() + seconds
     progress = tqdm(total=max_steps, desc="training", unit="step")
@@ -65,6 +67,7 @@ def train(model, seconds: float, max_steps: int, generator: torch.Generator, bat
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        schedule.step()
         progress.set_postfix(loss=f"{loss.item():.3f}")
         progress.update()
         if time.monotonic() > deadline and progress.n < max_steps:
@@ -107,7 +110,7 @@ def continuation_accuracy(model, generator: torch.Generator, prompts: int = 64, 
     return (out[:, width:] == expected).float().mean().item()
 
 
-def run_demo(output_dir: str = "demo_output", seconds: float = 600.0, max_steps: int = 400, seed: int = 0,
+def run_demo(output_dir: str = "demo_output", seconds: float = 600.0, max_steps: int = 600, seed: int = 0,
              family: str = "gla") -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(DEMO_THREADS)
@@ -160,7 +163,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
                                  f"(continuation accuracy >= {LEARNED_ACCURACY:.0%}); the exit status is 1 when not.")
     parser.add_argument("--family", choices=FAMILY_NAMES, default="gla", help="model family (default gla)")
     parser.add_argument("--output-dir", default="demo_output", help="where the trained model is saved")
-    parser.add_argument("--max-steps", type=int, default=400, help="training steps (default 400)")
+    parser.add_argument("--max-steps", type=int, default=600, help="training steps (default 600)")
     parser.add_argument("--seconds", type=float, default=600.0,
                         help="time cap on training: it stops there even if steps remain (default 600)")
     parser.add_argument("--seed", type=int, default=0)

@@ -112,5 +112,5 @@ def test_the_demo_trains_on_one_thread_and_restores_the_callers_count(tmp_path, 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_the_default_demo_learns(tmp_path, family):
-    """The default run (400 steps) learns the task for every family: the claim the verdict makes."""
+    """The default run (600 steps) learns the task for every family: the claim the verdict makes."""
     assert main(["demo", "--family", family, "--output-dir", str(tmp_path / "out")]) == 0
