@@ -5,8 +5,8 @@ tokens is prefilled eagerly into each cache, then greedy one-token steps run in 
 with its ``SelectiveRopeCache`` and the ``torch.compile``'d step (inductor, ``fullgraph=True``) with its
 ``SelectiveRopeStaticCache`` taking turns, so both see the same machine load. Only the step is compiled (the prefill
 stays eager, as in ``generate``); the compile time is the first compiled step's wall time, with inductor's caches
-off and its kernels built in a fresh folder (a warm cache would serve a rerun's kernels in seconds). ms/token is the wall time
-of one step (one token for every row of the batch), median over the measured steps.
+off and its kernels built in a fresh folder (a warm cache would serve a rerun's kernels in seconds). ms/token is the
+wall time of one step (one token for every row of the batch), median over the measured steps.
 
 Compiling is slow on a small loaded CPU (inductor builds C++ for every graph: minutes per family and batch size);
 ``--backend aot_eager`` measures the capture alone (no code generation, and no speed-up expected from it).
