@@ -224,6 +224,8 @@ def test_the_committed_performance_page_is_what_the_results_give():
     hand, or results rerun without regenerating it, fail here."""
     import performance_page
 
+    if not (performance_page.RESULTS / "fox_vs_llama_cpu.json").exists():
+        pytest.skip("no benchmarks/results/ here (an unpacked sdist leaves them out)")
     expected = performance_page.page()
     assert performance_page.PAGE.read_text() == expected, "run: python benchmarks/performance_page.py"
     assert "benchmarks/results/fox_vs_llama_cpu.json" in expected and "fox_selective" in expected
