@@ -1,4 +1,4 @@
-"""Decoding on CUDA, eager against CUDA-graphed (issue 45): a 370M FoX (bench_models_gpu.py's shapes, bf16 weights,
+"""Decoding on CUDA, eager against CUDA-graphed: a 370M FoX (bench_models_gpu.py's shapes, bf16 weights,
 the Selective RoPE module in float32) with NoPE and with Selective RoPE.
 
 - eager: the model with its dynamic cache (``SelectiveRopeCache``), one Python forward per token;
@@ -7,7 +7,7 @@ the Selective RoPE module in float32) with NoPE and with Selective RoPE.
 
 Both prefill the same ``--context`` tokens, then take greedy steps in interleaved rounds (``cuda_timings``: eager and
 graphed take turns); the whole comparison runs ``--repeats`` times, the variants in turn. ms/token is the median
-step (CUDA events around each step). Targets (issue 45, an H100, batch 1, context 4096): NoPE graphed <= 2 ms/token,
+step (CUDA events around each step). Targets (an H100, batch 1, context 4096): NoPE graphed <= 2 ms/token,
 Selective RoPE graphed <= 1.05 x NoPE graphed.
 
 Usage::
@@ -31,9 +31,10 @@ from bench_models_gpu import build_model, cast_like_from_pretrained, kernels_use
 from bench_rotary_gpu import L2Flush, cuda_timings, gpu_info, require_cuda
 
 from selective_rope import SelectiveRopeStaticCache
-from selective_rope.bench.machine import source_provenance
-from selective_rope.bench.report import log, write_results
 from selective_rope.modeling import returned_cache
+
+from harness.machine import source_provenance
+from harness.report import log, write_results
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = REPO_ROOT / "benchmarks" / "results" / "graphed_decode_gpu.json"

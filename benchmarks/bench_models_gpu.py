@@ -47,12 +47,13 @@ import torch
 from bench_rotary_gpu import L2Flush, cuda_timings, gpu_info, require_cuda
 from pinned_autotuning import first_candidates, saved_or_first_configuration
 
-from selective_rope.bench.machine import source_provenance
-from selective_rope.bench.measure import num_parameters
-from selective_rope.bench.report import log, write_results
 from selective_rope.families import FAMILIES
 from selective_rope.kernels import dispatch
 from selective_rope.modeling import returned_cache
+
+from harness.machine import source_provenance
+from harness.measure import num_parameters
+from harness.report import log, write_results
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks (issue 47) in one call sized for a 15-minute lease. Sections, in this order (SECTIONS picks them):
+# The GPU checks in one call sized for a 15-minute lease. Sections, in this order (SECTIONS picks them):
 #   tests    correctness, two pytest runs side by side: our Triton rotary kernels' tests, and the CUDA parity tests
 #            (-m cuda: every family, fp32 and bf16, padding, cached decoding, generate, packing; -x). fla's kernels
 #            run their first configuration there (tests/autotuning.py), so nothing autotunes.
