@@ -23,6 +23,8 @@ Usage::
     python benchmarks/bench_widths_cpu.py --quick          # a few minutes -> benchmarks/results/widths_cpu.json
     python benchmarks/bench_widths_cpu.py                  # every width and length (long)
     python benchmarks/bench_widths_cpu.py --quick --before --threads 1
+    python benchmarks/bench_widths_cpu.py --families gla fox --widths 256 --sections train --before --no-peer \
+        --rounds 12 --output /tmp/train_ab.json     # the training step alone, before / after
 """
 from __future__ import annotations
 
@@ -49,6 +51,10 @@ VOCAB = 1024
 LAYERS = 2
 FAMILIES = ("gla", "gated_deltanet", "fox")
 VARIANTS = ("nope", "rope", "selective_rope")
+SECTIONS = ("prefill", "decode", "train", "rotary")
+ROTARY_VARIANTS = {"rope": {"position_embedding": "rope"}, "selective_rope": {},  # the rotary module alone
+                   "without_gate": {"phase_gate": False}, "without_conv": {"phase_conv_size": 0},
+                   "without_gate_and_conv": {"phase_gate": False, "phase_conv_size": 0}}
 TARGETS = {"selective_over_nope_at_256": 1.10, "gla_prefill_4x_tokens": 4.4}
 PLANS = {
     "quick": {"widths": [64, 256, 1024], "prefill_lengths": {64: [512, 1024, 4096], 256: [512, 1024, 4096],
@@ -181,12 +187,12 @@ def before_issue_51(model: torch.nn.Module) -> torch.nn.Module:
 
 
 # -- sections ---------------------------------------------------------------------------------------------------------
-def bench_width(family: str, width: int, plan: dict, before: bool) -> dict:
+def bench_width(family: str, width: int, plan: dict, before: bool, sections: list[str]) -> dict:
     models = {name: build(family, width, name) for name in VARIANTS}
     result = {"family": family, "hidden_size": width, "config": models["nope"].config.to_diff_dict(),
               "num_parameters": {n: sum(p.numel() for p in m.parameters()) for n, m in models.items()},
               "prefill": [], "scaling": {}}
-    for T in plan["prefill_lengths"][width]:
+    for T in plan["prefill_lengths"][width] if "prefill" in sections else []:
         ids = random_ids(1, T, 3000 + T)
         row = record(interleaved({n: prefill_fn(m, ids) for n, m in models.items()}, plan["prefill_rounds"]), "nope")
         result["prefill"].append({"seq_len": T, **row})
@@ -203,20 +209,68 @@ def bench_width(family: str, width: int, plan: dict, before: bool) -> dict:
             f"{n} {s['wall_4096_over_1024']:.2f} (cpu {s['cpu_4096_over_1024']:.2f})"
             for n, s in result["scaling"].items()), flush=True)
 
-    steps = plan["decode_steps"]
-    row = record(interleaved(decode_fns(models, plan["decode_context"], steps), plan["decode_rounds"]), "nope",
-                 scale=1e3 / steps)
-    result["decode"] = {"context": plan["decode_context"], "unit": "ms per token", **row}
-    log_row(f"{family} h={width} decode after {plan['decode_context']}", row)
+    if "decode" in sections:
+        steps = plan["decode_steps"]
+        row = record(interleaved(decode_fns(models, plan["decode_context"], steps), plan["decode_rounds"]), "nope",
+                     scale=1e3 / steps)
+        result["decode"] = {"context": plan["decode_context"], "unit": "ms per token", **row}
+        log_row(f"{family} h={width} decode after {plan['decode_context']}", row)
+    if "train" in sections:
+        result["train"] = bench_train(family, width, models, plan, before)
+    if "rotary" in sections:
+        result["rotary_module_train"] = bench_rotary_module(family, width, models["selective_rope"], plan)
+    return result
 
+
+def bench_rotary_module(family: str, width: int, model: torch.nn.Module, plan: dict) -> dict:
+    """The first layer's rotary module alone in training (forward, and forward + backward of q and k against fixed
+    upstream gradients), on the training step's batch: RoPE, Selective RoPE and Selective RoPE without its gate
+    and/or phase convolution. Where a training step's Selective RoPE time goes, piece by piece."""
+    from selective_rope.modeling.rotary import SelectiveRotaryEmbedding
+
+    rotary = next(m for m in model.modules() if isinstance(m, SelectiveRotaryEmbedding))
+    spec, config = get_family(family), model.config
+    heads, head_dim = rotary.num_key_heads, rotary.rotary_dim  # the registry layouts rotate every dim, no GQA
+    generator = torch.Generator().manual_seed(SEED)
+    shape = (plan["train_batch"], plan["train_length"])
+    x = torch.randn(*shape, width, generator=generator).requires_grad_()
+    q = torch.randn(*shape, heads, head_dim, generator=generator).requires_grad_()
+    k = torch.randn(*shape, heads, head_dim, generator=generator).requires_grad_()
+    upstream = torch.randn_like(q), torch.randn_like(k)
+    modules = {}
+    for name, options in ROTARY_VARIANTS.items():
+        torch.manual_seed(SEED)
+        variant = spec.config_class(**{**config.to_dict(), **options})
+        modules[name] = SelectiveRotaryEmbedding(variant, heads, heads, head_dim)
+
+    def forward(module):
+        return lambda: module(x, q, k, backend="torch")
+
+    def forward_backward(module):
+        def run():
+            q_out, k_out, _ = module(x, q, k, backend="torch")
+            torch.autograd.backward([q_out, k_out], list(upstream))
+            x.grad = q.grad = k.grad = None
+        return run
+
+    out = {"batch": plan["train_batch"], "seq_len": plan["train_length"], "unit": "ms of process CPU time"}
+    for key, make in (("forward", forward), ("forward_backward", forward_backward)):
+        measured = interleaved({name: make(m) for name, m in modules.items()}, plan["train_rounds"] * 3)
+        out[key] = {name: round(statistics.median(t["cpu"]) * 1e3, 3) for name, t in measured["times"].items()}
+        out[key + "_load_average_1min"] = measured["load_average_1min"]
+        print(f"  {family} h={width} rotary module {key} (cpu ms): "
+              + "  ".join(f"{n} {v:.2f}" for n, v in out[key].items()), flush=True)
+    return out
+
+
+def bench_train(family: str, width: int, models: dict, plan: dict, before: bool) -> dict:
     train_models = dict(models)
     if before:
         train_models["selective_rope_before"] = before_issue_51(build(family, width, "selective_rope"))
     ids = random_ids(plan["train_batch"], plan["train_length"], 7)
     row = record(interleaved({n: train_fn(m, ids) for n, m in train_models.items()}, plan["train_rounds"]), "nope")
-    result["train"] = {"batch": plan["train_batch"], "seq_len": plan["train_length"], **row}
     log_row(f"{family} h={width} train {plan['train_batch']}x{plan['train_length']}", row)
-    return result
+    return {"batch": plan["train_batch"], "seq_len": plan["train_length"], **row}
 
 
 def bench_peer(width: int, plan: dict) -> dict:
@@ -274,8 +328,9 @@ def targets(rows: list[dict]) -> dict:
             for p in row["prefill"]:
                 value = p["models"]["selective_rope"]["wall_ratio_to_nope"]["median"]
                 out[f"{row['family']} selective/nope prefill T={p['seq_len']} h=256"] = met(value, goal)
-            value = row["train"]["models"]["selective_rope"]["wall_ratio_to_nope"]["median"]
-            out[f"{row['family']} selective/nope train h=256"] = met(value, goal)
+            if "train" in row:
+                value = row["train"]["models"]["selective_rope"]["wall_ratio_to_nope"]["median"]
+                out[f"{row['family']} selective/nope train h=256"] = met(value, goal)
             if row["family"] == "gla":
                 for name, s in row["scaling"].items():
                     out[f"gla {name} prefill 4096/1024 h=256"] = met(s["wall_4096_over_1024"],
@@ -294,25 +349,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: shared machine)")
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     parser.add_argument("--widths", nargs="+", type=int, default=None, choices=[64, 256, 1024])
+    parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS,
+                        help="what to measure per family and width (default: all)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds of every measurement (default: the plan's)")
     parser.add_argument("--no-peer", action="store_true", help="skip the comparison with transformers' Llama")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help=f"JSON path (default {DEFAULT_OUTPUT})")
     args = parser.parse_args(argv)
     if args.threads < 1:
         parser.error(f"--threads must be at least 1, got {args.threads}")
+    if args.rounds is not None and args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
 
     plan = dict(PLANS["quick" if args.quick else "full"])
+    if args.rounds is not None:
+        plan.update(prefill_rounds=args.rounds, decode_rounds=args.rounds, train_rounds=args.rounds)
     widths = args.widths or plan["widths"]
     threads_before = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     try:
-        rows = [bench_width(family, width, plan, args.before) for family in args.families for width in widths]
+        rows = [bench_width(family, width, plan, args.before, args.sections) for family in args.families
+                for width in widths]
         peers = [] if args.no_peer or "fox" not in args.families else [bench_peer(width, plan) for width in widths]
     finally:
         torch.set_num_threads(threads_before)
     results = {
         "benchmark": "bench_widths_cpu", "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
-        "plan": plan, "threads": args.threads, "before_variant": args.before, "layers": LAYERS, "vocab_size": VOCAB,
+        "plan": plan, "sections": args.sections, "threads": args.threads, "before_variant": args.before,
+        "layers": LAYERS, "vocab_size": VOCAB,
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                     "python": platform.python_version()},
         "git_commit": git_commit(), "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
