@@ -109,7 +109,12 @@ class L2NormalizeChunks(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor, _grad_denom, _grad_unclamped) -> torch.Tensor:
         u, denom, unclamped = ctx.saved_tensors
         along = (u * grad).sum(-1, keepdim=True) * unclamped  # the norm's share; none where the clamp holds it
-        return (grad - u * along) / denom
+        if torch.is_grad_enabled():  # a double backward (create_graph=True) differentiates these operations
+            return (grad - u * along) / denom
+        # The same operations into one buffer: each fresh full-width float64 temporary is fresh memory from the OS
+        # (page faults), which cost as much as the arithmetic at small widths (docs/cpu_performance.md, issue 51).
+        out = u * along
+        return torch.sub(grad, out, out=out).div_(denom)
 
 
 def no_autocast(x: torch.Tensor):
