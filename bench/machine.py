@@ -25,6 +25,7 @@ BUSY_THRESHOLD = 0.5  # cores kept busy by other processes above which a round c
 SHARED_SOURCES = [
     "kernels/rotary_torch.py",
     "kernels/rotary_cpu.py",
+    "kernels/rotary_cpu_entry.py",
     "kernels/conv_torch.py",
     "modeling/rotary.py",
     "modeling/layers.py",
@@ -91,11 +92,13 @@ def device_info(threads: int) -> dict:
 
 
 def cpu_rotary_call() -> str:
-    """How the rotary module's CPU inference calls run here: ``"ctypes"`` (the compiled kernel) or ``"torch"`` (no
-    compiled kernel)."""
-    from ..kernels import rotary_cpu
+    """How the rotary module's CPU inference calls run here: ``"entry"`` (the compiled kernel through its CPython
+    entry), ``"ctypes"`` (the compiled kernel through ctypes) or ``"torch"`` (no compiled kernel)."""
+    from ..kernels import rotary_cpu, rotary_cpu_entry
 
-    return "ctypes" if rotary_cpu.available() else "torch"
+    if not rotary_cpu.available():
+        return "torch"
+    return "entry" if rotary_cpu_entry.load_entry() is not None else "ctypes"
 
 
 def source_provenance(root: Path, files: list[str]) -> dict:

@@ -14,7 +14,8 @@ in vector registers, takes ~14 ms (~9.5 ms on two threads, against ~35 ms). Fewe
 How. The C source below (``C_SOURCE``, a string so that it travels with a saved model's remote code, which carries
 only ``.py`` files) is compiled on first use by the system's C compiler (``$CC``, else ``cc``, ``gcc`` or
 ``clang``; ~1.5 s, once) into a shared library cached under ``$SELECTIVE_ROPE_CACHE`` (default
-``~/.cache/selective_rope``), named by a hash of the source and the compiler, and called through ``ctypes``. On
+``~/.cache/selective_rope``), named by a hash of the source and the compiler, and called through ``ctypes``, or
+where Python's C headers exist through a small CPython extension that makes the same call (``rotary_cpu_entry``). On
 x86-64 with glibc the hot functions are built for AVX-512, AVX2 and the baseline, chosen when the library loads.
 A row of at least 1024 real tokens is split between ``torch.get_num_threads()`` threads (at least 512 tokens each;
 see ``row_threaded``), with the same results bit for bit. They are torch's own OpenMP threads: the library is built
@@ -713,7 +714,8 @@ def compile_cached(directory: Path, compiler: list[str] | str, source: str, name
                    variants: list[list[str]], libraries: list[str]) -> Path:
     """Compile ``source`` into ``directory / f"{name}_{key}{suffix}"`` (``key``: a hash of the source, the compiler
     and ``flags``) unless that file exists, and return its path. ``variants``: extra flags tried in turn (the first
-    that compiles wins; ``[[]]``: none). Raises as ``build`` says."""
+    that compiles wins; ``[[]]``: none). Shared by the kernel (``build``) and its CPython entry
+    (``rotary_cpu_entry.build_entry``); raises as ``build`` says."""
     command = [compiler] if isinstance(compiler, str) else list(compiler)
     key = hashlib.sha256("\0".join([source, *command, *flags, platform.machine()]).encode()).hexdigest()[:16]
     target = directory / f"{name}_{key}{suffix}"

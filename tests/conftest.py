@@ -21,7 +21,7 @@ atexit.register(shutil.rmtree, _STEP_CACHE, True)
 
 import pytest  # noqa: E402
 
-from selective_rope.kernels import rotary_cpu  # noqa: E402
+from selective_rope.kernels import rotary_cpu, rotary_cpu_entry  # noqa: E402
 
 from families import FAMILIES  # noqa: E402
 
@@ -73,11 +73,14 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(params=["compiled", "torch"])
+@pytest.fixture(params=["compiled", "compiled-ctypes", "torch"])
 def decode_step(request, monkeypatch):
-    """Decode with the compiled CPU step (``kernels/rotary_cpu.py``; skipped without a C compiler), or with it
-    switched off (the torch step)."""
+    """Decode with the compiled CPU step (``kernels/rotary_cpu.py``; skipped without a C compiler), called through
+    its CPython entry where it can be built (``rotary_cpu_entry``) or through ctypes only, or with it switched off
+    (the torch step)."""
     if request.param != "torch" and rotary_cpu.find_compiler() is None:
         pytest.skip("no C compiler for the compiled CPU decoding step")
+    if request.param == "compiled-ctypes":
+        monkeypatch.setattr(rotary_cpu_entry, "_entry", False)  # modules planned in the test get no entry
     monkeypatch.setenv(rotary_cpu.ENV_SWITCH, "0" if request.param == "torch" else "1")
     return request.param

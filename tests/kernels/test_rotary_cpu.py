@@ -23,7 +23,7 @@ import torch
 from peft import LoraConfig, inject_adapter_in_model
 from rotary_reference import HEADS, HIDDEN, ROTATING_GRID, make_rotary, rotate_exactly
 
-from selective_rope.kernels import rotary_cpu
+from selective_rope.kernels import rotary_cpu, rotary_cpu_entry
 from selective_rope.modeling.rotary import PhaseLinear
 
 pytestmark = pytest.mark.skipif(rotary_cpu.find_compiler() is None, reason="no C compiler")
@@ -39,22 +39,34 @@ def step_inputs(module, heads=(4, 2), dtype=torch.float32, cached_tokens=5):
 
 
 class StepCounter:
-    """Counts the compiled calls that ran (``try_call`` returning a result): single-token steps in ``count``, longer
-    calls (prefills) in ``prefills``."""
+    """Counts the compiled calls that ran, through the CPython entry (``rotary_cpu_entry``) or through Python
+    (``try_call`` returning a result): single-token steps in ``count``, longer calls (prefills) in ``prefills``."""
 
     def __init__(self, monkeypatch):
-        self.count = self.prefills = 0
+        self.python_steps = self.python_prefills = 0
+        self.entry_before = rotary_cpu_entry.served()
         original = rotary_cpu.RotaryPlan.try_call
 
         def counted(plan, x, *args, **kwargs):
             result = original(plan, x, *args, **kwargs)
             if result is not None and x.shape[1] == 1:
-                self.count += 1
+                self.python_steps += 1
             elif result is not None:
-                self.prefills += 1
+                self.python_prefills += 1
             return result
 
         monkeypatch.setattr(rotary_cpu.RotaryPlan, "try_call", counted)
+
+    def entry_served(self) -> tuple[int, int]:
+        return tuple(now - before for now, before in zip(rotary_cpu_entry.served(), self.entry_before))
+
+    @property
+    def count(self) -> int:
+        return self.python_steps + self.entry_served()[0]
+
+    @property
+    def prefills(self) -> int:
+        return self.python_prefills + self.entry_served()[1]
 
 
 @pytest.fixture
@@ -281,7 +293,7 @@ def test_a_compiler_without_openmp_gives_a_one_thread_library_with_the_same_resu
     torch.set_num_threads(2)  # (restored by conftest's autouse fixture)
     threaded = module(x, q, k)
     monkeypatch.setattr(rotary_cpu, "_kernel", serial)
-    del module.__dict__["_cpu_plan"]  # planned again, with the serial library's function
+    del module.__dict__["_cpu_plan"]  # planned again, with the serial library's function (the entry calls it too)
     one_thread = module(x, q, k)
     assert compiled_steps.prefills == 2
     assert torch.equal(one_thread[0], threaded[0]) and torch.equal(one_thread[1], threaded[1])
@@ -665,6 +677,7 @@ def test_failed_build_leaves_nothing_and_warns_once(tmp_path, monkeypatch):
         reference = module(*step, state=state)
         monkeypatch.setenv(rotary_cpu.ENV_SWITCH, "1")
         monkeypatch.setattr(rotary_cpu, "_kernel", None)  # as in a fresh process: nothing loaded, nothing planned
+        monkeypatch.setattr(rotary_cpu_entry, "_entry", None)
         del module.__dict__["_cpu_plan"]
         monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
         monkeypatch.setenv(rotary_cpu.CACHE_ENV, str(tmp_path / "fresh"))
