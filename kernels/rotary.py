@@ -8,7 +8,8 @@
 when                                   what runs
 =====================================  ================================================================================
 ``"torch+c"``, no autograd, a plan     the compiled CPU kernel (``rotary_cpu``): phase path and rotation in one C call,
-for the module and inputs it takes     a prefill or a decoding step
+for the module and inputs it takes     a prefill or a decoding step; made by its CPython entry (``rotary_cpu_entry``)
+                                       where it can be built and takes the call, else through ctypes
 one token per row, no autograd         a decoding step: ``rotary_triton``'s fused step on ``"triton"`` (from the input
                                        where the phase path is the default one), else ``rotary_torch``'s
 anything else                          the module's phase increments, then the cumulative phase and the rotation:
@@ -32,6 +33,7 @@ from torch import nn
 from .dispatch import triton_rotary
 from .rotary_cpu import RotaryPlan
 from .rotary_cpu import available as cpu_kernel_available
+from .rotary_cpu_entry import entry_for
 from .rotary_torch import selective_rotary as selective_rotary_torch
 from .rotary_torch import selective_rotary_step
 
@@ -72,6 +74,12 @@ def rotary_embedding(module: PhasePath, x: torch.Tensor, q: torch.Tensor, k: tor
                      in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """``module``'s forward (``SelectiveRotaryEmbedding.forward``, whose arguments these are) on ``backend``
     (``"torch"``, ``"torch+c"`` or ``"triton"``): rotated q and k and the new state ``{"phase", "phase_conv"}``."""
+    if backend == "torch+c" and not torch.compiler.is_compiling():
+        cached = module.__dict__.get("_cpu_plan")  # the checks and the C call in C, where the entry can take them
+        if cached is not None and cached.entry_call is not None:
+            result = cached.entry_call(cached.entry_spec, x, q, k, state, lengths, overwrite_state)
+            if result is not None:
+                return result  # else: the same call through Python below, which decides (rotary_cpu_entry)
     seq_len = x.shape[1]
     inference = not torch.is_grad_enabled()
     if backend == "torch+c" and seq_len > 0 and inference:
@@ -225,6 +233,9 @@ class CachedPlan:
         counted = [owner] + [module for module in modules if type(module) is nn.Sequential]
         self.counts = tuple((c, len(c)) for module in counted
                             for c in (module._parameters, module._buffers, module._modules))
+        # The same checks and the kernel's call as one C function, where Python's headers allow (rotary_cpu_entry)
+        entry = None if plan is None else entry_for(plan, self.bindings, self.counts, self.modules)
+        self.entry_call, self.entry_spec = entry or (None, None)
 
     @classmethod
     def make(cls, module: PhasePath, sizes: tuple[int, int, int]) -> CachedPlan:

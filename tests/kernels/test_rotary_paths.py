@@ -2,7 +2,7 @@
 reference's results: the dispatch moved out of ``modeling/rotary.py`` must send every call where it went before.
 
 The paths are counted by wrapping the op's own functions (``cpu_kernel_call`` counts only when the C kernel served the
-call, i.e. ``RotaryPlan.try_call`` returned a result)."""
+call, i.e. ``RotaryPlan.try_call`` returned a result; the CPython entry each plan gets counts as ``"c_entry"``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from rotary_reference import HIDDEN, make_rotary
 
-from selective_rope.kernels import rotary, rotary_cpu
+from selective_rope.kernels import rotary, rotary_cpu, rotary_cpu_entry
 
 HAS_C = rotary_cpu.find_compiler() is not None
 HAS_TRITON = importlib.util.find_spec("triton") is not None and not torch.cuda.is_available()  # (the interpreter)
@@ -20,7 +20,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None and not torch.cuda.i
 
 @pytest.fixture
 def paths(monkeypatch):
-    """The paths taken, in order: ``"c"``, ``"step_torch"``, ``"step_triton"``, ``"sequence_torch"``,
+    """The paths taken, in order: ``"c"``, ``"c_entry"``, ``"step_torch"``, ``"step_triton"``, ``"sequence_torch"``,
     ``"sequence_triton"``."""
     taken = []
     monkeypatch.setenv(rotary_cpu.ENV_SWITCH, "1")
@@ -37,6 +37,23 @@ def paths(monkeypatch):
         monkeypatch.setattr(rotary, name, counted)
 
     wrap("cpu_kernel_call", "c")
+    make = rotary.CachedPlan.make
+
+    def make_counted(cls, module, sizes):
+        cached = make(module, sizes)
+        if cached.entry_call is not None:
+            entry = cached.entry_call
+
+            def counted(*args):
+                result = entry(*args)
+                if result is not None:
+                    taken.append("c_entry")
+                return result
+
+            cached.entry_call = counted
+        return cached
+
+    monkeypatch.setattr(rotary.CachedPlan, "make", classmethod(make_counted))
     wrap("decode_step_torch", "step_torch")
     wrap("decode_step_triton", "step_triton")
     wrap("selective_rotary", lambda kwargs: f"sequence_{kwargs['backend'].replace('+c', '')}")
@@ -98,6 +115,22 @@ def test_each_call_takes_its_path(paths, variant, backend, seq_len, grad, padded
     actual, reference = run(module, paths, backend, seq_len, grad, lengths)
     assert paths == expected
     assert_same(actual, reference)
+
+
+@pytest.mark.skipif(not HAS_C, reason="no C compiler")
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("seq_len", [5, 1])
+def test_planned_calls_take_the_entry(paths, variant, seq_len):
+    """The first ``"torch+c"`` call plans (through Python); the next ones go through the plan's CPython entry where
+    Python's headers let it be built, with the same results bit for bit."""
+    module = make_rotary(4, 2, dtype=torch.float32, **VARIANTS[variant])
+    with torch.no_grad():
+        _, _, state = module(*inputs(3, seed=1), backend="torch")
+        paths.clear()
+        first, second = (module(*inputs(seq_len), state=state, backend="torch+c") for _ in range(2))
+    assert paths == ["c", "c_entry" if rotary_cpu_entry.python_include() is not None else "c"]
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    assert all(torch.equal(first[2][name], second[2][name]) for name in first[2])
 
 
 @pytest.mark.skipif(not HAS_C, reason="no C compiler")
