@@ -15,6 +15,10 @@ rotary dims):
 ``position_embedding="rope"`` is the same module with ``c_t ≡ 1`` (standard RoPE with inverse frequencies τ);
 ``"nope"`` leaves q and k untouched. The rotation must be the last transform applied to q and k.
 
+The module holds the parameters and computes the phase inputs; which implementation runs a call (the compiled CPU
+kernel, a decoding step, the Triton kernels, the torch op) is chosen by the one op it calls,
+``kernels/rotary.py``'s ``rotary_embedding``.
+
 Precision, whatever the model dtype (SPEC §3 asks for float32 at least; why more: ``kernels/rotary_torch.py``):
 
 - ``c_t`` is computed in float64 (``phase_dtype``) from float32 parameters and rounded once to float32. A decoding
