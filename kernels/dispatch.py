@@ -175,3 +175,12 @@ def refuse_packing(cu_seqlens, op: str) -> None:
 def float32_state(state: torch.Tensor | None) -> torch.Tensor | None:
     """A recurrent state as fla's kernels take it."""
     return None if state is None else state.float().contiguous()
+
+
+def repeat_heads(groups: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Grouped heads (GQA) for the ops that take one key head per query (or value) head: each tensor
+    ``(B, T, H, ...)`` -> ``(B, T, H·groups, ...)``, head ``h`` serving the ``groups`` consecutive heads
+    ``h·groups .. h·groups + groups - 1`` (transformers' and flash-linear-attention's grouping)."""
+    if groups == 1:
+        return tensors
+    return tuple(t.repeat_interleave(groups, dim=2) for t in tensors)

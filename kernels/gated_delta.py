@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import fla_ops, fla_refuses_gated_delta_backward, float32_state, refuse_packing, warn_once
+from .dispatch import fla_ops, fla_refuses_gated_delta_backward, float32_state, refuse_packing, repeat_heads, warn_once
 from .gated_delta_torch import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from .heads import repeat_heads
 
 
 def gated_delta_rule(q, k, v, g, beta, *, initial_state=None, output_final_state=False, cu_seqlens=None,
