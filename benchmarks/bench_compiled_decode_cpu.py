@@ -1,12 +1,12 @@
-"""Compiled decoding with the static cache against eager decoding with the dynamic cache, on the CPU (issue 45).
+"""Compiled decoding with the static cache against eager decoding with the dynamic cache, on the CPU.
 
 For each family (GLA, Gated DeltaNet, FoX; Selective RoPE, fp32) and batch size (1 and 8): a prompt of ``context``
 tokens is prefilled eagerly into each cache, then greedy one-token steps run in interleaved rounds, the eager model
 with its ``SelectiveRopeCache`` and the ``torch.compile``'d step (inductor, ``fullgraph=True``) with its
 ``SelectiveRopeStaticCache`` taking turns, so both see the same machine load. Only the step is compiled (the prefill
 stays eager, as in ``generate``); the compile time is the first compiled step's wall time, with inductor's caches
-off and its kernels built in a fresh folder (a warm cache would serve a rerun's kernels in seconds). ms/token is the wall time
-of one step (one token for every row of the batch), median over the measured steps.
+off and its kernels built in a fresh folder (a warm cache would serve a rerun's kernels in seconds). ms/token is the
+wall time of one step (one token for every row of the batch), median over the measured steps.
 
 Compiling is slow on a small loaded CPU (inductor builds C++ for every graph: minutes per family and batch size);
 ``--backend aot_eager`` measures the capture alone (no code generation, and no speed-up expected from it).
@@ -30,11 +30,12 @@ from pathlib import Path
 import torch
 
 from selective_rope import SelectiveRopeStaticCache
-from selective_rope.bench.measure import num_parameters
-from selective_rope.bench.report import log, write_results
-from selective_rope.bench.runner import configure, start_results
 from selective_rope.families import FAMILIES as REGISTRY
 from selective_rope.modeling import returned_cache
+
+from harness.measure import num_parameters
+from harness.report import log, write_results
+from harness.runner import configure, start_results
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
 DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / "compiled_decode_cpu.json"

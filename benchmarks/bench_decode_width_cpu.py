@@ -24,17 +24,18 @@ from pathlib import Path
 
 import torch
 
-from selective_rope.bench.measure import decode_comparison, num_parameters
-from selective_rope.bench.report import log, write_results
-from selective_rope.bench.runner import configure, start_results
 from selective_rope.configuration import SelectiveRopeGatedDeltaNetConfig, SelectiveRopeGLAConfig
 from selective_rope.modeling.gated_deltanet import SelectiveRopeGatedDeltaNetForCausalLM
 from selective_rope.modeling.gla import SelectiveRopeGLAForCausalLM
 
+from harness.measure import decode_comparison, num_parameters
+from harness.report import log, write_results
+from harness.runner import configure, start_results
+
 ROOT = Path(__file__).resolve().parents[1]  # the repository
 DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / "decode_width_cpu.json"
 SOURCES = ["benchmarks/bench_decode_width_cpu.py", "modeling/rotary.py", "kernels/rotary_cpu.py", "modeling/gla.py",
-           "modeling/gated_deltanet.py", "bench/measure.py"]
+           "modeling/gated_deltanet.py", "benchmarks/harness/measure.py"]
 SEED = 0
 SHARED = {"num_hidden_layers": 4, "vocab_size": 1024, "use_short_conv": True}
 FAMILIES = {  # per width: 256 as in the issue-21 benchmarks, 1024 as fla's 340M recipes (bench_models_gpu.py)

@@ -21,10 +21,10 @@ Measures, on the CPU, in float32 and under ``torch.inference_mode``:
    default). Cached decoding (ms/token after 256 and 4096 tokens) and prefill (2048 and 8192 tokens), all four
    models interleaved round by round; ratios to Llama pair the calls of the same round (median and quartiles, wall
    time; process CPU time too). Targets: Selective RoPE FoX decode <= 1.15x and prefill at 8k <= 1.10x Llama, the
-   plain port <= 1.05x. ``--compare-only`` runs this section alone (``selective-rope bench --full --compare``).
+   plain port <= 1.05x. ``--compare-only`` runs this section alone.
 
 
-Timing and load watching are shared with the other benchmarks (the harness ``selective_rope.bench`` runs this
+Timing and load watching are shared with the other benchmarks (the harness ``benchmarks/harness`` runs this
 script's spec, ``SPEC``): medians over
 interleaved rounds after a warm-up, the script (and every child process) waits for a quiet machine and re-runs
 rounds that other processes disturbed; what it saw is recorded under ``contention`` in the JSON.
@@ -54,13 +54,14 @@ from pathlib import Path
 import torch
 
 from selective_rope import SelectiveRopeFoXForCausalLM
-from selective_rope.bench.machine import Quiet, source_provenance
-from selective_rope.bench.measure import decode_comparison, num_parameters, prefill_comparison, random_ids
-from selective_rope.bench.report import log, print_comparison
-from selective_rope.bench.runner import Comparison, FamilyBenchmark, Run, run_benchmark, script_paths
-from selective_rope.bench.timing import target, timed_rounds
 from selective_rope.configuration import SelectiveRopeFoXConfig
 from selective_rope.modeling import returned_cache
+
+from harness.machine import Quiet, source_provenance
+from harness.measure import decode_comparison, num_parameters, prefill_comparison, random_ids
+from harness.report import log, print_comparison
+from harness.runner import Comparison, FamilyBenchmark, Run, run_benchmark, script_paths
+from harness.timing import target, timed_rounds
 
 # the repository root; benchmarks/results/fox_cpu.json, and fox_vs_llama_cpu.json for --compare-only
 PATHS = script_paths(__file__, "fox", comparison="vs_llama")

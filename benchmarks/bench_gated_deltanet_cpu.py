@@ -11,8 +11,7 @@ Measures, on the CPU, in float32 and under ``torch.inference_mode``:
    down with the context length;
 4. the prefill overhead of Selective RoPE (and of fixed RoPE) over NoPE for the same model.
 5. Selective RoPE against NoPE, decode (ms/token after 256 and 4096 tokens) and prefill (2048 and 8192 tokens),
-   interleaved, ratios paired by round (target <= 1.10x each); ``--compare-only`` runs this section alone
-   (``selective-rope bench --full --compare``).
+   interleaved, ratios paired by round (target <= 1.10x each); ``--compare-only`` runs this section alone.
 
 The transformers reference: transformers decorates ``torch_chunk_gated_delta_rule`` so that, when
 flash-linear-attention is importable, calling it runs fla's *Triton* ``chunk_gated_delta_rule`` instead (which
@@ -23,7 +22,7 @@ what the decorated name would have dispatched to. Conventions (checked, and the 
 β_t k_t v_tᵀ``, ``o_t = S_tᵀ q_t · K^-0.5``; q and k are passed L2-normalised, with
 ``use_qk_l2norm_in_kernel=False`` for the reference.
 
-Timing and load watching are shared with the other benchmarks (the harness ``selective_rope.bench`` runs this
+Timing and load watching are shared with the other benchmarks (the harness ``benchmarks/harness`` runs this
 script's spec, ``SPEC``): medians over
 interleaved rounds after a warm-up, the script waits for a quiet machine before each section and re-runs rounds
 that other processes disturbed; what it saw is recorded under ``contention`` in the JSON.
@@ -44,9 +43,12 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from selective_rope.bench.machine import Quiet
-from selective_rope.bench.report import log
-from selective_rope.bench.runner import (
+from selective_rope.configuration import SelectiveRopeGatedDeltaNetConfig
+from selective_rope.kernels.gated_delta_torch import chunk_gated_delta_rule
+
+from harness.machine import Quiet
+from harness.report import log
+from harness.runner import (
     FamilyBenchmark,
     Run,
     prefill_section,
@@ -56,9 +58,7 @@ from selective_rope.bench.runner import (
     selective_vs_nope_comparison,
     with_compare_plans,
 )
-from selective_rope.bench.timing import paired_ratio, target, timed_rounds
-from selective_rope.configuration import SelectiveRopeGatedDeltaNetConfig
-from selective_rope.kernels.gated_delta_torch import chunk_gated_delta_rule
+from harness.timing import paired_ratio, target, timed_rounds
 
 # the repository root; benchmarks/results/gated_deltanet_cpu.json, and for --compare-only
 # gated_deltanet_selective_vs_nope_cpu.json

@@ -9,8 +9,7 @@ Measures, on the CPU, in float32 and under ``torch.inference_mode``:
    down with the context length;
 4. the prefill overhead of Selective RoPE (and of fixed RoPE) over NoPE for the same model.
 5. Selective RoPE against NoPE, decode (ms/token after 256 and 4096 tokens) and prefill (2048 and 8192 tokens),
-   interleaved, ratios paired by round (target <= 1.10x each); ``--compare-only`` runs this section alone
-   (``selective-rope bench --full --compare``).
+   interleaved, ratios paired by round (target <= 1.10x each); ``--compare-only`` runs this section alone.
 
 Every target is reported as ``{"value", "target", "met"}``. Timings are medians over repeats after a warm-up
 (``time.perf_counter``). Whatever is compared (chunk vs naive, the two decode contexts, the three position
@@ -23,7 +22,7 @@ watches ``/proc/stat``: it waits (within ``--max-wait`` seconds in all) for the 
 section, and a round during which other processes kept more than half a core busy is discarded and run again (at
 most ``--max-redo`` times per measurement). What it saw is recorded under ``contention`` in the JSON. The
 timing and load-watching infrastructure is shared with the other families' benchmarks: the harness
-``selective_rope.bench`` runs this script's spec (``SPEC``).
+``benchmarks/harness`` runs this script's spec (``SPEC``).
 
 Usage::
 
@@ -38,9 +37,12 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from selective_rope.bench.machine import Quiet
-from selective_rope.bench.report import log
-from selective_rope.bench.runner import (
+from selective_rope.configuration import SelectiveRopeGLAConfig
+from selective_rope.kernels.gla_torch import chunk_gla
+
+from harness.machine import Quiet
+from harness.report import log
+from harness.runner import (
     FamilyBenchmark,
     Run,
     prefill_section,
@@ -50,9 +52,7 @@ from selective_rope.bench.runner import (
     selective_vs_nope_comparison,
     with_compare_plans,
 )
-from selective_rope.bench.timing import target, timed_rounds
-from selective_rope.configuration import SelectiveRopeGLAConfig
-from selective_rope.kernels.gla_torch import chunk_gla
+from harness.timing import target, timed_rounds
 
 # the repository root; benchmarks/results/gla_cpu.json, and gla_selective_vs_nope_cpu.json for --compare-only
 PATHS = script_paths(__file__, "gla")

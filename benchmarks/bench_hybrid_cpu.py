@@ -3,13 +3,13 @@
 A small random Qwen3.5 text model (transformers' ``Qwen3_5ForCausalLM`` on its PyTorch paths: fla's Triton kernels
 cannot run on a CPU, see ``conversion/qwen.py``) is saved and converted twice with ``selective-rope convert``: as a
 plain port (``position_embedding="rope"`` in the attention layers, ``"nope"`` in the Gated DeltaNet layers) and as a
-Selective RoPE retrofit. The three models then run, interleaved round by round (the harness of ``selective_rope.bench``:
+Selective RoPE retrofit. The three models then run, interleaved round by round (the harness ``benchmarks/harness``:
 medians, ratios paired by round, waiting for a quiet machine), in float32 under ``torch.inference_mode``:
 
 1. prefill (``use_cache=False``, batch 1) at several lengths;
 2. cached greedy decoding (ms per token) after a context.
 
-Targets (issue 43): the port at most 1.05x transformers' time, Selective RoPE at most 1.15x.
+Targets: the port at most 1.05x transformers' time, Selective RoPE at most 1.15x.
 
 Usage::
 
@@ -28,11 +28,12 @@ from pathlib import Path
 import torch
 
 from selective_rope import SelectiveRopeHybridForCausalLM
-from selective_rope.bench.machine import Quiet, device_info
-from selective_rope.bench.measure import decode_comparison, num_parameters, prefill_comparison
 from selective_rope.conversion.convert import convert
 from selective_rope.conversion.qwen import torch_only_modeling
 from selective_rope.conversion.retrofit import RetrofitOptions
+
+from harness.machine import Quiet, device_info
+from harness.measure import decode_comparison, num_parameters, prefill_comparison
 
 VOCAB = 2048
 SOURCE = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=8, intermediate_size=768,

@@ -47,12 +47,13 @@ import torch
 from bench_rotary_gpu import L2Flush, cuda_timings, gpu_info, require_cuda
 from pinned_autotuning import first_candidates, saved_or_first_configuration
 
-from selective_rope.bench.machine import source_provenance
-from selective_rope.bench.measure import num_parameters
-from selective_rope.bench.report import log, write_results
 from selective_rope.families import FAMILIES
 from selective_rope.kernels import dispatch
 from selective_rope.modeling import returned_cache
+
+from harness.machine import source_provenance
+from harness.measure import num_parameters
+from harness.report import log, write_results
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -91,10 +92,12 @@ def cast_like_from_pretrained(model: torch.nn.Module, dtype: torch.dtype) -> tor
     return model
 
 
-def kernels_used(backend: str) -> dict:
+def kernels_used(backend: str, family: str | None = None, training: bool = False) -> dict:
     """Which implementation the sequence-mixing op and the rotary op resolve to on this machine for ``backend``."""
     rotary = dispatch.resolve_backend(backend, "cuda")
     fla = dispatch.fla_ops(rotary, torch.device("cuda")) is not None
+    if fla and training and family == "gated_deltanet" and dispatch.fla_refuses_gated_delta_backward():
+        fla = False  # (kernels/gated_delta.py: fla refuses this backward here, fla issue #640)
     return {"rotary": rotary, "mixer": "fla" if fla else "torch"}
 
 
@@ -149,8 +152,9 @@ def bench_training(family: str, variant: str, backend: str, layers: int, batch: 
     first_s = first_call_seconds(step, f"train {family} {variant} {backend}{' packed' if packed else ''}")
     stats = cuda_timings({"step": step}, repeats=steps, warmup=2)["step"]
     tokens_per_s = batch * seq_len / stats["median_s"]
-    result = {"family": family, "variant": variant, "backend": backend, "kernels": kernels_used(backend),
-              "layout": "packed" if packed else "dense", "batch": batch, "seq_len": seq_len,
+    result = {"family": family, "variant": variant, "backend": backend,
+              "kernels": kernels_used(backend, family, training=True), "layout": "packed" if packed else "dense",
+              "batch": batch, "seq_len": seq_len,
               "tokens_per_s": round(tokens_per_s),
               "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
               "num_parameters": num_parameters(model), "first_step_s": round(first_s, 2), "repeat": repeat, **stats}

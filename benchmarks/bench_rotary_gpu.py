@@ -35,11 +35,12 @@ from pathlib import Path
 
 import torch
 
-from selective_rope.bench.machine import source_provenance
-from selective_rope.bench.report import log, write_results
-from selective_rope.bench.timing import summarize
 from selective_rope.kernels.conv_torch import causal_conv1d
 from selective_rope.kernels.rotary_torch import selective_rotary
+
+from harness.machine import source_provenance
+from harness.report import log, write_results
+from harness.timing import summarize
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"

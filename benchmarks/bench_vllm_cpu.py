@@ -30,8 +30,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 import torch  # noqa: E402
 
 import selective_rope  # noqa: E402
-from selective_rope.bench.machine import device_info, load_average, source_provenance  # noqa: E402
-from selective_rope.bench.report import log, write_results  # noqa: E402
+
+from harness.machine import device_info, load_average, source_provenance  # noqa: E402
+from harness.report import log, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / "vllm_cpu.json"

@@ -14,7 +14,7 @@ computed as the float32 model computes it, so that the drop in the difference sh
 model is the reference throughout):
 
 - ``phase_input_rounded``: the Selective RoPE phase path reads the mixer input rounded to bf16 (what it read before
-  issue 41; now it reads the block norm's float32 output);
+  the bf16 fix; now it reads the block norm's float32 output);
 - ``phase_exact``: the phase increments replaced by the float32 model's (the phase path as if it had the float32
   model's inputs);
 - ``gates_fp32``: the decay / forget-gate projections (GLA ``gk_proj``, Gated DeltaNet ``a_proj``/``b_proj``, FoX
@@ -23,7 +23,7 @@ model is the reference throughout):
   bf16 input, its output rounded to bf16;
 - ``mlp_fp32``: every MLP in float32; ``head_fp32``: the final norm and the LM head in float32.
 
-``--speed`` (instead of the above): what the fix costs, the decoder block as it was before issue 41 (the norm in the
+``--speed`` (instead of the above): what the fix costs, the decoder block as it was before the bf16 fix (the norm in the
 model dtype, the phase path reading its rounded output) against now, interleaved in one process (order alternating):
 a 2-layer GLA of hidden 256 (vocabulary 1024), one thread, float32 and bf16: a 1024-token forward, single-token cached
 steps, a 512-token forward and backward; medians. Written to ``bf16_precision_speed.json``.
@@ -46,11 +46,12 @@ import torch
 from torch import nn
 
 from selective_rope import FAMILIES
-from selective_rope.bench.measure import num_parameters
-from selective_rope.bench.report import log, write_results
-from selective_rope.bench.runner import start_results
 from selective_rope.modeling import returned_cache
 from selective_rope.modeling.base import SelectiveRopeDecoderBlock
+
+from harness.measure import num_parameters
+from harness.report import log, write_results
+from harness.runner import start_results
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
 DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / "bf16_precision.json"
@@ -146,7 +147,7 @@ def replay_increments(model: nn.Module, recorded: list[torch.Tensor] | None) -> 
 
 
 def rounded_phase_input(_module, args, kwargs):
-    """Forward pre-hook on a mixer: its phase path reads the bf16 mixer input, as before issue 41."""
+    """Forward pre-hook on a mixer: its phase path reads the bf16 mixer input, as before the bf16 fix."""
     return args, {**kwargs, "phase_input": args[0]}
 
 
@@ -198,7 +199,7 @@ def run_ablations(family: str, length: int) -> dict:
     rows = {}
     for name in ABLATIONS:
         if name == "phase_input_rounded" and not accepts_phase_input(model):
-            continue  # a version before issue 41: its baseline is this
+            continue  # a version before the bf16 fix: its baseline is this
         rows[name] = compare(reference, logits(ablated(model, name, increments), ids)[0])
         log(f"{family:15s} T={length:6d} {name:20s} {rows[name]}")
     return rows
@@ -209,15 +210,15 @@ def accepts_phase_input(model: nn.Module) -> bool:
 
 
 def block_before_issue_41(self, hidden_states, state, lengths=None, cu_seqlens=None, backend="torch"):
-    """``SelectiveRopeDecoderBlock.forward`` before issue 41: the mixer (phase path included) reads the norm's output
-    in the model dtype."""
+    """``SelectiveRopeDecoderBlock.forward`` before the bf16 fix: the mixer (phase path included) reads the norm's
+    output in the model dtype."""
     hidden_states = hidden_states + self.attn(self.attn_norm(hidden_states), state, lengths=lengths,
                                               cu_seqlens=cu_seqlens, backend=backend)
     return hidden_states + self.mlp(self.mlp_norm(hidden_states))
 
 
 def speed(rounds: int = 12, steps: int = 10) -> dict:
-    """Medians (ms) of the block before issue 41 and now, interleaved (the order alternates by round)."""
+    """Medians (ms) of the block before the bf16 fix and now, interleaved (the order alternates by round)."""
     forwards = {"before": block_before_issue_41, "now": SelectiveRopeDecoderBlock.forward}
     spec = FAMILIES["gla"]
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
 """Host time of the Triton path's calls, measured on a CPU with the Triton launches stubbed out: the Python and torch
-work around the kernels, which on a lent GPU machine is most of a decoding step (issue 17; run 4 on an H200: each
+work around the kernels, which on a lent GPU machine is most of a decoding step (run 4 on an H200: each
 Triton launch 47-87 us of host time on top, and the decode op's Python there ~3.5x this VM's: 61 against ~17.5 us).
 
 Measures, interleaved round by round (medians, microseconds):

@@ -7,7 +7,7 @@ phase bias, a gate; ``trained_looking_model``):
    forward over the whole sequence (fp32): the max abs difference over the positions up to 1k, 8k, 16k and 32k
    tokens, for each backend (``torch``; ``triton``: our Triton rotary kernels, run by Triton's interpreter on CPU).
 2. ``bf16_activations``: the Selective RoPE angles ``τ_i θ_t`` (reduced mod 2π) computed from the mixer input
-   rounded to bf16 (what a bf16 model fed the phase path before issue 41; now it gets the norm's float32 output:
+   rounded to bf16 (what a bf16 model fed the phase path before the bf16 fix; now it gets the norm's float32 output:
    docs/precision.md) against the float32 input: max and median abs angle difference over heads and frequencies at
    each length.
 3. ``bf16_temperature``: the angle error if the temperature ``τ`` itself were rounded to bf16 (what
@@ -15,7 +15,7 @@ phase bias, a gate; ``trained_looking_model``):
 
 Run: ``nice -n 19 python benchmarks/phase_precision.py [--lengths 1024 8192 16384 32768] [--backends torch triton]``;
 writes ``benchmarks/results/phase_precision.json`` (``--output`` to change it). The committed file combines a run of
-the version before issue 19 (float32 phase) with a run of this one. At 32k tokens the Triton interpreter takes ~15 min
+the version with a float32 phase with a run of this one. At 32k tokens the Triton interpreter takes ~15 min
 of CPU for the decoding loop (a kernel launch per token).
 """
 

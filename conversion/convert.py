@@ -35,7 +35,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from transformers.modeling_utils import load_state_dict
 from transformers.utils import logging
 
-from ..families import FAMILIES
+from selective_rope.families import FAMILIES
+
 from ..modeling.hub import auto_map
 from ..modeling.model_card import render_model_card, template_texts
 from ..modeling.remote_code import write_code_bundle

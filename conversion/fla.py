@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import re
 
+from selective_rope.families import FAMILIES
+
 from ..configuration.fox import SelectiveRopeFoXConfig
 from ..configuration.gated_deltanet import SelectiveRopeGatedDeltaNetConfig
 from ..configuration.gla import SelectiveRopeGLAConfig
 from ..configuration.position_embedding import fla_mlp_width, token_ids_in_vocabulary
-from ..families import FAMILIES
 
 # gla, gated_deltanet, forgetting_transformer
 FLA_MODEL_TYPES = tuple(family.fla_model_type for family in FAMILIES.values() if family.fla_model_type)

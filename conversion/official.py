@@ -54,9 +54,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from selective_rope.families import FAMILIES
+
 from ..configuration.fox import SelectiveRopeFoXConfig
 from ..configuration.position_embedding import fla_mlp_width
-from ..families import FAMILIES
 from .fla import _check_source, _copy, fla_config, fla_key
 
 # gla, gated_deltanet, transformer

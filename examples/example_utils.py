@@ -7,6 +7,7 @@ Each script puts this folder on ``sys.path`` before importing from here, so it r
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import stat
@@ -59,3 +60,42 @@ def _replace_atomically(path: Path, content: str) -> None:
     except BaseException:
         os.unlink(temporary)
         raise
+
+
+# -- results: one JSON Lines file per experiment ---------------------------------------------------------------------
+
+def store_run(store: Path, key: str, result: dict) -> None:
+    """Put ``result`` into the JSON Lines file ``store`` as the line ``{"run": key, **result}``, replacing the line
+    with the same key if there is one (a rerun), else appending; the file is replaced whole or not at all."""
+    store = Path(store)
+    runs = read_runs(store) if store.exists() else {}
+    runs[key] = result
+    store.parent.mkdir(parents=True, exist_ok=True)
+    if not store.exists():
+        store.touch()
+    _replace_atomically(store.resolve(), "".join(json.dumps({"run": name, **run}) + "\n" for name, run in runs.items()))
+
+
+def read_runs(location: Path) -> dict[str, dict]:
+    """``{key: run}`` from a JSON Lines store written by :func:`store_run`, or from a folder of per-run JSON files
+    (``--output`` of the training scripts; the key is the path below the folder without ``.json``)."""
+    location = Path(location)
+    if location.is_dir():
+        return {path.relative_to(location).with_suffix("").as_posix(): json.loads(path.read_text())
+                for path in sorted(location.rglob("*.json"))}
+    if not location.exists():
+        return {}
+    runs = {}
+    for number, line in enumerate(location.read_text().splitlines(), 1):
+        if line.strip():
+            run = json.loads(line)
+            if not isinstance(run, dict) or not isinstance(run.get("run"), str):
+                raise ValueError(f"{location}:{number}: not a stored run (a JSON object with a \"run\" key)")
+            runs[run.pop("run")] = run
+    return runs
+
+
+def runs_below(runs: dict[str, dict], prefix: str = "") -> dict[str, dict]:
+    """The runs whose key is ``prefix`` followed by one more path component: ``{that component: run}``."""
+    return {key[len(prefix):]: run for key, run in runs.items()
+            if key.startswith(prefix) and "/" not in key[len(prefix):]}

@@ -27,6 +27,7 @@ keep our ops' conventions: the default query scale ``D^-0.5``, log-space decays,
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import warnings
@@ -141,6 +142,18 @@ def fla_ops(backend: str, device: torch.device) -> SimpleNamespace | None:
     return ops
 
 
+def fla_refuses_gated_delta_backward() -> bool:
+    """Whether fla's gated delta rule refuses its backward here: fla 0.6 raises in it on Hopper GPUs with Triton in
+    [3.4, 3.7.1) unless tilelang takes the kernel, because that Triton computes wrong gradients there (fla issue
+    #640). Found on an H200 with torch 2.11's Triton 3.6 (benchmarks/results/gpu/2026-11-28-h200)."""
+    try:
+        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+    except ImportError:  # an fla without the check
+        return False
+    tilelang = importlib.util.find_spec("tilelang") is not None
+    return IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1 and not tilelang
+
+
 def keeps_packed(backend: str, device: torch.device | str) -> bool:
     """Whether packed sequences (``cu_seqlens``) reach the mixers as they are, ``(1, total, ...)``, on the resolved
     ``backend`` (``resolve_backend``).
@@ -162,3 +175,12 @@ def refuse_packing(cu_seqlens, op: str) -> None:
 def float32_state(state: torch.Tensor | None) -> torch.Tensor | None:
     """A recurrent state as fla's kernels take it."""
     return None if state is None else state.float().contiguous()
+
+
+def repeat_heads(groups: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Grouped heads (GQA) for the ops that take one key head per query (or value) head: each tensor
+    ``(B, T, H, ...)`` -> ``(B, T, H·groups, ...)``, head ``h`` serving the ``groups`` consecutive heads
+    ``h·groups .. h·groups + groups - 1`` (transformers' and flash-linear-attention's grouping)."""
+    if groups == 1:
+        return tensors
+    return tuple(t.repeat_interleave(groups, dim=2) for t in tensors)

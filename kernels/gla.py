@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from .dispatch import fla_ops, float32_state, refuse_packing
+from .dispatch import fla_ops, float32_state, refuse_packing, repeat_heads
 from .gla_torch import chunk_gla, recurrent_gla
-from .heads import repeat_heads
 
 
 def gated_linear_attention(q, k, v, gk, *, initial_state=None, output_final_state=False, cu_seqlens=None,

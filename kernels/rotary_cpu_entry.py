@@ -6,7 +6,7 @@ layer's weights evicted), which kept GLA and Gated DeltaNet decoding at ~1.09× 
 docs/cpu_performance.md, "Sixth round"). The same checks, allocations and call written in C take ~4 % off a GLA
 step at hidden 256 (~1.05× NoPE).
 
-What. ``call(spec, x, q, k, state, lengths, overwrite_state)`` is ``SelectiveRotaryEmbedding._forward_cpu_kernel``
+What. ``call(spec, x, q, k, state, lengths, overwrite_state)`` is ``kernels/rotary.py``'s ``cpu_kernel_call``
 for the common case: it checks what the Python path checks (no autograd or tracing, no global or phase-module hooks,
 the planned modules, parameters and storages unchanged, plain CPU tensors of the planned shapes and dtypes, a float64
 state, int64 lengths), allocates the outputs, calls the kernel through its address (the ctypes library's, so both
@@ -177,7 +177,7 @@ static int no_hooks(PyObject *owner, PyObject *name) {
     return size < 0 ? -1 : size == 0;
 }
 
-/* Whether the plan still describes the module (_CachedPlan.valid and plan_if_unhooked, RotaryPlan.current, and no
+/* Whether the plan still describes the module (rotary.CachedPlan.valid and plan_if_unhooked, RotaryPlan.current, and no
    global module hooks, as the Python path checks): 1 yes, 0 no, -1 an error (a malformed spec included). */
 static int plan_holds(PyObject *tensors, PyObject *pointers, PyObject *bindings, PyObject *counts,
                       PyObject *modules) {
@@ -446,7 +446,7 @@ def load_entry():
 def entry_for(plan: RotaryPlan, bindings: tuple, counts: tuple, modules: tuple) -> tuple | None:
     """``(call, spec)`` for ``plan``: ``call(spec, x, q, k, state, lengths, overwrite_state)`` serves the module's
     calls; ``None`` without the entry. ``bindings`` ``((container, key, item), ...)``, ``counts`` ``((container,
-    len), ...)`` and ``modules`` (the phase modules, whose hooks are checked) as ``_CachedPlan`` keeps them."""
+    len), ...)`` and ``modules`` (the phase modules, whose hooks are checked) as ``rotary.CachedPlan`` keeps them."""
     call, kernel = load_entry(), load_kernel()
     if call is None or kernel is None:
         return None

@@ -118,3 +118,46 @@ def per_query_head(x: torch.Tensor, groups: int) -> torch.Tensor:
         return x
     batch, seq_len, num_key_heads, rotary_pairs = x.shape
     return x.unsqueeze(3).expand(batch, seq_len, num_key_heads, groups, rotary_pairs).flatten(2, 3)
+
+
+def writable(state: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    """Whether a single-token step can write its new state into the cached ``state`` (``in_place``): it has the
+    step's dtype and is one dense tensor (a view of another, e.g. an expanded phase, is not the cache's own)."""
+    return state is not None and state.dtype == dtype and state.is_contiguous()
+
+
+def selective_rotary_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    increment: torch.Tensor,
+    temperature: torch.Tensor,
+    initial_phase: torch.Tensor | None = None,
+    in_place: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``selective_rotary`` for one token per row (decoding), written for a single token: no time axis, no cumulative
+    sum, q and k rotated together. A decoding step's cost is the number of tiny ops (each a few microseconds, whatever
+    its size), not their arithmetic.
+
+    Args:
+        q: ``(B, 1, Hq, D)``; k: ``(B, 1, Hk, D)``.
+        increment: broadcastable to ``(B, Hk, R)`` in ``phase_dtype`` (already rounded as a prefill rounds it).
+        temperature: ``(R,)``.
+        initial_phase: ``(B, Hk, R)`` cached phase, or ``None`` for a sequence start.
+        in_place: write the new phase into ``initial_phase`` where it is ``writable`` (a static cache's tensor).
+
+    Returns:
+        Rotated ``q`` and ``k`` (input dtypes) and the new phase ``(B, Hk, R)`` in ``phase_dtype``.
+    """
+    batch, _, num_key_heads, _ = k.shape
+    dtype = phase_dtype(q.device)
+    previous = initial_phase
+    if previous is not None and previous.dtype != dtype:
+        previous = previous.to(dtype)
+    if in_place and writable(previous, dtype):
+        phase = previous.add_(increment)  # (B, Hk, R): the same sum as below, in the cache's tensor
+    else:
+        phase = increment if previous is None else increment + previous
+        phase = phase.expand(batch, num_key_heads, temperature.shape[-1]).contiguous()  # (B, Hk, R)
+    angle = rotary_angles(phase, temperature)[:, None]  # (B, 1, Hk, R)
+    q_out, k_out = rotate_query_and_key(q, k, angle.cos(), angle.sin())
+    return q_out, k_out, phase

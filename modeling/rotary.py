@@ -15,6 +15,10 @@ rotary dims):
 ``position_embedding="rope"`` is the same module with ``c_t ≡ 1`` (standard RoPE with inverse frequencies τ);
 ``"nope"`` leaves q and k untouched. The rotation must be the last transform applied to q and k.
 
+The module holds the parameters and computes the phase inputs; which implementation runs a call (the compiled CPU
+kernel, a decoding step, the Triton kernels, the torch op) is chosen by the one op it calls,
+``kernels/rotary.py``'s ``rotary_embedding``.
+
 Precision, whatever the model dtype (SPEC §3 asks for float32 at least; why more: ``kernels/rotary_torch.py``):
 
 - ``c_t`` is computed in float64 (``phase_dtype``) from float32 parameters and rounded once to float32. A decoding
@@ -39,17 +43,8 @@ from transformers import initialization as init
 from ..configuration.position_embedding import SelectiveRopeConfigBase
 from ..kernels.conv_torch import causal_conv1d
 from ..kernels.dispatch import resolve_backend
-from ..kernels.rotary import (
-    selective_rotary,
-    selective_rotary_decode,
-    selective_rotary_decode_from_input,
-    single_token_step_applies,
-    unit_step,
-)
-from ..kernels.rotary_cpu import RotaryPlan
-from ..kernels.rotary_cpu import available as cpu_kernel_available
-from ..kernels.rotary_cpu_entry import entry_for
-from ..kernels.rotary_torch import phase_dtype, rotary_angles, rotate_query_and_key
+from ..kernels.rotary import rotary_embedding, takes_packed
+from ..kernels.rotary_torch import phase_dtype, writable
 from .layers import ShortConvolution
 from .layout import SequenceLayout, valid_mask
 
@@ -109,7 +104,12 @@ class L2NormalizeChunks(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor, _grad_denom, _grad_unclamped) -> torch.Tensor:
         u, denom, unclamped = ctx.saved_tensors
         along = (u * grad).sum(-1, keepdim=True) * unclamped  # the norm's share; none where the clamp holds it
-        return (grad - u * along) / denom
+        if torch.is_grad_enabled():  # a double backward (create_graph=True) differentiates these operations
+            return (grad - u * along) / denom
+        # The same operations into one buffer: each fresh full-width float64 temporary is fresh memory from the OS
+        # (page faults), which cost as much as the arithmetic at small widths (docs/cpu_performance.md, issue 51).
+        out = u * along
+        return torch.sub(grad, out, out=out).div_(denom)
 
 
 def no_autocast(x: torch.Tensor):
@@ -485,64 +485,31 @@ class SelectiveRotaryEmbedding(nn.Module):
             return q, k, {}
         if backend is None:
             backend = resolve_backend(self.backend, q.device)
-        if backend == "torch+c" and cu_seqlens is None and not torch.compiler.is_compiling():
-            cached = self.__dict__.get("_cpu_plan")  # the compiled path's checks and call in C, where it can
-            if cached is not None and cached.entry_call is not None and len(self.__dict__) == cached.instance_entries:
-                result = cached.entry_call(cached.entry_spec, x, q, k, state, lengths, overwrite_state)
-                if result is not None:
-                    return result  # else: the same call through Python, which decides (rotary_cpu_entry)
-        if cu_seqlens is not None and backend != "triton":  # the torch op takes one dense row per sequence
+        if cu_seqlens is not None and not takes_packed(backend):  # the op then takes one dense row per sequence
             return self._forward_packed(x, q, k, state, cu_seqlens, backend)
-        state = state or {}
-        seq_len = x.shape[1]
-        if backend == "torch+c" and seq_len > 0 and not torch.is_grad_enabled():
-            compiled = self._forward_cpu_kernel(x, q, k, state, lengths, overwrite_state)  # a prefill or a step
-            if compiled is not None:
-                return compiled
-        if single_token_step_applies(seq_len, cu_seqlens):
-            if backend != "triton":
-                return self._decode_step_torch(x, q, k, state, lengths, in_place)
-            return self._decode_step(x, q, k, state, lengths, in_place)  # the fused Triton step
-        valid = None if lengths is None else valid_mask(lengths, seq_len)  # (B, T)
+        return rotary_embedding(self, x, q, k, state or {}, lengths, cu_seqlens=cu_seqlens, backend=backend,
+                                overwrite_state=overwrite_state, in_place=in_place)
+
+    # The phase inputs the op asks for (``kernels.rotary.PhasePath``), as its chosen path needs them.
+
+    def sequence_increment(self, x, lengths, conv_state, cu_seqlens):
+        """``phase_increment`` for right-padded rows with ``lengths`` real tokens (``None``: every row is full)."""
+        valid = None if lengths is None else valid_mask(lengths, x.shape[1])  # (B, T)
         with no_autocast(x):
-            increment, conv_state = self.phase_increment(x, valid, state.get("phase_conv"), lengths, cu_seqlens)
-        q, k, phase = selective_rotary(q, k, increment, self.temperature, state.get("phase"), cu_seqlens=cu_seqlens,
-                                       backend=backend)
-        return q, k, self._state(phase, conv_state)
+            return self.phase_increment(x, valid, conv_state, lengths, cu_seqlens)
 
-    def _decode_step(self, x, q, k, state, lengths, in_place=False):
-        """One token per row (decoding) with the fused Triton step: what ``phase_increment`` followed by
-        ``selective_rotary`` compute. The default phase path (``_fusable_phase_weights``) runs as one launch from
-        this step's input; other phase paths compute the phase inputs first (``_decode_phase_inputs``); RoPE's are a
-        unit step, with no convolution, bias or gate. The convolution's taps (learned, or the fixed difference) are
-        read directly. ``in_place``: the kernel writes the new phase and history into ``state``'s (``forward``)."""
-        valid = None if lengths is None else lengths > 0
-        if self.position_embedding == "rope":
-            q_out, k_out, phase, _ = selective_rotary_decode(q[:, 0], k[:, 0], unit_step(x.device), self.temperature,
-                                                             phase=state.get("phase"), valid=valid,
-                                                             in_place=in_place)
-            return q_out.unsqueeze(1), k_out.unsqueeze(1), self._state(phase, None)
-        conv = self.phase_conv
-        step_state = dict(
-            phase=state.get("phase"),
-            conv_state=None if conv is None else state.get("phase_conv"),
-            conv_weight=None if conv is None else conv.taps(x.device, k.shape[2] * self.rotary_pairs),
-            conv_activation=None if conv is None else conv.activation,
-            bias=self.phase_bias,
-            valid=valid,
-            in_place=in_place,
-        )
-        weights = self._fusable_phase_weights()
-        step = None if weights is None else selective_rotary_decode_from_input(q[:, 0], k[:, 0], x[:, 0], *weights,
-                                                                                 self.temperature, **step_state)
-        if step is None:
-            projection, gate_logits = self._decode_phase_inputs(x)
-            step = selective_rotary_decode(q[:, 0], k[:, 0], projection, self.temperature, gate_logits=gate_logits,
-                                           **step_state)
-        q_out, k_out, phase, conv_state = step
-        return q_out.unsqueeze(1), k_out.unsqueeze(1), self._state(phase, conv_state)
+    def step_increment(self, x, history, valid, in_place=False):
+        """``c_t`` for one token per row, Selective RoPE or RoPE, in ``phase_dtype`` (rounded to float32 once, as a
+        prefill rounds it), and the new convolution history; ``valid`` ``(B, 1, 1)`` or ``None``. ``in_place``: the
+        history is written into ``history`` where it can be."""
+        dtype = phase_dtype(x.device)
+        if self.position_embedding == "rope":  # c_t = 1 for a real token, 0 for a pad
+            return (x.new_ones((), dtype=dtype) if valid is None else valid.to(dtype)), None
+        with no_autocast(x):
+            increment, conv_state = self._single_token_increment(x, history, valid, in_place)
+        return increment.float().to(dtype), conv_state
 
-    def _decode_phase_inputs(self, x):
+    def decode_phase_inputs(self, x):
         """Steps 1-2 for one token per row through the phase modules (their hooks and adapters run), float64: the
         projection ``(B, Hk, R)`` and the gate logits ``(B, Hk, 1 or R)`` (``None`` without a gate)."""
         with no_autocast(x):
@@ -551,11 +518,12 @@ class SelectiveRotaryEmbedding(nn.Module):
             gate_logits = None if self.phase_gate_proj is None else self._gate(u)[:, 0]  # (B, Hk, 1 or R)
         return projection, gate_logits
 
-    def _fusable_phase_weights(self) -> tuple | None:
-        """``(down, up, gate weight, gate bias)`` for ``selective_rotary_decode_from_input``, or ``None`` where the
-        phase path is not the default one (a ``"low_rank"`` projection, a per-head gate or none), a module is not ours
-        (a PEFT adapter replaces one) or something observes the modules (hooks on them, or global ones: they would not
-        see the modules run). Then the modules are called."""
+    def fusable_phase_weights(self) -> tuple | None:
+        """``(down, up, gate weight, gate bias)`` for the fused Triton step from the input
+        (``rotary_triton.selective_rotary_decode_from_input_triton``), or ``None`` where the phase path is not the
+        default one (a ``"low_rank"`` projection, a per-head gate or none), a module is not ours (a PEFT adapter
+        replaces one) or something observes the modules (hooks on them, or global ones: they would not see the
+        modules run). Then the modules are called."""
         proj, gate = self.phase_proj, self.phase_gate_proj
         if self.head_shard is not None:  # the fused step reads every head's input chunk from its own weights
             return None
@@ -570,106 +538,31 @@ class SelectiveRotaryEmbedding(nn.Module):
             return None
         return proj.down, proj.up, None if gate is None else gate.weight, None if gate is None else gate.bias
 
-    def _forward_cpu_kernel(self, x, q, k, state, lengths, overwrite_state=False):
-        """The inference forward (a prefill, or ``_decode_step_torch``'s single token) as one compiled call
-        (``kernels/rotary_cpu.py``: the same math and precisions as the torch path), or ``None`` where the torch path
-        must run instead (see ``_kernel_plan`` and ``RotaryPlan.try_call``). The backend ``"torch+c"`` asks for it
-        (``"auto"`` on the CPU); ``"torch"`` asked for by name stays pure PyTorch, the reference (SPEC §5)."""
-        if torch.compiler.is_compiling() or torch.jit.is_tracing():  # a tracer would not see the C call's writes
-            return None
-        plan = self._kernel_plan((x.shape[-1], q.shape[2], q.shape[3]))
-        if plan is None:
-            return None
-        phase, history = state.get("phase"), state.get("phase_conv")
-        if phase is not None and phase.dtype != torch.float64:
-            phase = phase.to(torch.float64)
-        if history is not None and (history.dtype != torch.float64 or not history.is_contiguous()):
-            history = history.to(torch.float64).contiguous()
-        if lengths is not None and (lengths.dtype != torch.int64 or not lengths.is_contiguous()):
-            lengths = lengths.to(torch.int64).contiguous()
-        result = plan.try_call(x, q, k, phase, history, lengths, overwrite_state=overwrite_state)
-        if result is None:
-            if plan.current():  # inputs the C kernel does not take
-                return None
-            del self.__dict__["_cpu_plan"]  # a parameter's storage was replaced: plan again
-            return self._forward_cpu_kernel(x, q, k, state, lengths, overwrite_state)
-        return result[0], result[1], self._state(result[2], result[3])
-
-    def _kernel_plan(self, sizes: tuple[int, int, int]) -> RotaryPlan | None:
-        """This module's compiled-kernel plan for ``sizes`` (hidden size, ``Hq``, ``D``), made on first use and again
-        whenever the phase path changed (``_CachedPlan``); ``None`` where the C kernel must not serve this module: it
-        cannot be built here, forward hooks on the phase modules or global ones (they must see their module run), a
-        phase module it does not know (e.g. one wrapped by a PEFT adapter), or parameters of mixed dtypes."""
-        if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
-            return None
-        if self.head_shard is not None:  # the kernel is planned for every key head
-            return None
-        cached = self.__dict__.get("_cpu_plan")
-        if cached is None or not cached.valid(sizes):
-            cached = self._cpu_plan = self._make_cpu_plan(sizes)
-            # Anything set on the instance later (e.g. a method patched for a diagnostic, as
-            # examples/synthetic/phase_drift.py does) sends the calls back through the Python methods.
-            cached.instance_entries = len(self.__dict__)
-        return cached.plan_if_unhooked()
-
-    def _make_cpu_plan(self, sizes: tuple[int, int, int]) -> _CachedPlan:
-        """The plan for this module as it is now, with what it was made from (``None`` inside if the C kernel does not
-        know a phase module: exactly our classes, not subclasses or wrappers, which may compute something else)."""
-        modules, known, parameters = [], True, {}  # phase modules (not this one: its own hooks run whichever path does)
-        if self.position_embedding == "selective_rope":
-            proj, conv, gate = self.phase_proj, self.phase_conv, self.phase_gate_proj
-            children = list(gate.children()) if type(gate) is nn.Sequential else []
-            gate_layers = children or ([] if gate is None else [gate])
-            modules += [m for m in (proj, conv, gate) if m is not None] + children
-            known = (type(proj) in (PhaseProjection, DenseLowRankPhaseProjection)
-                     and (conv is None or type(conv) in (PhaseConvolution, PhaseDifference))
-                     and all(type(layer) is PhaseLinear for layer in gate_layers))
-            if known:  # RotaryPlan's keyword arguments
-                low_rank = proj.kind in ("low_rank", "dense_low_rank")
-                parameters["projection"] = ((proj.kind, proj.down, proj.up) if low_rank else
-                                            (proj.kind, proj.weight, proj.scale if proj.kind == "full_rank" else None))
-                if type(conv) is PhaseDifference:
-                    parameters["conv"] = ("difference", None, conv.activation)
-                elif conv is not None:
-                    parameters["conv"] = ("learned", conv.weight, conv.activation)
-                parameters["bias"] = self.phase_bias
-                parameters["gate"] = tuple((layer.weight, layer.bias) for layer in gate_layers)
-        plan = None
-        if known and cpu_kernel_available():
-            hidden_size, num_query_heads, head_dim = sizes
-            try:
-                plan = RotaryPlan(num_query_heads, self.num_key_heads, head_dim, hidden_size, self.temperature,
-                                  **parameters)
-            except ValueError:  # e.g. one module cast to another dtype: the torch path handles any mix
-                plan = None
-        return _CachedPlan(plan, self, modules, sizes)
-
-    def _decode_step_torch(self, x, q, k, state, lengths, in_place=False):
-        """One token per row (decoding) on the torch path, Selective RoPE or RoPE: what ``phase_increment`` followed
-        by ``selective_rotary`` compute, in the same precision, written for a single token (no time axis, no
-        cumulative sum, the convolution as one window, q and k rotated together). A decoding step's cost here is the
-        number of tiny ops (each a few microseconds, whatever its size), not their arithmetic. ``in_place``: the new
-        phase and history are written into ``state``'s tensors where they are float64 and contiguous (``forward``)."""
-        batch, dtype = x.shape[0], phase_dtype(x.device)
-        valid = None if lengths is None else (lengths > 0).view(batch, 1, 1)  # (B, 1, 1): False for a pad token
-        conv_state = None
-        if self.position_embedding == "rope":  # c_t = 1 for a real token, 0 for a pad
-            increment = x.new_ones((), dtype=dtype) if valid is None else valid.to(dtype)
-        else:
-            with no_autocast(x):
-                increment, conv_state = self._single_token_increment(x, state.get("phase_conv"), valid, in_place)
-            increment = increment.float().to(dtype)  # rounded to float32 once, as a prefill rounds it
-        previous = state.get("phase")
-        if previous is not None and previous.dtype != dtype:
-            previous = previous.to(dtype)
-        if in_place and _writable(previous, dtype):
-            phase = previous.add_(increment)  # (B, Hk, R): the same sum as below, in the cache's tensor
-        else:
-            phase = increment if previous is None else increment + previous
-            phase = phase.expand(batch, k.shape[2], self.rotary_pairs).contiguous()  # (B, Hk, R)
-        angle = rotary_angles(phase, self.temperature)[:, None]  # (B, 1, Hk, R)
-        q_out, k_out = rotate_query_and_key(q, k, angle.cos(), angle.sin())
-        return q_out, k_out, self._state(phase, conv_state)
+    def cpu_kernel_parameters(self) -> tuple[list[nn.Module], dict | None]:
+        """The phase modules (this one's hooks run whichever path does) and ``RotaryPlan``'s keyword arguments for the
+        compiled CPU kernel, ``None`` where it does not know a phase module: exactly our classes, not subclasses or
+        wrappers (e.g. a PEFT adapter), which may compute something else."""
+        if self.position_embedding != "selective_rope":
+            return [], {}
+        proj, conv, gate = self.phase_proj, self.phase_conv, self.phase_gate_proj
+        children = list(gate.children()) if type(gate) is nn.Sequential else []
+        gate_layers = children or ([] if gate is None else [gate])
+        modules = [m for m in (proj, conv, gate) if m is not None] + children
+        known = (type(proj) in (PhaseProjection, DenseLowRankPhaseProjection)
+                 and (conv is None or type(conv) in (PhaseConvolution, PhaseDifference))
+                 and all(type(layer) is PhaseLinear for layer in gate_layers))
+        if not known:
+            return modules, None
+        low_rank = proj.kind in ("low_rank", "dense_low_rank")
+        parameters = {"projection": ((proj.kind, proj.down, proj.up) if low_rank else
+                                     (proj.kind, proj.weight, proj.scale if proj.kind == "full_rank" else None))}
+        if type(conv) is PhaseDifference:
+            parameters["conv"] = ("difference", None, conv.activation)
+        elif conv is not None:
+            parameters["conv"] = ("learned", conv.weight, conv.activation)
+        parameters["bias"] = self.phase_bias
+        parameters["gate"] = tuple((layer.weight, layer.bias) for layer in gate_layers)
+        return modules, parameters
 
     def _single_token_increment(self, x, history, valid, in_place=False):
         """``c_t`` for one token per row, float64 ``(B, Hk, R)`` (not yet rounded), and the new convolution history
@@ -698,7 +591,7 @@ class SelectiveRotaryEmbedding(nn.Module):
         batch = a.shape[0]
         current = a.reshape(batch, 1, -1)  # (B, 1, C)
         taps = self.phase_conv.taps(a.device, current.shape[-1]).to(a.dtype)  # (C, K), the last tap on the current one
-        out = history if in_place and _writable(history, a.dtype) else None
+        out = history if in_place and writable(history, a.dtype) else None
         if history is None:
             history = current.new_zeros(batch, taps.shape[1] - 1, current.shape[-1])
         history = history.to(a.dtype)
@@ -714,10 +607,6 @@ class SelectiveRotaryEmbedding(nn.Module):
                 new_history = torch.where(valid, new_history, history)
         return y.view_as(a), new_history
 
-    @staticmethod
-    def _state(phase: torch.Tensor, conv_state: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        return {"phase": phase} if conv_state is None else {"phase": phase, "phase_conv": conv_state}
-
     def _forward_packed(self, x, q, k, state, cu_seqlens, backend):
         """Packed sequences ``(1, total, ...)`` on the torch path, through one dense row per sequence (the Triton
         kernel takes them as they are): each sequence restarts phase and convolution; state is per sequence."""
@@ -726,58 +615,3 @@ class SelectiveRotaryEmbedding(nn.Module):
                                                  state=state, lengths=layout.lengths, backend=backend)
         return layout.from_rows(q_rows), layout.from_rows(k_rows), new_state
 
-
-def _writable(state: torch.Tensor | None, dtype: torch.dtype) -> bool:
-    """Whether a single-token step can write its new state into the cached ``state`` (``in_place``): it has the
-    step's dtype and is one dense tensor (a view of another, e.g. an expanded phase, is not the cache's own)."""
-    return state is not None and state.dtype == dtype and state.is_contiguous()
-
-
-class _CachedPlan:
-    """A rotary module's compiled-kernel plan (``None``: no C kernel for this structure) and what it was made from: the
-    module's and its phase modules' parameters, buffers and children, and the call's sizes. Valid while all of them are
-    the same objects (a replaced storage is the plan's own check, ``RotaryPlan.current``); the phase modules' hooks
-    are looked at on every call (adding one assigns nothing). It refers to the rotary module's parameter and child
-    dicts but not to the module itself: no reference cycle keeps a deleted model's memory alive until the next
-    garbage collection.
-
-    It lives in the module's ``__dict__`` (read there, not through ``nn.Module.__getattr__``: a decoding step counts
-    microseconds) but is never copied: ``copy.deepcopy``, pickling and ``torch.save`` of the module leave ``None`` in
-    its place, and ``SelectiveRotaryEmbedding._apply`` drops it (a device move or cast replaces the storages)."""
-
-    def __init__(self, plan: RotaryPlan | None, owner: nn.Module, modules: list[nn.Module], sizes: tuple):
-        self.plan, self.modules, self.sizes = plan, tuple(modules), sizes
-        containers = [c for module in (owner, *modules) for c in (module._parameters, module._buffers, module._modules)]
-        self.bindings = tuple((container, key, item) for container in containers for key, item in container.items())
-        # An entry added later matters where a forward reads more than the bound entries: the rotary module's own
-        # (an absent gate, bias or convolution is a plain None attribute, in neither dict, until one is set) and a
-        # Sequential's children (it runs every child it has). The phase modules read only their bound entries.
-        counted = [owner] + [module for module in modules if type(module) is nn.Sequential]
-        self.counts = tuple((c, len(c)) for module in counted
-                            for c in (module._parameters, module._buffers, module._modules))
-        # The same checks and the kernel's call as one C function, where Python's headers allow (rotary_cpu_entry)
-        entry = None if plan is None else entry_for(plan, self.bindings, self.counts, self.modules)
-        self.entry_call, self.entry_spec = entry or (None, None)
-        self.instance_entries = None  # the owner's number of instance attributes once planned (_kernel_plan)
-
-    # Both checks run per layer and decoding step, where each costs microseconds (issue 21): plain loops, since
-    # any()/all() over generators cost more than the checks themselves here.
-    def valid(self, sizes: tuple) -> bool:
-        if sizes != self.sizes:
-            return False
-        for container, key, item in self.bindings:
-            if container.get(key) is not item:
-                return False
-        for container, count in self.counts:
-            if len(container) != count:
-                return False
-        return True
-
-    def plan_if_unhooked(self) -> RotaryPlan | None:
-        for module in self.modules:
-            if module._forward_hooks or module._forward_pre_hooks:
-                return None
-        return self.plan
-
-    def __reduce__(self):
-        return type(None), ()  # a copy or pickle of the module holds no plan

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks (issue 47) in one call sized for a 15-minute lease. Sections, in this order (SECTIONS picks them):
+# The GPU checks in one call sized for a 15-minute lease. Sections, in this order (SECTIONS picks them):
 #   tests    correctness, two pytest runs side by side: our Triton rotary kernels' tests, and the CUDA parity tests
 #            (-m cuda: every family, fp32 and bf16, padding, cached decoding, generate, packing; -x). fla's kernels
 #            run their first configuration there (tests/autotuning.py), so nothing autotunes.
@@ -92,7 +92,7 @@ TESTS_LIMIT=$(limit 120)
 pytest_in_tmp "$TESTS_LIMIT" "$OUT/pytest_rotary.txt" -n 4 "$REPO/tests/kernels/test_rotary_triton.py" \
     "$REPO/tests/kernels/test_autotuning.py" &
 rotary_tests=$!
-pytest_in_tmp "$TESTS_LIMIT" "$OUT/pytest_cuda.txt" -m cuda -x -n 4 "$REPO/tests" &
+pytest_in_tmp "$TESTS_LIMIT" "$OUT/pytest_cuda.txt" -m cuda -x -n 4 -v "$REPO/tests" &  # (-v: each result by name)
 cuda_tests=$!
 wait "$rotary_tests" "$cuda_tests"  # (a bare wait would also wait for the log's tee, which never ends first)
 for log in "$OUT/pytest_rotary.txt" "$OUT/pytest_cuda.txt"; do

@@ -14,7 +14,7 @@ COMMANDS = {
     "demo": ".demo",
     "convert": ".conversion.cli",
     "generate": ".generate",
-    "bench": ".bench.cli",
+    "bench": ".bench",
 }
 
 

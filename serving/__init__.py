@@ -21,7 +21,7 @@ HYBRID_MODEL_TYPES = ("selective_rope_fox",)
 
 def served_families() -> list:
     """The families the plugin registers with vLLM."""
-    from ..families import FAMILIES  # importing the package registered our configs with AutoConfig
+    from selective_rope.families import FAMILIES  # importing the package registered our configs with AutoConfig
 
     return [family for family in FAMILIES.values() if family.config_class.model_type in SERVED_MODEL_TYPES]
 

@@ -30,7 +30,8 @@ from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree, IsHybrid
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from ..families import family_of_model_type
+from selective_rope.families import family_of_model_type
+
 from ..modeling.cache import SelectiveRopeCache
 from ..modeling.layout import SequenceLayout
 from . import HYBRID_MODEL_TYPES, served_families

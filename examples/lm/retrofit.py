@@ -5,6 +5,7 @@ held-out perplexity at 1x, 2x and 4x the training context.
 
     python examples/lm/train_lm.py prepare        # once: the tokenizer and the encoded corpus
     python examples/lm/retrofit.py run --seeds 0 1 2
+    python examples/lm/retrofit.py run --skip-done # only the fine-tuning runs the store does not hold yet
     python examples/lm/retrofit.py summary        # table (printed, into docs/evidence.md), docs/evidence_retrofit.png
     python examples/lm/retrofit.py run --quick    # a few seconds: a tiny corpus, 2 steps each, in a temporary folder
 
@@ -18,9 +19,11 @@ Arms (every one fine-tuned with the same windows, steps and learning rate for a 
                        so it does not start exact; ``--tolerance 1`` lets the converter write it)
 
 Each converted model but the last starts computing exactly what the Llama computes (the converter checks it on a probe
-batch); the JSON also records the perplexity of every arm before fine-tuning, equal across those arms.
-Files: the pretrained and converted models under ``examples/lm/.cache/retrofit/`` (ignored by git), results under
-``benchmarks/results/lm/retrofit/``.
+batch); each run also records the perplexity of every arm before fine-tuning, equal across those arms.
+Files: the pretrained and converted models under ``examples/lm/.cache/retrofit/`` (ignored by git). Results: one line
+per run in ``benchmarks/results/retrofit.jsonl`` (``example_utils.store_run``; a rerun replaces its line), keyed
+``pretrain`` and ``<arm>_seed<k>``; the summary's numbers in ``benchmarks/results/retrofit_summary.json``. The
+pretrained Llama is trained once: kept while its model is saved and the store holds ``pretrain``.
 """
 
 from __future__ import annotations
@@ -42,10 +45,11 @@ for folder in (HERE, HERE.parent):
         sys.path.insert(0, str(folder))
 
 import train_lm  # noqa: E402
-from example_utils import MarkersNotFound, write_between_markers  # noqa: E402
+from example_utils import MarkersNotFound, read_runs, store_run, write_between_markers  # noqa: E402
 
 REPO = HERE.parent.parent
-RESULTS = REPO / "benchmarks" / "results" / "lm" / "retrofit"
+RESULTS = REPO / "benchmarks" / "results" / "retrofit.jsonl"  # every run, one line each
+SUMMARY = REPO / "benchmarks" / "results" / "retrofit_summary.json"
 MODELS = train_lm.CACHE / "retrofit"
 DOCS = REPO / "docs"
 
@@ -79,12 +83,12 @@ def describe(rows: list[dict]) -> str:
     return "  ".join(f"ppl@{row['length']} {row['perplexity']:.2f}" for row in rows)
 
 
-def pretrain(tokens: dict, vocab_size: int, settings: dict, models: Path, results: Path) -> Path:
-    """Train the Llama from scratch (seed 0) and save it; skipped when its results JSON exists."""
+def pretrain(tokens: dict, vocab_size: int, settings: dict, models: Path, store: Path) -> Path:
+    """Train the Llama from scratch (seed 0) and save it; skipped when it is saved and ``store`` holds its run."""
     from transformers import LlamaForCausalLM
 
-    source, output = models / "llama", results / "pretrain.json"
-    if output.exists() and (source / "config.json").exists():
+    source = models / "llama"
+    if (source / "config.json").exists() and "pretrain" in read_runs(store):
         return source
     torch.manual_seed(0)
     model = LlamaForCausalLM(llama_config(vocab_size, settings))
@@ -94,7 +98,7 @@ def pretrain(tokens: dict, vocab_size: int, settings: dict, models: Path, result
     rows = evaluate(model, tokens["held_out"], settings)
     print(f"  pretrained: {describe(rows)}", flush=True)
     model.save_pretrained(source)
-    write_json(output, {"model": "LlamaForCausalLM", "config": model.config.to_diff_dict(),
+    store_run(store, "pretrain", {"model": "LlamaForCausalLM", "config": model.config.to_diff_dict(),
                         "settings": jsonable(settings), "eval": rows, "loss_curve": training["loss_curve"],
                         "train_seconds": training["train_seconds"], **environment()})
     return source
@@ -118,13 +122,13 @@ def convert(source: Path, models: Path, arms: list[str]) -> dict[str, Path]:
     return paths
 
 
-def finetune(arm: str, path: Path, seed: int, tokens: dict, settings: dict, results: Path) -> None:
+def finetune(arm: str, path: Path, seed: int, tokens: dict, settings: dict, store: Path, skip_done: bool) -> None:
     from transformers import AutoModelForCausalLM
 
     import selective_rope  # noqa: F401  (registers the Auto classes)
 
-    output = results / f"{arm}_seed{seed}.json"
-    if output.exists():
+    key = f"{arm}_seed{seed}"
+    if skip_done and key in read_runs(store):
         return
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     before = evaluate(model, tokens["held_out"], settings)
@@ -134,37 +138,38 @@ def finetune(arm: str, path: Path, seed: int, tokens: dict, settings: dict, resu
     after = evaluate(model, tokens["held_out"], settings)
     print(f"  {arm} seed {seed}: before {describe(before)}\n  {' ' * len(arm)}         after  {describe(after)}",
           flush=True)
-    write_json(output, {"arm": arm, "seed": seed, "model": type(model).__name__,
+    store_run(store, key, {"arm": arm, "seed": seed, "model": type(model).__name__,
                         "parameters": sum(p.numel() for p in model.parameters()),
                         "config": model.config.to_diff_dict(), "settings": jsonable(settings),
                         "eval_before": before, "eval": after, "loss_curve": training["loss_curve"],
                         "train_seconds": training["train_seconds"], **environment()})
 
 
-def run(seeds: list[int], cache: Path, models: Path, results: Path, settings: dict,
-        arms: list[str] | None = None) -> None:
+def run(seeds: list[int], cache: Path, models: Path, store: Path, settings: dict,
+        arms: list[str] | None = None, skip_done: bool = False) -> None:
     arms = list(ARMS) if arms is None else arms
     if not (cache / "tokens.pt").exists():
         raise SystemExit(f"{cache / 'tokens.pt'} is missing: run `python examples/lm/train_lm.py prepare` first")
     tokens = torch.load(cache / "tokens.pt")
     vocab_size = json.loads((cache / "corpus.json").read_text())["vocab_size"]
-    source = pretrain(tokens, vocab_size, settings, models, results)
+    source = pretrain(tokens, vocab_size, settings, models, store)
     paths = convert(source, models, arms)
     for seed in seeds:
         for arm in arms:
-            finetune(arm, paths[arm], seed, tokens, settings, results)
+            finetune(arm, paths[arm], seed, tokens, settings, store, skip_done)
 
 
 # ------------------------------------------------------------------------------------------------------- summary
 
-def summarize(results: Path, docs: Path, make_plots: bool) -> None:
+def summarize(store: Path, summary_path: Path, docs: Path, make_plots: bool) -> None:
+    stored = read_runs(store)
     runs: dict[str, list[dict]] = {}
-    for path in sorted(results.glob("*_seed*.json")):
-        record = json.loads(path.read_text())
-        runs.setdefault(record["arm"], []).append(record)
-    if not runs:
-        raise SystemExit(f"no fine-tuning results under {results}")
-    pretrained = json.loads((results / "pretrain.json").read_text())
+    for key, record in sorted(stored.items()):
+        if "_seed" in key:
+            runs.setdefault(record["arm"], []).append(record)
+    if not runs or "pretrain" not in stored:
+        raise SystemExit(f"{store} holds no pretraining run or no fine-tuning runs: run `retrofit.py run` first")
+    pretrained = stored["pretrain"]
     lengths = [row["length"] for row in pretrained["eval"]]
     lines = ["| model | seeds | " + " | ".join(f"ppl at {n}" for n in lengths) + " | Δ vs Llama at "
              + " / ".join(str(n) for n in lengths) + " (paired by seed) |",
@@ -193,7 +198,7 @@ def summarize(results: Path, docs: Path, make_plots: bool) -> None:
                               "<!-- results:retrofit:end -->", markdown)
     except (FileNotFoundError, MarkersNotFound):
         pass
-    write_json(results / "summary.json", summary)
+    write_json(summary_path, summary)
     if make_plots:
         plot(summary, lengths, pretrained["settings"]["length"], docs / "evidence_retrofit.png")
 
@@ -254,8 +259,8 @@ def quick() -> None:
         for path in sorted(HERE.parent.rglob("*.py"))[:12]:  # enough text for a 300-token tokenizer
             (corpus / path.name).write_text(path.read_text())
         train_lm.prepare(folder / "cache", vocab_size=300, held_out_fraction=0.3, root=corpus)
-        run([0], folder / "cache", folder / "models", folder / "results", QUICK)
-        summarize(folder / "results", folder, make_plots=False)
+        run([0], folder / "cache", folder / "models", folder / "retrofit.jsonl", QUICK)
+        summarize(folder / "retrofit.jsonl", folder / "summary.json", folder, make_plots=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,16 +268,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=["run", "summary"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), help="run only these arms (default: all)")
+    parser.add_argument("--skip-done", action="store_true",
+                        help="run: only the fine-tuning runs the store does not hold yet")
     parser.add_argument("--quick", action="store_true", help="run: every step at toy size in a temporary folder")
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.command == "summary":
-        summarize(RESULTS, DOCS, not args.no_plots)
+        summarize(RESULTS, SUMMARY, DOCS, not args.no_plots)
     elif args.quick:
         quick()
     else:
-        run(args.seeds, train_lm.CACHE, MODELS, RESULTS, SETTINGS, args.arms)
+        run(args.seeds, train_lm.CACHE, MODELS, RESULTS, SETTINGS, args.arms, args.skip_done)
     return 0
 
 

@@ -3,7 +3,7 @@
 # FoX with NoPE / RoPE / Selective RoPE (gate; gate and bias) over 3 seeds, one process at a time, one thread each
 # (36 runs of about 1.5-2 minutes on a busy 2-core CPU), then the table and the plot.
 # Usage: PYTHON=.venv/bin/python bash examples/lm/run_all.sh [prepare|train|gate_bias|summary]...
-# A run whose JSON exists under benchmarks/results/lm/ is skipped (delete it to run it again).
+# A run already in benchmarks/results/lm.jsonl is skipped (--skip-done; delete its line to run it again).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-python}
@@ -22,10 +22,8 @@ for section in "${sections[@]}"; do
       for seed in 0 1 2; do  # seed-major, so an interrupted sweep still holds every model at the first seeds
         for family in gla gated_deltanet fox; do
           for variant in $variants; do
-            out="benchmarks/results/lm/$family/${variant}_seed$seed.json"
-            [ -e "$out" ] && continue
             # shellcheck disable=SC2086  # BUDGET is a list of flags
-            $LM train --family "$family" --variant "$variant" --seed "$seed" $BUDGET --output "$out"
+            $LM train --family "$family" --variant "$variant" --seed "$seed" $BUDGET --skip-done
           done
         done
       done ;;

@@ -1,12 +1,13 @@
-"""Tables and the plot behind docs/lm.md, from the JSONs under benchmarks/results/lm/<family>/<variant>_seed<k>.json.
+"""Tables and the plot behind docs/lm.md, from the runs in benchmarks/results/lm.jsonl (keyed
+<family>/<variant>_seed<k>).
 
-    python examples/lm/summarize_lm.py            # prints the markdown table, writes summary.json and docs/lm.png
+    python examples/lm/summarize_lm.py            # prints the markdown table, writes lm_summary.json and docs/lm.png
 
 The table is also written into docs/lm.md between the ``<!-- results:lm:start -->`` / ``<!-- results:lm:end -->``
 markers.
 
 Every number is the mean over seeds with the sample standard deviation; the seeds of each group are listed in
-summary.json. Matplotlib is imported only to draw the plot.
+benchmarks/results/lm_summary.json. Matplotlib is imported only to draw the plot.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ HERE = Path(__file__).resolve().parent
 if str(HERE.parent) not in sys.path:  # examples/: example_utils.py, the helpers the example scripts share
     sys.path.insert(0, str(HERE.parent))
 
-from example_utils import MarkersNotFound, write_between_markers  # noqa: E402
+from example_utils import MarkersNotFound, read_runs, write_between_markers  # noqa: E402
 
 REPO = HERE.parent.parent
-RESULTS = REPO / "benchmarks" / "results" / "lm"
+RESULTS = REPO / "benchmarks" / "results" / "lm.jsonl"
+SUMMARY = REPO / "benchmarks" / "results" / "lm_summary.json"
 PLOT = REPO / "docs" / "lm.png"
 DOC = REPO / "docs" / "lm.md"
 MARKERS = ("<!-- results:lm:start -->", "<!-- results:lm:end -->")
@@ -39,8 +41,9 @@ VARIANT_NAMES = {"nope": "NoPE", "rope": "RoPE", "selective": "Selective RoPE (g
 def load(results: Path = RESULTS) -> dict:
     """{family: {variant: [result, ...]}} sorted by seed."""
     groups: dict = defaultdict(lambda: defaultdict(list))
-    for path in sorted(results.glob("*/*_seed*.json")):
-        result = json.loads(path.read_text())
+    for key, result in sorted(read_runs(results).items()):
+        if key.count("/") != 1 or "_seed" not in key:
+            continue
         groups[result["family"]][result["variant"]].append(result)
     for variants in groups.values():
         for runs in variants.values():
@@ -136,7 +139,8 @@ def plot(rows: list[dict], path: Path = PLOT) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the runs: a JSON Lines store or a folder")
+    parser.add_argument("--summary", type=Path, default=SUMMARY, help="where the summary JSON goes")
     parser.add_argument("--plot", type=Path, default=PLOT)
     parser.add_argument("--doc", type=Path, default=DOC, help="page whose results markers receive the table")
     parser.add_argument("--no-plot", action="store_true")
@@ -152,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"table not written: {error}", file=sys.stderr)
     else:
         print(f"wrote the table into {args.doc}")
-    (args.results / "summary.json").write_text(json.dumps(rows, indent=1) + "\n")
+    args.summary.write_text(json.dumps(rows, indent=1) + "\n")
     if not args.no_plot:
         plot(rows, args.plot)
         print(f"wrote {args.plot}")

@@ -36,10 +36,10 @@ HERE = Path(__file__).resolve().parent
 if str(HERE.parent) not in sys.path:  # examples/: example_utils.py, the helpers the example scripts share
     sys.path.insert(0, str(HERE.parent))
 
-from example_utils import lr_at  # noqa: E402
+from example_utils import lr_at, read_runs, store_run  # noqa: E402
 
 REPO = HERE.parent.parent
-RESULTS = REPO / "benchmarks" / "results" / "lm"
+RESULTS = REPO / "benchmarks" / "results" / "lm.jsonl"  # every run, one line each, keyed by --run
 CACHE = HERE / ".cache"  # tokenizer and encoded corpus (ignored by git; `prepare` rebuilds them)
 
 EOS = "<|endoftext|>"  # separates files in the token stream
@@ -282,18 +282,26 @@ def main(argv: list[str] | None = None) -> int:
         fit.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"default {DEFAULTS[name]}")
     fit.add_argument("--lr", type=float, help=f"default {DEFAULTS['lr']}")
     fit.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    fit.add_argument("--output", type=Path, help="results JSON (default benchmarks/results/lm/"
-                                                 "<family>/<variant>_seed<k>.json)")
+    fit.add_argument("--run", help="the run's key in benchmarks/results/lm.jsonl (default <family>/<variant>_seed<k>); "
+                                   "a run with the same key is replaced")
+    fit.add_argument("--skip-done", action="store_true", help="do nothing when the store already has the key")
+    fit.add_argument("--output", type=Path, help="write the result to this JSON file instead of the store")
     args = parser.parse_args(argv)
     if args.command == "prepare":
         summary = prepare(args.cache, args.vocab_size, args.held_out_fraction)
         print(json.dumps({k: v for k, v in summary.items() if k != "held_out_file_list"}, indent=1))
         return 0
     torch.set_num_threads(args.threads)
-    output = args.output or RESULTS / args.family / f"{args.variant}_seed{args.seed}.json"
-    run(args.family, args.variant, args.seed, cache=args.cache, output=output, hidden=args.hidden,
-        layers=args.layers, heads=args.heads, length=args.length, batch=args.batch, steps=args.steps,
-        eval_windows=args.eval_windows, lr=args.lr)
+    key = args.run or f"{args.family}/{args.variant}_seed{args.seed}"
+    if args.skip_done and args.output is None and key in read_runs(RESULTS):
+        print(f"{key}: already in {RESULTS}, skipped", flush=True)
+        return 0
+    result = run(args.family, args.variant, args.seed, cache=args.cache, output=args.output, hidden=args.hidden,
+                 layers=args.layers, heads=args.heads, length=args.length, batch=args.batch, steps=args.steps,
+                 eval_windows=args.eval_windows, lr=args.lr)
+    if args.output is None:
+        store_run(RESULTS, key, result)
+        print(f"  stored {key} in {RESULTS}", flush=True)
     return 0
 
 

@@ -1,14 +1,16 @@
 """The runs behind docs/evidence.md, parts I and II: A3 state tracking with a 2-layer Gated DeltaNet, and the MAD
 recall tasks with GLA. Every run goes through :func:`train.run` (the synthetic runner's loop, one model per
-(variant, seed)) in this one process, so the imports are paid once; a run whose JSON exists is skipped.
+(variant, seed)) in this one process, so the imports are paid once.
 
     python examples/synthetic/evidence.py a3  [--seeds 0 1 2]      # 6 variants x seeds
     python examples/synthetic/evidence.py mad [--seeds 0 1 2]      # 6 tasks x 3 variants x seeds
+    python examples/synthetic/evidence.py mad --skip-done          # only the runs the store does not hold yet
     python examples/synthetic/evidence.py summary                  # tables (printed, and into docs/evidence.md) + plots
-    python examples/synthetic/evidence.py a3 --quick               # a few seconds: 2 steps per run, into a temp folder
+    python examples/synthetic/evidence.py a3 --quick               # a few seconds: 2 steps per run, into a temp store
 
-Results: benchmarks/results/synthetic/a3/<variant>[_negeig]_seed<k>.json and
-benchmarks/results/synthetic/mad/<task>/<variant>_seed<k>.json.
+Each run is one line of benchmarks/results/synthetic.jsonl (the synthetic runner's store, ``example_utils.store_run``;
+a rerun replaces its line), keyed a3/<variant>[_negeig]_seed<k> or mad/<task>/<variant>_seed<k>; the summary's
+numbers go to benchmarks/results/evidence_summary.json.
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ for folder in (HERE, HERE.parent):
 
 import torch  # noqa: E402
 import train  # noqa: E402
-from example_utils import MarkersNotFound, write_between_markers  # noqa: E402
+from example_utils import MarkersNotFound, read_runs, runs_below, store_run, write_between_markers  # noqa: E402
 from mad import MAD_TASKS  # noqa: E402
 
 REPO = HERE.parent.parent
-RESULTS = REPO / "benchmarks" / "results" / "synthetic"
+RESULTS = REPO / "benchmarks" / "results" / "synthetic.jsonl"  # the synthetic runner's store (train.RESULTS)
+SUMMARY = REPO / "benchmarks" / "results" / "evidence_summary.json"
 DOCS = REPO / "docs"
 
 # A3: the paper's Selective RoPE for state tracking (preset "state_tracking") against NoPE and RoPE, each with
@@ -53,39 +56,43 @@ PAPER_MAD = {
 LABELS = {"nope": "NoPE", "rope": "RoPE", "paper": "Selective RoPE", "selective_plain": "Selective RoPE"}
 
 
-def run_once(task: str, variant: str, seed: int, output: Path, quick: bool, **settings) -> None:
-    if output.exists():
+def run_once(task: str, variant: str, seed: int, key: str, store: Path, quick: bool, skip_done: bool,
+             **settings) -> None:
+    """Train one model and put its result into ``store`` under ``key`` (replacing a run with that key); with
+    ``skip_done``, a key the store already holds is not run again."""
+    if skip_done and key in read_runs(store):
         return
     if quick:
         settings.update(steps=2, batch=4, eval_batch=8)
-    print(f"{task} / {output.stem}", flush=True)
-    train.run(task, variant, seed, output=output, quiet=True, **settings)
+    print(f"{task} / {key}", flush=True)
+    store_run(store, key, train.run(task, variant, seed, quiet=True, **settings))
 
 
-def run_a3(seeds: list[int], results: Path, quick: bool) -> None:
+def run_a3(seeds: list[int], store: Path, quick: bool, skip_done: bool) -> None:
     for seed in seeds:  # seed-major: an interrupted sweep still holds every variant at the first seeds
         for variant in A3_VARIANTS:
             for negative in (False, True):
-                name = f"{variant}{'_negeig' if negative else ''}_seed{seed}.json"
-                run_once("a3", variant, seed, results / "a3" / name, quick,
+                key = f"a3/{variant}{'_negeig' if negative else ''}_seed{seed}"
+                run_once("a3", variant, seed, key, store, quick, skip_done,
                          overrides={"allow_neg_eigval": negative}, **A3_BUDGET)
 
 
-def run_mad(seeds: list[int], results: Path, quick: bool) -> None:
+def run_mad(seeds: list[int], store: Path, quick: bool, skip_done: bool) -> None:
     for seed in seeds:
         for task in MAD_TASKS:
             for variant in MAD_VARIANTS:
-                run_once(task, variant, seed, results / "mad" / task / f"{variant}_seed{seed}.json", quick,
+                run_once(task, variant, seed, f"mad/{task}/{variant}_seed{seed}", store, quick, skip_done,
                          **MAD_BUDGET)
 
 
 # ------------------------------------------------------------------------------------------------------- summary
 
-def load(folder: Path) -> dict[str, list[dict]]:
-    """``{group: [run, ...]}`` for the JSONs in ``folder`` (group = file name without ``_seed<k>.json``)."""
+def load(runs: dict[str, dict], prefix: str) -> dict[str, list[dict]]:
+    """``{group: [run, ...]}`` for the runs keyed ``<prefix><group>_seed<k>``, in key order."""
     groups: dict[str, list[dict]] = {}
-    for path in sorted(folder.glob("*_seed*.json")):
-        groups.setdefault(path.name.rsplit("_seed", 1)[0], []).append(json.loads(path.read_text()))
+    for name, run in sorted(runs_below(runs, prefix).items()):
+        if "_seed" in name:
+            groups.setdefault(name.rsplit("_seed", 1)[0], []).append(run)
     return groups
 
 
@@ -93,8 +100,8 @@ def metric(run: dict, length: int, name: str) -> float:
     return next(row[name] for row in run["eval"] if row["length"] == length)
 
 
-def a3_table(results: Path) -> tuple[str, dict]:
-    groups = load(results / "a3")
+def a3_table(runs: dict[str, dict]) -> tuple[str, dict]:
+    groups = load(runs, "a3/")
     lengths = A3_BUDGET["eval_lengths"]
     lines = ["| model (2-layer Gated DeltaNet) | β range | seeds | " +
              " | ".join(f"final-token acc. at {n}" for n in lengths) + " | seeds ≥ 95 % at 1× / 2× |",
@@ -117,7 +124,7 @@ def a3_table(results: Path) -> tuple[str, dict]:
     return "\n".join(lines), summary
 
 
-def mad_table(results: Path) -> tuple[str, dict]:
+def mad_table(runs: dict[str, dict]) -> tuple[str, dict]:
     tasks = list(MAD_TASKS)
     header = "| model (GLA) | " + " | ".join(t.replace("_", " ") for t in tasks) + " | average |"
     lines = [header, "| --- |" + " --- |" * (len(tasks) + 1)]
@@ -125,8 +132,8 @@ def mad_table(results: Path) -> tuple[str, dict]:
     for variant in MAD_VARIANTS:
         ours = []
         for task in tasks:
-            runs = load(results / "mad" / task).get(variant, [])
-            ours.append([100 * r["eval"][0]["token_accuracy"] for r in runs])
+            seeds = load(runs, f"mad/{task}/").get(variant, [])
+            ours.append([100 * r["eval"][0]["token_accuracy"] for r in seeds])
         if not any(ours):
             continue
         means = [statistics.mean(v) if v else None for v in ours]
@@ -186,9 +193,10 @@ def plots(a3: dict, mad: dict, docs: Path) -> None:
         plt.close(fig)
 
 
-def summarize(results: Path, docs: Path, make_plots: bool) -> None:
-    a3_markdown, a3 = a3_table(results)
-    mad_markdown, mad = mad_table(results)
+def summarize(results: Path, summary: Path, docs: Path, make_plots: bool) -> None:
+    runs = read_runs(results)
+    a3_markdown, a3 = a3_table(runs)
+    mad_markdown, mad = mad_table(runs)
     for key, markdown in (("a3", a3_markdown), ("mad", mad_markdown)):
         print(markdown + "\n")
         try:
@@ -196,7 +204,7 @@ def summarize(results: Path, docs: Path, make_plots: bool) -> None:
                                   markdown)
         except (FileNotFoundError, MarkersNotFound):
             pass
-    (results / "evidence_summary.json").write_text(json.dumps({"a3": a3, "mad": mad}, indent=1) + "\n")
+    summary.write_text(json.dumps({"a3": a3, "mad": mad}, indent=1) + "\n")
     if make_plots:
         plots(a3, mad, docs)
 
@@ -205,24 +213,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("section", choices=["a3", "mad", "summary"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the runs' JSON Lines store")
+    parser.add_argument("--summary", type=Path, default=SUMMARY, help="where the summary JSON goes")
+    parser.add_argument("--skip-done", action="store_true", help="run only the keys the store does not hold yet")
     parser.add_argument("--docs", type=Path, default=DOCS)
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--quick", action="store_true",
-                        help="2 steps per run at batch 4, one seed, into a temporary folder (a smoke test)")
+                        help="2 steps per run at batch 4, one seed, into a temporary store (a smoke test)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.section == "summary":
-        summarize(args.results, args.docs, not args.no_plots)
+        summarize(args.results, args.summary, args.docs, not args.no_plots)
         return 0
     runner = run_a3 if args.section == "a3" else run_mad
     if args.quick:
         with tempfile.TemporaryDirectory() as folder:
-            runner(args.seeds[:1], Path(folder), quick=True)
-            count = len(list(Path(folder).rglob("*.json")))
+            store = Path(folder) / "synthetic.jsonl"
+            runner(args.seeds[:1], store, quick=True, skip_done=False)
+            count = len(read_runs(store))
         print(f"quick: {count} runs")
         return 0
-    runner(args.seeds, args.results, quick=False)
+    runner(args.seeds, args.results, quick=False, skip_done=args.skip_done)
     return 0
 
 

@@ -90,7 +90,7 @@ def errors_on_patterns(model, length: int = 160) -> dict[str, list[int]]:
 def phase_zeroed(model, head: int, frequency: int | None = None):
     """Within the block, key head ``head`` of every Selective RoPE layer adds no phase at ``frequency`` (or at any
     frequency when None), so a fresh forward leaves that head's q and k unrotated there. Patches
-    ``phase_increment``, which full-sequence forwards of the general path call, and keeps the layers on that path
+    ``phase_increment``, which full-sequence forwards on the torch backend call, and runs the model on that backend
     (not the compiled CPU kernel, nor the fused Triton decode step, which compute the increment themselves)."""
     rotaries = [layer.attn.rotary for layer in model.model.layers
                 if layer.attn.rotary.position_embedding == "selective_rope"]
@@ -108,14 +108,20 @@ def phase_zeroed(model, head: int, frequency: int | None = None):
         return phase_increment
 
     # A diagnostic patch on the instances (not the class), undone on exit.
+    # The torch backend is the path that calls phase_increment: the model's (resolved per forward from its config)
+    # and the modules' own (a direct call).
+    backends = [model.config, *rotaries], [model.config.backend] + [rotary.backend for rotary in rotaries]
+    for owner in backends[0]:
+        owner.backend = "torch"
     for rotary in rotaries:
         rotary.phase_increment = without(rotary.phase_increment)
-        rotary._forward_cpu_kernel = lambda *args: None  # "not here": the general path runs
     try:
         yield
     finally:
+        for owner, backend in zip(*backends):
+            owner.backend = backend
         for rotary in rotaries:
-            del rotary.phase_increment, rotary._forward_cpu_kernel
+            del rotary.phase_increment
 
 
 def parse_head(text: str) -> tuple[int, int | None]:

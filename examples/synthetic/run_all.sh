@@ -5,8 +5,8 @@
 # `sweep` (the parity recipe sweep, 172 runs, about 3 hours one at a time) is not in the default list.
 # `paper_small` (the paper's state-tracking Selective RoPE at hidden 64 with its ablations, 35 runs) and `paper_wide`
 # (at the paper's width, 9 runs) are not in the default list either (about 1.5 and 1 hours on a busy 2-core CPU).
-# Each run writes benchmarks/results/synthetic/<task>/<variant><tag>_seed<k>.json; `summary` rebuilds the
-# tables and plots (needs matplotlib).
+# Each run stores its result as one line of benchmarks/results/synthetic.jsonl, keyed <task>/<variant><tag>_seed<k>
+# (a rerun replaces its line); `summary` rebuilds the tables and plots (needs matplotlib).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-python}  # e.g. PYTHON=.venv/bin/python
@@ -82,18 +82,16 @@ for section in "${sections[@]}"; do
         done
       done ;;
     paper_small|paper_wide)  # the paper's state-tracking config (docs/synthetic.md, "The paper's setup")
-      # Training lengths 4-32 (every batch its own length), OneCycle; a run whose JSON exists is skipped (delete it to
-      # run it again), so an interrupted section resumes where it stopped.
-      PAPER=benchmarks/results/synthetic/parity/paper
+      # Training lengths 4-32 (every batch its own length), OneCycle; a run already in the store is skipped
+      # (--skip-done), so an interrupted section resumes where it stopped.
       SMALL="--heads 4 --train-length 32 --min-train-length 4 --steps 1500 --schedule onecycle --lr 3e-3"
       WIDE="--hidden 384 --heads 12 --train-length 32 --min-train-length 4 --steps 500 --schedule onecycle --lr 5e-4"
       EVAL="--eval-lengths 16 32 64 128"
       once() {  # scale variant seed
-        local out="$PAPER/$1/${2}_seed$3.json" options
-        [ -e "$out" ] && return 0
+        local options
         if [ "$1" = small ]; then options=$SMALL; else options=$WIDE; fi
         # shellcheck disable=SC2086
-        $TRAIN --task parity --variant "$2" --seed "$3" $options $EVAL --output "$out"
+        $TRAIN --task parity --variant "$2" --seed "$3" $options $EVAL --run "parity/paper/$1/${2}_seed$3" --skip-done
       }
       if [ "$section" = paper_small ]; then  # hidden 64, 4 heads: the paper's variant, its ablations, NoPE, RoPE
         for seed in 0 1 2; do
@@ -109,8 +107,7 @@ for section in "${sections[@]}"; do
         once wide paper 0; once wide nope 0; once wide rope 0; once wide paper 1; once wide paper 2
         once wide nope 1; once wide rope 1; once wide paper 3; once wide paper 4
       fi ;;
-    sweep)  # parity recipe sweep (docs/synthetic.md): one group per recipe, JSONs under parity/sweep/
-      SWEEP=benchmarks/results/synthetic/parity/sweep
+    sweep)  # parity recipe sweep (docs/synthetic.md): one group per recipe, keyed parity/sweep/<variant>_<group>_seed<k>
       F0="--lr-floor 0"; LS="--label-smoothing 0.1"; PI="--set temperature_max=3.141592653589793"
       L128="--train-length 128 --eval-lengths 64 128 256 512"
       recipes=(  # group|seeds|variant|options
@@ -153,7 +150,7 @@ for section in "${sections[@]}"; do
         for seed in $seeds; do
           # shellcheck disable=SC2086  # options is a list of flags
           $TRAIN --task parity --variant "$variant" --seed "$seed" $options \
-            --output "$SWEEP/${variant}_${group}_seed${seed}.json"
+            --run "parity/sweep/${variant}_${group}_seed${seed}"
         done
       done ;;
     summary)

@@ -2,7 +2,7 @@
 ``<!-- results:<task>:start -->`` / ``<!-- results:<task>:end -->`` markers when they are there) and one plot per
 task (accuracy vs test length per variant, mean over seeds with the min-max band).
 
-    python examples/synthetic/summarize.py [--results benchmarks/results/synthetic] [--docs docs] [--no-plots]
+    python examples/synthetic/summarize.py [--results benchmarks/results/synthetic.jsonl] [--docs docs] [--no-plots]
 
 matplotlib is imported only by the plotting step (``pip install matplotlib``); ``--no-plots`` needs none.
 """
@@ -10,7 +10,6 @@ matplotlib is imported only by the plotting step (``pip install matplotlib``); `
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import sys
@@ -21,10 +20,10 @@ HERE = Path(__file__).resolve().parent
 if str(HERE.parent) not in sys.path:  # examples/: example_utils.py, the helpers the example scripts share
     sys.path.insert(0, str(HERE.parent))
 
-from example_utils import MarkersNotFound, write_between_markers  # noqa: E402
+from example_utils import MarkersNotFound, read_runs, write_between_markers  # noqa: E402
 
 REPO = HERE.parent.parent
-RESULTS = REPO / "benchmarks" / "results" / "synthetic"
+RESULTS = REPO / "benchmarks" / "results" / "synthetic.jsonl"
 DOCS = REPO / "docs"
 
 # The headline metric of each task, and the secondary one shown next to it.
@@ -39,20 +38,18 @@ ORDER = ["nope", "rope", "selective", "selective_plain", "selective_bias", "sele
 LABELS = {"nope": "NoPE", "rope": "RoPE", "selective": "Selective RoPE (gate)",
           "selective_plain": "Selective RoPE (no gate, no bias)", "selective_bias": "Selective RoPE (bias)",
           "selective_gate_bias": "Selective RoPE (gate + bias)"}
-SEED_FILE = re.compile(r"^(?P<group>.+)_seed(?P<seed>\d+)\.json$")
+SEED_KEY = re.compile(r"^(?P<group>.+)_seed(?P<seed>\d+)$")
 
 
-def load(results: Path = RESULTS) -> dict[str, dict[str, list[dict]]]:
-    """``{task: {group: [run, ...]}}``; the group is the file name without ``_seed<k>.json``."""
+def load(results: Path = RESULTS, below: str = "") -> dict[str, dict[str, list[dict]]]:
+    """``{task: {group: [run, ...]}}`` from the runs keyed ``<below><folder>/<group>_seed<k>`` (the store, or a folder
+    of per-run JSON files: ``example_utils.read_runs``)."""
     runs: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
-    for path in sorted(results.glob("*/*.json")):
-        match = SEED_FILE.match(path.name)
-        if not match:
-            continue
-        run = json.loads(path.read_text())
-        if run["task"] not in METRICS:  # A3 and the MAD tasks: examples/synthetic/evidence.py summarises them
-            continue
-        runs[run["task"]][match["group"]].append(run)
+    for key, run in sorted(read_runs(results).items()):
+        parts = key[len(below):].split("/") if key.startswith(below) else []
+        match = SEED_KEY.match(parts[1]) if len(parts) == 2 else None
+        if match and run["task"] in METRICS:  # A3 and the MAD tasks: examples/synthetic/evidence.py summarises them
+            runs[run["task"]][match["group"]].append(run)
     return runs
 
 
@@ -265,7 +262,7 @@ def recipe(run: dict) -> str:
 def recipe_sweep(results: Path, main_groups: dict[str, list[dict]]) -> str | None:
     """Parity final-token accuracy per recipe: how many seeds learn the training length L, how many reach 95 % at 2L
     and 4L, and the mean (min–max) at 2L. L is each recipe's own training length."""
-    sweep = load(results / "parity").get("parity")  # parity/sweep/*.json (the main runs sit one level up)
+    sweep = load(results, below="parity/").get("parity")  # parity/sweep/<group>_seed<k> (the main runs: parity/...)
     if not sweep:
         return None
     groups = {group: main_groups[group] for group in SWEEP_BASELINES if group in main_groups}

@@ -1,5 +1,6 @@
 """Tables and the plot of the paper's state-tracking setup (docs/synthetic.md, "The paper's setup"), from
-benchmarks/results/synthetic/parity/paper/<scale>/<variant>_seed<k>.json (``run_all.sh paper_small paper_wide``).
+the runs keyed parity/paper/<scale>/<variant>_seed<k> in benchmarks/results/synthetic.jsonl (``run_all.sh paper_small
+paper_wide``).
 
     python examples/synthetic/summarize_paper.py [--no-plot]     # prints the tables, writes docs/synthetic_paper.png
 
@@ -13,7 +14,6 @@ reach >= 95 % at 2x and 4x the longest training length.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections import defaultdict
@@ -23,10 +23,11 @@ HERE = Path(__file__).resolve().parent
 if str(HERE.parent) not in sys.path:  # examples/: example_utils.py, the helpers the example scripts share
     sys.path.insert(0, str(HERE.parent))
 
-from example_utils import MarkersNotFound, write_between_markers  # noqa: E402
+from example_utils import MarkersNotFound, read_runs, write_between_markers  # noqa: E402
 
 REPO = HERE.parent.parent
-RESULTS = REPO / "benchmarks" / "results" / "synthetic" / "parity" / "paper"
+RESULTS = REPO / "benchmarks" / "results" / "synthetic.jsonl"
+BELOW = "parity/paper/"  # the keys of these runs: parity/paper/<scale>/<variant>_seed<k>
 PLOT = REPO / "docs" / "synthetic_paper.png"
 DOC = REPO / "docs" / "synthetic.md"
 MARKERS = ("<!-- results:paper:start -->", "<!-- results:paper:end -->")
@@ -38,12 +39,13 @@ LABELS = {"nope": "NoPE", "rope": "RoPE", "paper": "Selective RoPE, paper (θ=1,
 TARGET = 0.95
 
 
-def load(results: Path = RESULTS) -> dict:
-    """{scale: {variant: [run, ...]}}, runs sorted by seed."""
+def load(results: Path = RESULTS, below: str = BELOW) -> dict:
+    """{scale: {variant: [run, ...]}}, runs sorted by seed, from the runs keyed ``<below><scale>/<variant>_seed<k>``."""
     groups: dict = defaultdict(lambda: defaultdict(list))
-    for path in sorted(results.glob("*/*_seed*.json")):
-        run = json.loads(path.read_text())
-        groups[path.parent.name][run["variant"]].append(run)
+    for key, run in sorted(read_runs(results).items()):
+        parts = key[len(below):].split("/") if key.startswith(below) else []
+        if len(parts) == 2 and "_seed" in parts[1]:
+            groups[parts[0]][run["variant"]].append(run)
     for variants in groups.values():
         for runs in variants.values():
             runs.sort(key=lambda run: run["seed"])

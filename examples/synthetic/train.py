@@ -43,7 +43,7 @@ for folder in (HERE, HERE.parent):  # tasks.py here; examples/example_utils.py, 
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
-from example_utils import lr_at  # noqa: E402
+from example_utils import lr_at, read_runs, store_run  # noqa: E402
 from mad import MAD_TASKS  # noqa: E402
 from tasks import A3, IGNORE, MQAR, Copy, Parity  # noqa: E402
 from tasks import TASKS as BASIC_TASKS  # noqa: E402
@@ -52,7 +52,7 @@ from selective_rope.configuration import PRESETS  # noqa: E402
 
 TASKS = BASIC_TASKS + tuple(MAD_TASKS)
 REPO = HERE.parent.parent
-RESULTS = REPO / "benchmarks" / "results" / "synthetic"
+RESULTS = REPO / "benchmarks" / "results" / "synthetic.jsonl"  # every run, one line each, keyed by --run
 
 VARIANTS = {
     "nope": dict(position_embedding="nope"),
@@ -417,9 +417,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="extra config fields, e.g. temperature_max=3.14159 phase_conv_size=0")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--max-seconds", type=float, default=900.0, help="safety cap on training time")
-    parser.add_argument("--output", type=Path, help="results JSON (default benchmarks/results/synthetic/"
-                        "<task>/<variant>_seed<k>.json; a tag from --tag is appended)")
-    parser.add_argument("--tag", default="", help="suffix for the default output name (e.g. a budget sweep)")
+    parser.add_argument("--run", help="the run's key in benchmarks/results/synthetic.jsonl (default "
+                        "<task>/<variant><tag>_seed<k>); a run with the same key is replaced")
+    parser.add_argument("--tag", default="", help="suffix for the default key (e.g. a budget sweep)")
+    parser.add_argument("--skip-done", action="store_true", help="do nothing when the store already has the key")
+    parser.add_argument("--output", type=Path, help="write the result to this JSON file instead of the store")
     parser.add_argument("--save-model", type=Path, help="also save the trained model here (save_pretrained)")
     args = parser.parse_args(argv)
     if args.bit_density is not None and args.task != "parity":
@@ -435,8 +437,11 @@ def main(argv: list[str] | None = None) -> int:
                          f"got {args.min_train_length}")
 
     torch.set_num_threads(args.threads)
-    output = args.output or RESULTS / args.task / f"{args.variant}{args.tag}_seed{args.seed}.json"
-    run(args.task, args.variant, args.seed, output=output, overrides=parse_overrides(args.set),
+    key = args.run or f"{args.task}/{args.variant}{args.tag}_seed{args.seed}"
+    if args.skip_done and args.output is None and key in read_runs(RESULTS):
+        print(f"{key}: already in {RESULTS}, skipped", flush=True)
+        return 0
+    result = run(args.task, args.variant, args.seed, output=args.output, overrides=parse_overrides(args.set),
         max_seconds=args.max_seconds, save_model=args.save_model,
         family=args.family, layers=args.layers, hidden=args.hidden, heads=args.heads,
         steps=args.steps, batch=args.batch, lr=args.lr, weight_decay=args.weight_decay, lr_floor=args.lr_floor,
@@ -444,6 +449,9 @@ def main(argv: list[str] | None = None) -> int:
         train_length=args.train_length, bit_density=args.bit_density, min_train_length=args.min_train_length,
         schedule=args.schedule,
         eval_lengths=args.eval_lengths)
+    if args.output is None:
+        store_run(RESULTS, key, result)
+        print(f"  stored {key} in {RESULTS}", flush=True)
     return 0
 
 

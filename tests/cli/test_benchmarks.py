@@ -1,5 +1,6 @@
-"""The benchmark harness (bench/, ``selective_rope.bench``): a family spec's whole run at tiny sizes writes the
-record every CPU benchmark writes, with the shared sections after the family's own, numbered in turn."""
+"""The benchmark harness (benchmarks/harness/, a tool of the repository, not of the installed package): a family
+spec's whole run at tiny sizes writes the record every CPU benchmark writes, with the shared sections after the
+family's own, numbered in turn."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from selective_rope.bench.machine import Quiet
-from selective_rope.bench.runner import (
+from harness.machine import Quiet
+from harness.runner import (
     FamilyBenchmark,
     prefill_section,
     print_prefill_section,
@@ -19,7 +20,7 @@ from selective_rope.bench.runner import (
     script_paths,
     selective_vs_nope_comparison,
 )
-from selective_rope.bench.timing import paired_ratio, target, timed_rounds
+from harness.timing import paired_ratio, target, timed_rounds
 
 TINY = dict(hidden_size=32, num_hidden_layers=1, num_heads=2, vocab_size=64, use_short_conv=True)
 PLAN = {"prefill_lengths": [8, 16], "prefill_repeats": 1, "decode_contexts": [4, 12], "decode_steps": 2,
@@ -151,7 +152,7 @@ def test_the_width_script_compares_each_family_at_each_width(tmp_path, capsys):
 
 def test_the_bf16_precision_script_compares_both_dtypes_and_runs_every_ablation(tmp_path):
     """``benchmarks/bf16_precision.py`` at tiny lengths: per family and length the bf16 against float32 statistics,
-    and one row per ablation (the rounded phase input of the code before issue 41 included)."""
+    and one row per ablation (the rounded phase input of the code before the bf16 fix included)."""
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "bf16_precision.py"
     spec = importlib.util.spec_from_file_location("bf16_precision", path)
     script = importlib.util.module_from_spec(spec)
@@ -191,7 +192,7 @@ def test_results_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
     file as it was, and no partial file beside it."""
     import os
 
-    from selective_rope.bench.report import write_results
+    from harness.report import write_results
 
     path = tmp_path / "results.json"
     write_results(path, {"rows": [1]})
@@ -216,3 +217,15 @@ def _umask() -> int:
     current = os.umask(0)
     os.umask(current)
     return current
+
+
+def test_the_committed_performance_page_is_what_the_results_give():
+    """docs/performance.md is generated from benchmarks/results/ by benchmarks/performance_page.py: a page edited by
+    hand, or results rerun without regenerating it, fail here."""
+    import performance_page
+
+    if not (performance_page.RESULTS / "fox_vs_llama_cpu.json").exists():
+        pytest.skip("no benchmarks/results/ here (an unpacked sdist leaves them out)")
+    expected = performance_page.page()
+    assert performance_page.PAGE.read_text() == expected, "run: python benchmarks/performance_page.py"
+    assert "benchmarks/results/fox_vs_llama_cpu.json" in expected and "fox_selective" in expected

@@ -67,6 +67,29 @@ def test_generate_streams_text_with_a_tokenizer(saved, capsys):
     assert _ints(capsys.readouterr().out) == _greedy(saved["model"], [5, 6, 7])
 
 
+def test_the_docs_example_attaches_a_tokenizer_that_generate_then_uses(saved, tmp_path, monkeypatch, capsys):
+    """docs/usage.md, "Attach a tokenizer to a model you trained yourself": its example runs as written, and the
+    directory it leaves answers ``generate --prompt`` with the model's own greedy continuation of the prompt."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "usage.md").read_text()
+    example = doc.split("<!-- tokenizer-example:start -->")[1].split("<!-- tokenizer-example:end -->")[0]
+    code = example.split("```python\n")[1].split("```")[0]
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match="has no tokenizer"):  # a model alone
+        cli.main(["generate", str(saved["plain"]), "--prompt", "the cat"])
+    exec(compile(code, "docs/usage.md", "exec"), {})
+    tokenizer = AutoTokenizer.from_pretrained("my-model")
+    model = AutoModelForCausalLM.from_pretrained("my-model").eval()
+    prompt = tokenizer("the cat").input_ids
+    assert max(prompt) < model.config.vocab_size == len(tokenizer)
+    assert cli.main(["generate", "my-model", "--prompt", "the cat", "--max-new-tokens", "4"]) == 0
+    expected = tokenizer.decode(prompt + _greedy(model, prompt, 4), skip_special_tokens=True)
+    assert capsys.readouterr().out.strip() == expected.strip()
+
+
 @pytest.mark.parametrize("beams", ["1", "2"])
 def test_generated_text_shows_no_special_tokens(saved, capsys, beams):
     """--ids starting with BOS (id 1, <s>): the echoed prompt and the continuation are text without <s> / </s>."""
@@ -146,23 +169,11 @@ def test_bench_threads_apply_to_its_run_only(tmp_path):
     assert torch.get_num_threads() == 2
 
 
-def test_bench_full_runs_the_repository_scripts(tmp_path, monkeypatch, capfd):
-    script = tmp_path / "bench_fox_cpu.py"
-    script.write_text("import sys; print('fox script', sys.argv[1:])\n")
-    from selective_rope.bench import cli as bench_command
-
-    monkeypatch.setattr(bench_command, "BENCHMARKS_DIR", tmp_path)
-    assert cli.main(["bench", "--family", "fox", "--full", "--quick"]) == 0
-    assert "fox script ['--quick']" in capfd.readouterr().out  # the script's own output
-    assert cli.main(["bench", "--family", "fox", "--full", "--compare"]) == 0  # the comparison with Llama alone
-    assert "fox script ['--compare-only']" in capfd.readouterr().out
-    with pytest.raises(SystemExit, match="--compare runs the source repository's benchmark scripts"):
-        cli.main(["bench", "--family", "fox", "--compare"])
-    with pytest.raises(SystemExit, match="--full needs the source repository's benchmark scripts"):
-        cli.main(["bench", "--family", "gla", "--full"])
-    script.write_text("import sys; sys.exit(3)\n")
-    with pytest.raises(SystemExit, match="bench_fox_cpu.py exited with status 3"):
-        cli.main(["bench", "--family", "fox", "--full"])
+def test_bench_careful_scripts_are_not_part_of_the_command(capsys):
+    """The careful benchmarks are scripts of the source repository (benchmarks/), not of the installed command."""
+    with pytest.raises(SystemExit) as error:
+        cli.main(["bench", "--full"])
+    assert error.value.code == 2 and "unrecognized arguments: --full" in capsys.readouterr().err
 
 
 def test_bench_errors(capsys):

@@ -17,6 +17,7 @@ for folder in (EXAMPLES / "synthetic", EXAMPLES / "lm"):
 import evidence  # noqa: E402
 import mad  # noqa: E402
 import retrofit  # noqa: E402
+import summarize  # noqa: E402
 import train  # noqa: E402
 from tasks import A3, IGNORE, compose  # noqa: E402
 
@@ -186,10 +187,8 @@ def test_evidence_quick_runs_every_configuration(section, runs, capsys):
 def test_retrofit_quick_converts_exactly_and_finetunes_every_arm(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(retrofit.tempfile, "TemporaryDirectory", lambda: _Keep(tmp_path))
     assert retrofit.main(["run", "--quick"]) == 0
-    import json
-
-    runs = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "results").glob("*_seed0.json")}
-    assert set(runs) == {f"{arm}_seed0" for arm in retrofit.ARMS}
+    runs = evidence.read_runs(tmp_path / "retrofit.jsonl")
+    assert set(runs) == {"pretrain"} | {f"{arm}_seed0" for arm in retrofit.ARMS}
     exact = [arm for arm, flags in retrofit.ARMS.items() if "--tolerance" not in (flags or [])]
     before = [[row["perplexity"] for row in runs[f"{arm}_seed0"]["eval_before"]] for arm in exact]
     assert len(exact) == 3
@@ -198,6 +197,52 @@ def test_retrofit_quick_converts_exactly_and_finetunes_every_arm(tmp_path, monke
     assert runs["selective_forget_seed0"]["config"]["use_forget_gate"] is True
     assert "use_forget_gate" not in runs["selective_seed0"]["config"] or not runs["selective_seed0"]["config"][
         "use_forget_gate"]
+
+
+def test_retrofit_skip_done_leaves_a_stored_run_alone(tmp_path):
+    store = tmp_path / "retrofit.jsonl"
+    evidence.store_run(store, "llama_seed0", {"arm": "llama", "seed": 0})
+    before = store.read_text()
+    # the model path does not exist: only a skipped run returns without loading it
+    retrofit.finetune("llama", tmp_path / "missing", 0, {}, retrofit.QUICK, store, skip_done=True)
+    assert store.read_text() == before
+    with pytest.raises(OSError):
+        retrofit.finetune("llama", tmp_path / "missing", 0, {}, retrofit.QUICK, store, skip_done=False)
+
+
+# ------------------------------------------------------------------------------------------------------ stores
+
+def _fake_run(task, variant, seed, quiet, **settings):
+    lengths = settings.get("eval_lengths", [64])
+    return {"task": task, "variant": variant, "seed": seed, "settings": settings,
+            "eval": [{"length": n, "token_accuracy": 0.5, "final_token_accuracy": 1.0 if variant == "paper" else 0.3}
+                     for n in lengths]}
+
+
+def test_evidence_runs_go_into_the_store_under_their_keys_and_skip_done_skips_them(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(evidence.train, "run", lambda *a, **k: calls.append(a) or _fake_run(*a, **k))
+    store = tmp_path / "synthetic.jsonl"
+    evidence.store_run(store, "parity/nope_seed0", {"task": "parity"})  # a run of another experiment stays
+    evidence.run_a3([0], store, quick=False, skip_done=False)
+    evidence.run_mad([0], store, quick=False, skip_done=False)
+    runs = evidence.read_runs(store)
+    a3 = {f"a3/{v}{n}_seed0" for v in evidence.A3_VARIANTS for n in ("", "_negeig")}
+    mad_keys = {f"mad/{t}/{v}_seed0" for t in evidence.MAD_TASKS for v in evidence.MAD_VARIANTS}
+    assert set(runs) == {"parity/nope_seed0"} | a3 | mad_keys and len(calls) == 6 + 18
+    assert runs["a3/rope_negeig_seed0"]["settings"]["overrides"] == {"allow_neg_eigval": True}
+    before = store.read_text()
+    evidence.run_a3([0], store, quick=False, skip_done=True)
+    evidence.run_mad([0, 1], store, quick=False, skip_done=True)  # only seed 1 is new
+    assert len(calls) == 24 + 18 and store.read_text().startswith(before)
+    evidence.run_a3([0], store, quick=False, skip_done=False)  # a rerun replaces its lines
+    assert len(calls) == 48 and len(evidence.read_runs(store)) == 1 + 6 + 36
+    # the summary reads the store; the synthetic summary leaves these runs alone
+    a3_markdown, a3_summary = evidence.a3_table(evidence.read_runs(store))
+    assert set(a3_summary) == {k[3:-6] for k in a3} and "| Selective RoPE | (0, 1) | 1 | 100.0 (100–100)" in a3_markdown
+    _, mad_summary = evidence.mad_table(evidence.read_runs(store))
+    assert all(len(seeds) == 2 for row in mad_summary.values() for seeds in row.values())
+    assert set(summarize.load(store)) == {"parity"}
 
 
 class _Keep:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -76,3 +77,35 @@ def test_a_linked_page_is_written_through_its_link(tmp_path):
     link.symlink_to(target)
     write_between_markers(link, START, END, "new")
     assert link.is_symlink() and target.read_text(encoding="utf-8") == f"{START}\nnew\n{END}\n"
+
+
+def test_a_store_keeps_one_line_per_run_and_a_rerun_replaces_its_line(tmp_path):
+    from example_utils import read_runs, runs_below, store_run
+
+    store = tmp_path / "results" / "runs.jsonl"
+    first, second = {"seed": 0, "loss": [0.5, 0.25], "x": 1 / 3}, {"seed": 1, "nested": {"a": None}}
+    store_run(store, "parity/a_seed0", first)
+    store_run(store, "parity/sweep/b_seed1", second)
+    assert read_runs(store) == {"parity/a_seed0": first, "parity/sweep/b_seed1": second}  # floats exactly
+    store_run(store, "parity/a_seed0", {"seed": 0, "loss": [0.1]})
+    lines = store.read_text().splitlines()
+    assert len(lines) == 2 and json.loads(lines[0]) == {"run": "parity/a_seed0", "seed": 0, "loss": [0.1]}
+    assert runs_below(read_runs(store), "parity/") == {"a_seed0": {"seed": 0, "loss": [0.1]}}
+
+
+def test_a_folder_of_json_files_reads_as_a_store(tmp_path):
+    from example_utils import read_runs
+
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "nope_seed0.json").write_text('{"seed": 0}')
+    assert read_runs(tmp_path) == {"copy/nope_seed0": {"seed": 0}}
+    assert read_runs(tmp_path / "missing.jsonl") == {}
+
+
+def test_a_line_that_is_not_a_stored_run_is_refused(tmp_path):
+    from example_utils import read_runs
+
+    store = tmp_path / "runs.jsonl"
+    store.write_text('{"run": "a", "seed": 0}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=r"runs.jsonl:2: not a stored run"):
+        read_runs(store)

@@ -147,9 +147,10 @@ def test_tiny_run_end_to_end_and_its_summary(tmp_path):
     assert "Selective RoPE" in lm_summarize.table(rows)
     doc = tmp_path / "lm.md"
     doc.write_text("intro\n<!-- results:lm:start -->\nold\n<!-- results:lm:end -->\nafter\n")
-    assert lm_summarize.main(["--results", str(results), "--doc", str(doc), "--no-plot"]) == 0
+    assert lm_summarize.main(["--results", str(results), "--doc", str(doc), "--no-plot",
+                              "--summary", str(tmp_path / "summary.json")]) == 0
     text = doc.read_text()
     assert text.startswith("intro\n<!-- results:lm:start -->\n| model |") and text.endswith("-->\nafter\n")
-    assert "old" not in text and (results / "summary.json").exists()
+    assert "old" not in text and (tmp_path / "summary.json").exists()
     with pytest.raises(FileNotFoundError, match="prepare"):
         train_lm.run("gla", "nope", 0, cache=tmp_path / "missing")

@@ -257,6 +257,22 @@ def test_min_train_length_is_checked(arguments, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_a_run_without_output_goes_into_the_store_under_its_key_and_skip_done_skips_it(tmp_path, monkeypatch,
+                                                                                      capsys):
+    store = tmp_path / "synthetic.jsonl"
+    monkeypatch.setattr(train, "RESULTS", store)
+    tiny = ["--task", "parity", "--hidden", "16", "--steps", "1", "--batch", "2", "--train-length", "4",
+            "--eval-lengths", "4"]
+    assert train.main([*tiny, "--variant", "nope", "--tag", "_t"]) == 0
+    assert train.main([*tiny, "--variant", "rope", "--run", "parity/sweep/x_seed0"]) == 0
+    runs = summarize.read_runs(store)
+    assert list(runs) == ["parity/nope_t_seed0", "parity/sweep/x_seed0"] and runs["parity/nope_t_seed0"]["seed"] == 0
+    assert list(summarize.load(store)["parity"]) == ["nope_t"]  # the sweep's run is not a main run
+    before = store.read_text()
+    assert train.main([*tiny, "--variant", "rope", "--run", "parity/sweep/x_seed0", "--skip-done"]) == 0
+    assert store.read_text() == before and "already in" in capsys.readouterr().out
+
+
 def test_optimizer_settings_reach_the_results_json(tmp_path):
     output = tmp_path / "parity.json"
     assert train.main(["--task", "parity", "--variant", "selective", "--hidden", "16", "--steps", "2", "--batch", "2",
@@ -355,7 +371,7 @@ def test_paper_summary_counts_the_seeds_at_the_target(tmp_path):
     for seed in (0, 1):
         train.run("parity", "paper", seed=seed, quiet=True, train_length=4, min_train_length=2, eval_lengths=[8, 16],
                   output=tmp_path / "small" / f"paper_seed{seed}.json", **TINY)
-    runs = summarize_paper.load(tmp_path)["small"]["paper"]
+    runs = summarize_paper.load(tmp_path, below="")["small"]["paper"]
     assert [run["seed"] for run in runs] == [0, 1]
     # overwrite the accuracies with known values: seed 0 passes at 8 bits only, seed 1 at neither
     for run, (at8, at16) in zip(runs, ((0.96, 0.5), (0.94, 0.99))):

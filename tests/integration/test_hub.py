@@ -182,3 +182,7 @@ def test_a_card_naming_a_base_model_needs_its_license(family):
     card = model.model_card("me/new", base_model="meta-llama/Llama-3.2-1B", license="llama3.2")
     assert (card.data.license, card.data.base_model) == ("llama3.2", "meta-llama/Llama-3.2-1B")
     assert "pip install selective-rope" not in card.text and "trust_remote_code=True" in card.text
+    # what to install, without a repository to name: the distribution, not on PyPI, from a wheel or a checkout
+    text = " ".join(card.text.split())
+    assert "distribution `selective-rope`, import package `selective_rope`" in text
+    assert "`pip install selective_rope-*.whl`, or `pip install .` in the checkout" in text

@@ -34,8 +34,8 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from selective_rope.kernels import dispatch  # noqa: E402
 from selective_rope.kernels.forgetting_attention import forgetting_attention  # noqa: E402
-from selective_rope.kernels.rotary import selective_rotary_decode  # noqa: E402
 from selective_rope.kernels.rotary_torch import selective_rotary  # noqa: E402
+from selective_rope.kernels.rotary_triton import selective_rotary_decode_triton as selective_rotary_decode  # noqa: E402
 from selective_rope.modeling import returned_cache  # noqa: E402
 
 from families import FAMILIES, OPTION_VARIANTS  # noqa: E402

@@ -8,6 +8,7 @@ forward and backward with padding, packed sequences, cached decoding with a padd
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -154,6 +155,81 @@ def test_gated_delta_rule_groups_value_heads_for_the_torch_op():
                                               output_final_state=True)
     torch.testing.assert_close(o, o_ref)
     torch.testing.assert_close(state, state_ref)
+
+
+class _FlaGatedDeltaStandIn:
+    """fla's gated delta rule ops as the wrapper calls them, computed by our torch op; records the dtypes it got
+    (fla's Triton kernels refuse to multiply a float32 q/k with a bf16 v, which the interpreter does not check)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def chunk_gated_delta_rule(self, q, k, v, *, g, beta, scale, initial_state, output_final_state,
+                               use_qk_l2norm_in_kernel, cu_seqlens):
+        from selective_rope.kernels.gated_delta_torch import chunk_gated_delta_rule
+
+        self.calls.append((q.dtype, k.dtype, v.dtype))
+        repeat = v.shape[2] // q.shape[2]
+        q, k = (x.float().repeat_interleave(repeat, 2) for x in (q, k))
+        o, state = chunk_gated_delta_rule(q, k, v.float(), g, beta, initial_state=initial_state,
+                                          output_final_state=output_final_state)
+        return o.to(v.dtype), state
+
+    fused_recurrent_gated_delta_rule = chunk_gated_delta_rule
+
+
+def _gated_delta_inputs(dtype=torch.float32, requires_grad=False):
+    q, k = (torch.nn.functional.normalize(torch.randn(1, 6, 2, 4), dim=-1).requires_grad_(requires_grad)
+            for _ in range(2))
+    v = torch.randn(1, 6, 4, 3, dtype=dtype)
+    return q, k, v, -torch.rand(1, 6, 4), torch.rand(1, 6, 4)
+
+
+def test_gated_delta_rule_gives_fla_one_dtype(monkeypatch):
+    """Under autocast or with bf16 weights the rotated q, k arrive in float32 beside a bf16 v; fla's kernels get all
+    three in v's dtype (on an H200 the mixed call failed to compile: "Both operands must be same dtype")."""
+    from selective_rope.kernels import gated_delta as gated_delta_module
+
+    fla = _FlaGatedDeltaStandIn()
+    monkeypatch.setattr(gated_delta_module, "fla_ops", lambda backend, device: fla)
+    q, k, v, g, beta = _gated_delta_inputs(torch.bfloat16)
+    o, _ = gated_delta_rule(q, k, v, g, beta, backend="triton")
+    assert fla.calls == [(torch.bfloat16, torch.bfloat16, torch.bfloat16)] and o.dtype == torch.bfloat16
+
+
+def test_gated_delta_training_leaves_fla_where_fla_refuses_its_backward(monkeypatch):
+    """fla 0.6 raises in the gated delta rule's backward on Hopper with Triton < 3.7.1 (fla #640), after the forward
+    ran: training takes our torch op there instead, with one warning; packed sequences (which the torch op cannot
+    take) are refused before any work; inference keeps fla's forward, which is correct."""
+    from selective_rope.kernels import gated_delta as gated_delta_module
+    from selective_rope.kernels.gated_delta_torch import chunk_gated_delta_rule
+
+    fla = _FlaGatedDeltaStandIn()
+    monkeypatch.setattr(gated_delta_module, "fla_ops", lambda backend, device: fla)
+    monkeypatch.setattr(gated_delta_module, "fla_refuses_gated_delta_backward", lambda: True)
+    dispatch._warned.clear()
+    q, k, v, g, beta = _gated_delta_inputs(requires_grad=True)
+    with pytest.warns(RuntimeWarning, match="fla issue #640"):
+        o, _ = gated_delta_rule(q, k, v, g, beta, backend="triton")
+    assert fla.calls == []
+    o.sum().backward()
+    expected = chunk_gated_delta_rule(q.repeat_interleave(2, 2), k.repeat_interleave(2, 2), v, g, beta)[0]
+    torch.testing.assert_close(o, expected)
+    with pytest.raises(ValueError, match="packed sequences needs fla's backward"):
+        gated_delta_rule(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 2, 6]), backend="triton")
+    with torch.no_grad():
+        gated_delta_rule(q, k, v, g, beta, backend="triton")
+    assert len(fla.calls) == 1
+
+
+def test_fla_refuses_gated_delta_backward_only_on_hopper_with_an_old_triton(monkeypatch):
+    import fla.utils
+
+    for hopper, above_3_7_1, refused in ((True, False, True), (True, True, False), (False, False, False)):
+        monkeypatch.setattr(fla.utils, "IS_NVIDIA_HOPPER", hopper)
+        monkeypatch.setattr(fla.utils, "TRITON_ABOVE_3_4_0", True)
+        monkeypatch.setattr(fla.utils, "TRITON_ABOVE_3_7_1", above_3_7_1)
+        assert dispatch.fla_refuses_gated_delta_backward() is (refused and importlib.util.find_spec("tilelang") is None)
 
 
 def test_shipped_modules_do_not_require_triton_or_fla():

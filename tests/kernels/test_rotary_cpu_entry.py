@@ -185,10 +185,6 @@ def perturbations():
         module.phase_proj.register_forward_hook(lambda *args: None)
         return state, step, lengths
 
-    def method_patched(module, state, step, lengths):  # on the instance, as examples/synthetic/phase_drift.py does
-        module._forward_cpu_kernel = lambda *args: None
-        return state, step, lengths
-
     def global_hook(module, state, step, lengths):
         return state, step, lengths, lambda: nn.modules.module.register_module_forward_pre_hook(lambda *a: None)
 
@@ -197,7 +193,7 @@ def perturbations():
 
     return [grad, phase_float32, phase_strided, history_strided, lengths_int32, lengths_wrong, half_inputs,
             strided_query, wrong_width, no_tokens, ordered_state, subclass_query, negated_query, zero_key,
-            storage_replaced, parameter_replaced, bias_added, phase_hook, method_patched, global_hook, default_device]
+            storage_replaced, parameter_replaced, bias_added, phase_hook, global_hook, default_device]
 
 
 TAKEN = {"phase_strided", "default_device"}  # cases the entry serves (as the Python path: any phase strides)

@@ -406,6 +406,23 @@ def test_chunk_normalisation_keeps_less_for_the_same_values_and_gradients():
     assert torch.autograd.gradcheck(lambda t: L2NormalizeChunks.apply(t)[0], (ordinary,))
 
 
+def test_chunk_normalisation_backward_in_one_buffer_equals_the_differentiable_one():
+    """The backward writes its result into one buffer (issue 51: fewer fresh float64 temporaries) unless a double
+    backward needs its operations: both give the same gradient bit for bit."""
+    from selective_rope.modeling.rotary import L2NormalizeChunks
+
+    x = torch.randn(3, 4, 2, 8, dtype=torch.float64)
+    x[0, 1, 1] = 0.0  # a chunk under the clamp
+    weights = torch.randn_like(x)
+    grads = []
+    for create_graph in (False, True):
+        leaf = x.clone().requires_grad_()
+        (grad,) = torch.autograd.grad((L2NormalizeChunks.apply(leaf)[0] * weights).sum(), leaf,
+                                      create_graph=create_graph)
+        grads.append(grad.detach())
+    assert torch.equal(grads[0], grads[1])
+
+
 def test_training_forward_keeps_no_float64_copy_of_the_input():
     """In training, what the phase path keeps for its backward holds no float64 copy of the whole input (it keeps
     the normalised chunks, which the projection and the gate read): the largest saved tensor is one (B, T, D)."""
