@@ -182,7 +182,8 @@ def test_the_host_time_script_times_every_case_in_its_own_process():
     done = subprocess.run([sys.executable, str(path), "--rounds", "2", "--calls", "1"], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    for case in ("decode rope", "decode selective_rope", "train eager autograd", "train custom op"):
+    for case in ("decode fox rope", "decode fox selective_rope", "decode gla rope", "decode gla selective_rope",
+                 "train eager autograd", "train custom op", "layer fox selective_rope"):
         assert f"  {case} " in done.stdout, done.stdout
 
 
