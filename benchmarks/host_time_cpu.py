@@ -9,8 +9,9 @@ Measures, interleaved round by round (medians, microseconds):
   heads of 64 against 4 of 128), RoPE and Selective RoPE (the default phase path: one launch);
 - ``train``: the rotary op's forward + backward in eager training (B=1, T=256, 16 heads of 64), through the eager
   autograd path the models take and through the custom op (what compiled and traced calls take);
-- ``layer``: one 370M FoX layer's whole Selective RoPE in training, forward + backward (B=1, T=256): the phase path
-  (PyTorch ops today) and the op, what a training step pays per layer.
+- ``layer``: one 370M FoX layer's whole Selective RoPE in training, forward + backward: the phase path (PyTorch ops
+  today) and the op, what a training step pays per layer on the host. At B=1, T=16: the phase path's float64 ops
+  really run here (on a GPU they are queued), so a short sequence keeps their arithmetic out of the host time.
 
 ``--count`` prints, instead of times, each case's Triton launches (by kernel) and its top-level aten ops (by name,
 from ``torch.profiler``; an op called inside another op is not counted again): the budget
@@ -146,7 +147,7 @@ def train_calls() -> dict:
             "train custom op": through(rotary_triton._rotary_forward)}
 
 
-def layer_calls(seq_len: int = 256) -> dict:
+def layer_calls(seq_len: int = 16) -> dict:
     config, module, heads = rotary_module("fox", "selective_rope")
     x = torch.randn(1, seq_len, config.hidden_size, requires_grad=True)
     q = torch.randn(1, seq_len, heads, module.rotary_dim, dtype=torch.bfloat16, requires_grad=True)

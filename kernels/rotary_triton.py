@@ -53,8 +53,6 @@ from typing import NamedTuple
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .rotary_torch import TWO_PI
-
 # Inside try/except: transformers' remote-code loader requires every library a shipped file imports outside such
 # blocks, and this file travels with saved models while triton is optional (the caller falls back to torch).
 try:
@@ -117,19 +115,24 @@ def _sum0(x):
 
 
 @triton.jit
-def _turns_per_phase(temp_ptr, two_pi_ptr, rs, mask_r):
-    """``τ / 2π`` in float64, as ``rotary_torch.rotary_angles`` computes it: the float64 2π is read from memory (a
-    float constant in a Triton kernel is float32). Computed here rather than by two more launches per call."""
-    return tl.load(temp_ptr + rs, mask=mask_r, other=0.0).to(tl.float64) / tl.load(two_pi_ptr)
+def _turns_per_phase(temp_ptr, rs, mask_r):
+    """``τ / 2π`` in float64, as ``rotary_torch.rotary_angles`` computes it. The float64 2π is made by ``tl.full``
+    (a bare float literal in a Triton kernel is float32; ``tl.full`` keeps all 64 bits of it, the PTX holds
+    ``0d401921FB54442D18``), not read from memory: one launch argument less per kernel."""
+    two_pi = tl.full([], 6.283185307179586, tl.float64)
+    return tl.load(temp_ptr + rs, mask=mask_r, other=0.0).to(tl.float64) / two_pi
 
 
 @triton.jit
 def _angle(phase, turns_per_phase):
     """``τ θ`` reduced mod 2π: float64 ``phase`` and ``τ / 2π`` in, float32 angle in (-2π, 2π) out, computed as
-    ``rotary_torch.rotary_angles`` does (the 2π factor comes last, in float32: a float constant in a Triton kernel is
-    float32, so a float64 2π could not be written)."""
+    ``rotary_torch.rotary_angles`` does: the turns minus their integer part toward zero (``torch.frac``), then the 2π
+    factor in float32. The integer part is rounded in float64 (``floor`` of the magnitude: one ``cvt.rmi.f64.f64``),
+    not through 64-bit integers (a float64 -> int64 -> float64 round trip, two slow conversions per element): the
+    same value for every float64."""
     turns = phase * turns_per_phase
-    return (turns - turns.to(tl.int64).to(tl.float64)).to(tl.float32) * 6.283185307179586
+    whole = tl.floor(tl.abs(turns))
+    return (turns - tl.where(turns < 0, -whole, whole)).to(tl.float32) * 6.283185307179586
 
 
 @triton.jit
@@ -190,7 +193,7 @@ def _chunk_totals_kernel(
 
 @triton.jit
 def _selective_rotary_fwd_kernel(
-    q_ptr, k_ptr, inc_ptr, temp_ptr, two_pi_ptr, carry_ptr, oq_ptr, ok_ptr, final_ptr, cu_ptr,
+    q_ptr, k_ptr, inc_ptr, temp_ptr, carry_ptr, oq_ptr, ok_ptr, final_ptr, cu_ptr,
     T, Hk, G, R, D, NC, CR, CHUNK,
     sq_b, sq_t, sq_h, sq_d,
     sk_b, sk_t, sk_h, sk_d,
@@ -201,7 +204,7 @@ def _selective_rotary_fwd_kernel(
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     pid_nh, pid_r, pid_c, hk, b, start, end, rs, mask_r = _chunk_program(cu_ptr, T, Hk, R, CHUNK, IS_VARLEN, BLOCK_R)
-    turns = _turns_per_phase(temp_ptr, two_pi_ptr, rs, mask_r)
+    turns = _turns_per_phase(temp_ptr, rs, mask_r)
     if HAS_CARRY:  # the phase before this chunk: initial phase + the totals of the chunks before it
         carry = tl.load(carry_ptr + (pid_nh.to(tl.int64) * CR + pid_c) * R + rs, mask=mask_r, other=0.0)
     else:
@@ -259,7 +262,7 @@ def _selective_rotary_fwd_kernel(
 
 @triton.jit
 def _selective_rotary_bwd_kernel(
-    q_ptr, k_ptr, dyq_ptr, dyk_ptr, inc_ptr, temp_ptr, two_pi_ptr, carry_ptr, dfinal_ptr, cu_ptr,
+    q_ptr, k_ptr, dyq_ptr, dyk_ptr, inc_ptr, temp_ptr, carry_ptr, dfinal_ptr, cu_ptr,
     dq_ptr, dk_ptr, dinc_ptr, dsums_ptr, dtemp_ptr,
     T, Hk, G, R, D, NC, CR, CHUNK,
     sq_b, sq_t, sq_h, sq_d,
@@ -280,7 +283,7 @@ def _selective_rotary_bwd_kernel(
     Σ θ dangle (for d temperature) to a per-chunk partial."""
     pid_nh, pid_r, pid_c, hk, b, start, end, rs, mask_r = _chunk_program(cu_ptr, T, Hk, R, CHUNK, IS_VARLEN, BLOCK_R)
     temp = tl.load(temp_ptr + rs, mask=mask_r, other=0.0).to(tl.float32)
-    turns = _turns_per_phase(temp_ptr, two_pi_ptr, rs, mask_r)
+    turns = _turns_per_phase(temp_ptr, rs, mask_r)
     chunk_offs = (pid_nh.to(tl.int64) * NC + pid_c) * R + rs
     if HAS_CARRY:
         carry = tl.load(carry_ptr + (pid_nh.to(tl.int64) * CR + pid_c) * R + rs, mask=mask_r, other=0.0)
@@ -407,7 +410,7 @@ def _rotate_head(x_ptr, o_ptr, rs, mask_r, cos, sin, R, D, s_d, so_d,
 @triton.jit
 def _selective_rotary_decode_kernel(
     q_ptr, k_ptr, proj_ptr, gate_ptr,
-    temp_ptr, two_pi_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, valid_ptr,
+    temp_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, valid_ptr,
     oq_ptr, ok_ptr, ophase_ptr, oconv_ptr,
     Hk, G, R, D,
     sq_b, sq_h, sq_d,
@@ -432,7 +435,7 @@ def _selective_rotary_decode_kernel(
         gate = tl.load(gate_ptr + b * sg_b + hk * sg_h + rs * sg_r, mask=mask_r, other=0.0).to(tl.float64)
     _decode_steps(
         a, gate, pid, b, hk, rs, mask_r,
-        q_ptr, k_ptr, temp_ptr, two_pi_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, valid_ptr,
+        q_ptr, k_ptr, temp_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, valid_ptr,
         oq_ptr, ok_ptr, ophase_ptr, oconv_ptr,
         Hk, G, R, D, sq_b, sq_h, sq_d, sk_b, sk_h, sk_d, soq_b, soq_h, soq_d, sok_b, sok_h, sok_d,
         CONV_K, SILU, HAS_BIAS, HAS_GATE, HAS_VALID, HAS_PASS, BLOCK_R, BLOCK_P,
@@ -442,7 +445,7 @@ def _selective_rotary_decode_kernel(
 @triton.jit
 def _selective_rotary_decode_from_input_kernel(
     q_ptr, k_ptr, x_ptr, down_ptr, up_ptr, gw_ptr, gb_ptr,
-    temp_ptr, two_pi_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, valid_ptr,
+    temp_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, valid_ptr,
     oq_ptr, ok_ptr, ophase_ptr, oconv_ptr,
     Hk, G, R, D,
     sq_b, sq_h, sq_d,
@@ -468,7 +471,7 @@ def _selective_rotary_decode_from_input_kernel(
         gate = _per_head_gate_logit(row, gw_ptr, gb_ptr, hk, Hk, Dc, BLOCK_D)
     _decode_steps(
         a, gate, pid, b, hk, rs, mask_r,
-        q_ptr, k_ptr, temp_ptr, two_pi_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, valid_ptr,
+        q_ptr, k_ptr, temp_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, valid_ptr,
         oq_ptr, ok_ptr, ophase_ptr, oconv_ptr,
         Hk, G, R, D, sq_b, sq_h, sq_d, sk_b, sk_h, sk_d, soq_b, soq_h, soq_d, sok_b, sok_h, sok_d,
         CONV_K, SILU, HAS_BIAS, HAS_GATE, HAS_VALID, HAS_PASS, BLOCK_R, BLOCK_P,
@@ -478,7 +481,7 @@ def _selective_rotary_decode_from_input_kernel(
 @triton.jit
 def _decode_steps(
     a, gate, pid, b, hk, rs, mask_r,
-    q_ptr, k_ptr, temp_ptr, two_pi_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, valid_ptr,
+    q_ptr, k_ptr, temp_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, valid_ptr,
     oq_ptr, ok_ptr, ophase_ptr, oconv_ptr,
     Hk, G, R, D, sq_b, sq_h, sq_d, sk_b, sk_h, sk_d, soq_b, soq_h, soq_d, sok_b, sok_h, sok_d,
     CONV_K: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GATE: tl.constexpr,
@@ -526,7 +529,7 @@ def _decode_steps(
     # mod 2π, the rotation of the key head and of its query heads.
     phase = tl.load(phase_ptr + pid * R + rs, mask=mask_r, other=0.0).to(tl.float64) + c.to(tl.float32).to(tl.float64)
     tl.store(ophase_ptr + pid * R + rs, phase, mask=mask_r)
-    angle = _angle(phase, _turns_per_phase(temp_ptr, two_pi_ptr, rs, mask_r))
+    angle = _angle(phase, _turns_per_phase(temp_ptr, rs, mask_r))
     cos = tl.cos(angle)
     sin = tl.sin(angle)
     _rotate_head(k_ptr + b * sk_b + hk * sk_h, ok_ptr + b * sok_b + hk * sok_h, rs, mask_r, cos, sin, R, D,
@@ -595,13 +598,6 @@ def _per_head_gate_logit(row, gw_ptr, gb_ptr, hk, Hk, Dc, BLOCK_D: tl.constexpr)
 # --------------------------------------------------------------------------------------------------------------------
 def _num_seqs(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> int:
     return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-
-
-@functools.lru_cache(maxsize=None)
-def _two_pi(device: torch.device) -> torch.Tensor:
-    """2π in float64 on ``device``, for the kernels to divide the temperature by (made once per device, never
-    written; by a fill, not a copy from the host, which would synchronise)."""
-    return torch.full((1,), TWO_PI, dtype=torch.float64, device=device)
 
 
 # Programs wanted in flight on a GPU, per multiprocessor: one program per (sequence, key head) would leave most of an
@@ -696,7 +692,7 @@ def _rotary_forward_impl(
     plan = _plan(q, num_seqs, num_key_heads, rotary_pairs)
     carries = _chunk_carries(plan, increment, init, cu_seqlens)
     _selective_rotary_fwd_kernel[plan.grid](
-        q, k, increment, temperature.contiguous(), _two_pi(q.device), carries if carries is not None else final,
+        q, k, increment, temperature.contiguous(), carries if carries is not None else final,
         out_q, out_k, final, cu_seqlens if cu_seqlens is not None else final,
         seq_len, num_key_heads, num_query_heads // num_key_heads, rotary_pairs, head_dim, plan.grid[2],
         carries.shape[1] if carries is not None else 0, plan.chunk,
@@ -757,7 +753,7 @@ def _rotary_backward_impl(
     placeholder = dsums  # for pointers a disabled branch never reads
     cu = cu_seqlens if cu_seqlens is not None else placeholder
     _selective_rotary_bwd_kernel[plan.grid](
-        q, k, grad_q, grad_k, increment, temperature.contiguous(), _two_pi(q.device),
+        q, k, grad_q, grad_k, increment, temperature.contiguous(),
         carries if carries is not None else placeholder, dfinal if dfinal is not None else placeholder, cu,
         dq, dk, dinc, dsums, dtemp_partial,
         seq_len, num_key_heads, num_query_heads // num_key_heads, rotary_pairs, head_dim, chunks,
@@ -970,7 +966,7 @@ def _launch_decode(kernel, inputs: tuple, input_args: tuple, input_meta: dict, q
         return out_q, out_k, new_phase, new_conv
     placeholder = new_phase  # for pointers a disabled branch never reads
     kernel[(batch * num_key_heads,)](
-        q, k, *inputs, temperature.contiguous(), _two_pi(q.device), phase.contiguous(),
+        q, k, *inputs, temperature.contiguous(), phase.contiguous(),
         conv_state.contiguous() if conv_state is not None else placeholder,
         conv_weight.contiguous() if conv_weight is not None else placeholder,
         bias.contiguous() if bias is not None else placeholder,
