@@ -923,7 +923,7 @@ def _rotary_decode_impl(
 def _decode_from_projection(q, k, projection, temperature, phase, conv_state, conv_weight, bias, gate_logits, valid,
                             silu: bool, in_place: bool):
     """``_launch_decode`` of the decode kernel that takes the phase inputs (both custom ops' function)."""
-    batch, num_key_heads, rotary_pairs = k.shape[0], k.shape[1], temperature.shape[0]
+    batch, num_key_heads, rotary_pairs = k.shape[0], k.shape[-2], temperature.shape[0]
     gate = projection if gate_logits is None else gate_logits.expand(batch, num_key_heads, rotary_pairs)
     return _launch_decode(_selective_rotary_decode_kernel, (projection, gate), (*projection.stride(), *gate.stride()),
                           {}, q, k, temperature, phase, conv_state, conv_weight, bias, valid, silu,
@@ -945,9 +945,10 @@ def _launch_decode(kernel, inputs: tuple, input_args: tuple, input_meta: dict, q
     with one program per (row, key head). Returns q, k, the new phase and the new history, as
     ``_rotary_decode_impl``. ``in_place``: the new phase and history are written into ``phase`` and ``conv_state``
     (contiguous, float64), which are returned: each program reads its own (row, head) slots before it writes them,
-    and history slot j before it writes slot j - 1."""
-    batch, num_query_heads, head_dim = q.shape
-    num_key_heads, rotary_pairs = k.shape[1], temperature.shape[0]
+    and history slot j before it writes slot j - 1. q and k are ``(B, H, D)`` or the layer's ``(B, 1, H, D)`` (no
+    view to make: on the GPU host each torch op costs 10-25 us per layer and step); the outputs have their shapes."""
+    batch, num_query_heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
+    num_key_heads, rotary_pairs = k.shape[-2], temperature.shape[0]
     out_q, out_k = torch.empty_like(q), torch.empty_like(k)
     conv_k = 0 if conv_weight is None else conv_weight.shape[-1]
     if in_place:
@@ -973,7 +974,8 @@ def _launch_decode(kernel, inputs: tuple, input_args: tuple, input_meta: dict, q
         valid if valid is not None else placeholder,
         out_q, out_k, new_phase, new_conv,
         num_key_heads, num_query_heads // num_key_heads, rotary_pairs, head_dim,
-        *q.stride(), *k.stride(), *out_q.stride(), *out_k.stride(), *input_args,
+        *_row_head_dim_strides(q), *_row_head_dim_strides(k), *_row_head_dim_strides(out_q),
+        *_row_head_dim_strides(out_k), *input_args,
         CONV_K=conv_k, SILU=silu, HAS_BIAS=bias is not None, HAS_GATE=has_gate,
         HAS_VALID=valid is not None, HAS_PASS=head_dim > 2 * rotary_pairs,
         **_decode_blocks(rotary_pairs, head_dim), **input_meta,
@@ -986,7 +988,7 @@ _rotary_decode = torch.library.custom_op("selective_rope::rotary_decode", _rotar
 
 @_rotary_decode.register_fake
 def _(q, k, projection, temperature, phase, conv_state, conv_weight, bias, gate_logits, valid, silu):
-    batch, num_key_heads, rotary_pairs = k.shape[0], k.shape[1], temperature.shape[0]
+    batch, num_key_heads, rotary_pairs = k.shape[0], k.shape[-2], temperature.shape[0]
     conv_k = 0 if conv_weight is None else conv_weight.shape[-1]
     new_conv = q.new_empty(batch, max(conv_k - 1, 0), num_key_heads * rotary_pairs, dtype=torch.float64)
     new_phase = q.new_empty(batch, num_key_heads, rotary_pairs, dtype=torch.float64)
@@ -1021,6 +1023,11 @@ _rotary_decode_in_place = torch.library.custom_op("selective_rope::rotary_decode
 @_rotary_decode_in_place.register_fake
 def _(q, k, projection, temperature, phase, conv_state, conv_weight, bias, gate_logits, valid, silu):
     return torch.empty_like(q), torch.empty_like(k)
+
+
+def _row_head_dim_strides(x: torch.Tensor) -> tuple[int, int, int]:
+    """The strides of a decoding step's ``(B, H, D)`` or ``(B, 1, H, D)`` tensor along rows, heads and dims."""
+    return x.stride(0), x.stride(-2), x.stride(-1)
 
 
 def _writable(state: torch.Tensor | None) -> bool:
@@ -1067,7 +1074,8 @@ def selective_rotary_decode_triton(
     """One decoding step of Selective RoPE for every row, fused (SPEC §3 steps 3-8, in training order).
 
     Args:
-        q: ``(B, Hq, D)``; k: ``(B, Hk, D)``: this step's query and key, ``Hq % Hk == 0``.
+        q: ``(B, Hq, D)``; k: ``(B, Hk, D)``: this step's query and key, ``Hq % Hk == 0``; or both as the layer has
+            them, ``(B, 1, Hq, D)`` and ``(B, 1, Hk, D)`` (then so are the results).
         projection: ``(B, Hk, R)`` the phase projection ``P(u)`` of this step's input, float64 (any strides, e.g.
             the expanded output of the ``scalar`` projection).
         temperature: ``(R,)``.
@@ -1088,8 +1096,8 @@ def selective_rotary_decode_triton(
         ``(B, K-1, Hk*R)`` (``None`` without convolution), both float64. Not differentiable: for inference.
     """
     step = _step_inputs(q, k, temperature, phase, conv_state, conv_weight, conv_activation, bias, valid)
-    projection = projection.double().expand(*k.shape[:2], temperature.shape[-1])
-    gate_logits = None if gate_logits is None else gate_logits.double()
+    projection = _as(projection, torch.float64).expand(k.shape[0], k.shape[-2], temperature.shape[-1])
+    gate_logits = None if gate_logits is None else _as(gate_logits, torch.float64)
     inputs = (q, k, projection, step.temperature, step.phase, step.conv_state, step.conv_weight, step.bias,
               gate_logits, step.valid, step.silu)
     # The custom op's dispatch layers cost ~10 us, a good part of a decoding step's budget: plain eager calls skip them.
@@ -1126,7 +1134,7 @@ def selective_rotary_decode_from_input_triton(
     launch, ~10-25 per torch op) in every layer of every decoding step, which is host-bound: this is one launch.
 
     Args:
-        x: ``(B, Hk * Dc)`` this step's input (any float dtype; rows may be strided).
+        x: ``(B, Hk * Dc)`` or ``(B, 1, Hk * Dc)`` this step's input (any float dtype; rows may be strided).
         down: ``(Hk, rank, Dc)``; up: ``(Hk, R, rank)``: the projection's weights (any float dtype).
         gate_weight: ``(Hk, Hk * Dc)``; gate_bias: ``(Hk,)``: the per-head gate, or ``None`` for no gate.
         The rest: as ``selective_rotary_decode_triton``'s.
@@ -1139,8 +1147,10 @@ def selective_rotary_decode_from_input_triton(
                               bias, valid)):
         return None
     _check_phase_weights(x, down, up, gate_weight)
+    if x.shape[:-1] != q.shape[:-2]:
+        raise ValueError(f"x {tuple(x.shape)} and q {tuple(q.shape)} disagree: one input row per query row")
     step = _step_inputs(q, k, temperature, phase, conv_state, conv_weight, conv_activation, bias, valid)
-    x = x if x.stride(1) == 1 else x.contiguous()
+    x = x if x.stride(-1) == 1 else x.contiguous()
     chunk_dim, rank = down.shape[2], down.shape[1]
     gate = (x, x) if gate_weight is None else (gate_weight.contiguous(), gate_bias.contiguous())  # x: unread
     meta = _phase_blocks(chunk_dim, rank)
@@ -1169,10 +1179,12 @@ def _step_inputs(q, k, temperature, phase, conv_state, conv_weight, conv_activat
     float32 parameters, float64 state, ``valid`` as int32."""
     if conv_activation not in (None, "silu"):
         raise ValueError(f"unsupported activation {conv_activation!r}; expected None or 'silu'")
-    batch, num_key_heads = k.shape[:2]
+    batch, num_key_heads = k.shape[0], k.shape[-2]
     rotary_pairs = temperature.shape[-1]
-    if q.shape[1] % num_key_heads or 2 * rotary_pairs > q.shape[-1] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and R={rotary_pairs} disagree")
+    if (q.shape[-2] % num_key_heads or 2 * rotary_pairs > q.shape[-1] or q.shape[-1] != k.shape[-1]
+            or q.dim() != k.dim() or q.dim() not in (3, 4) or (q.dim() == 4 and (q.shape[1], k.shape[1]) != (1, 1))):
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and R={rotary_pairs} disagree: expected "
+                         "(B, Hq, D) and (B, Hk, D), or (B, 1, Hq, D) and (B, 1, Hk, D), with Hq % Hk == 0 and 2R <= D")
     if phase is None:
         phase = q.new_zeros(batch, num_key_heads, rotary_pairs, dtype=torch.float64)
     if conv_weight is not None and conv_state is None:

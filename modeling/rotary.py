@@ -517,11 +517,11 @@ class SelectiveRotaryEmbedding(nn.Module):
         unit step, with no convolution, bias or gate. The convolution's taps (learned, or the fixed difference) are
         read directly. ``in_place``: the kernel writes the new phase and history into ``state``'s (``forward``)."""
         valid = None if lengths is None else lengths > 0
-        if self.position_embedding == "rope":
-            q_out, k_out, phase, _ = selective_rotary_decode(q[:, 0], k[:, 0], unit_step(x.device), self.temperature,
+        if self.position_embedding == "rope":  # (the steps take q, k and x as they are: (B, 1, ...), no view)
+            q_out, k_out, phase, _ = selective_rotary_decode(q, k, unit_step(x.device), self.temperature,
                                                              phase=state.get("phase"), valid=valid,
                                                              in_place=in_place)
-            return q_out.unsqueeze(1), k_out.unsqueeze(1), self._state(phase, None)
+            return q_out, k_out, self._state(phase, None)
         conv = self.phase_conv
         step_state = dict(
             phase=state.get("phase"),
@@ -533,14 +533,13 @@ class SelectiveRotaryEmbedding(nn.Module):
             in_place=in_place,
         )
         weights = self._fusable_phase_weights()
-        step = None if weights is None else selective_rotary_decode_from_input(q[:, 0], k[:, 0], x[:, 0], *weights,
-                                                                                 self.temperature, **step_state)
+        step = None if weights is None else selective_rotary_decode_from_input(q, k, x, *weights, self.temperature,
+                                                                                 **step_state)
         if step is None:
             projection, gate_logits = self._decode_phase_inputs(x)
-            step = selective_rotary_decode(q[:, 0], k[:, 0], projection, self.temperature, gate_logits=gate_logits,
-                                           **step_state)
+            step = selective_rotary_decode(q, k, projection, self.temperature, gate_logits=gate_logits, **step_state)
         q_out, k_out, phase, conv_state = step
-        return q_out.unsqueeze(1), k_out.unsqueeze(1), self._state(phase, conv_state)
+        return q_out, k_out, self._state(phase, conv_state)
 
     def _decode_phase_inputs(self, x):
         """Steps 1-2 for one token per row through the phase modules (their hooks and adapters run), float64: the

@@ -4,7 +4,7 @@ launch costs 47-105 us of host time and each torch op 10-25 us, so a decoding st
 for in launches and ops, whatever the kernels compute (docs/gpu_performance.md, "Launch and op budget").
 
 - Decoding: every family's step with the default phase path is one launch of the kernel that computes the phase
-  inputs itself (``selective_rotary_decode_from_input_triton``), GLA's as FoX's, and a few allocations and views.
+  inputs itself (``selective_rotary_decode_from_input_triton``), GLA's as FoX's, and its outputs' allocations.
 - Training: one layer's Selective RoPE forward + backward is today the phase path in PyTorch (float64 chunk norms,
   projection, convolution, bias, gate, and their autograd) around the op's 2 + 3 launches (1 + 2 where a sequence is
   one chunk). Issue 46's target, with the phase path inside the kernels, is 4 launches and no other aten op: these
@@ -42,7 +42,7 @@ ONE_CHUNK = {"_selective_rotary_fwd_kernel": 1, "_selective_rotary_bwd_kernel": 
 CHUNKED = {**ONE_CHUNK, "_chunk_totals_kernel": 2}  # pass 1 of the two-pass scan, in the forward and the backward
 LAYER_OPS = {"one": 158, "several": 162}  # the phase path: ~135 of them, with its autograd
 OP_OPS = {"one": 23, "several": 27}  # the op alone: its outputs, casts, the carries' cumulative sums, the gradients
-DECODE_OPS = 10  # the step's outputs and the (B, 1, ...) views around the launch: no phase-path op
+DECODE_OPS = 5  # the outputs (q, k, phase, history) and the taps as (C, K): no view of q, k or x, no phase-path op
 
 
 def chunk_plan(monkeypatch, chunks: str) -> dict:

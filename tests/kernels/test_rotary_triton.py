@@ -757,6 +757,36 @@ def test_decode_from_input_matches_the_modules(heads, chunk_dim, rank, pairs, ga
                                atol=1e-13)
 
 
+@pytest.mark.parametrize("entry", ["projection", "from_input"])
+def test_decode_steps_take_the_layers_tensors_as_they_are(entry):
+    """q ``(B, 1, Hq, D)``, k ``(B, 1, Hk, D)`` and x ``(B, 1, D)``, as a layer has them (no view to make per layer
+    and step): the results of the ``(B, H, D)`` call, with the time axis; any other shape is refused by name."""
+    inputs = decode_inputs(head_dim=8)
+    if entry == "from_input":
+        x, down, up = torch.randn(3, 2 * 6), torch.randn(2, 3, 6), torch.randn(2, 4, 3)
+        gate = torch.randn(2, 12), torch.randn(2)
+
+        def call(q, k, x=x, **rest):
+            return rotary_triton.selective_rotary_decode_from_input_triton(
+                q, k, x, down, up, *gate, rest["temperature"], phase=rest["phase"], conv_state=rest["conv_state"],
+                conv_weight=rest["conv_weight"], bias=rest["bias"], valid=rest["valid"])
+    else:
+        x = None
+
+        def call(q, k, x=None, **rest):
+            return selective_rotary_decode_triton(q, k, **rest)
+    rest = {n: v for n, v in inputs.items() if n not in ("q", "k")}
+    flat = call(inputs["q"], inputs["k"], **rest)
+    timed = call(inputs["q"][:, None], inputs["k"][:, None], **({} if x is None else {"x": x[:, None]}), **rest)
+    assert timed[0].shape == (3, 1, 4, 8) and timed[1].shape == (3, 1, 2, 8)
+    for a, e in zip((timed[0][:, 0], timed[1][:, 0], *timed[2:]), flat):
+        assert torch.equal(a, e)
+    with pytest.raises(ValueError, match="disagree"):
+        call(torch.randn(3, 2, 4, 8), torch.randn(3, 2, 2, 8), **rest)
+    with pytest.raises(ValueError, match="disagree"):
+        call(inputs["q"][:, None], inputs["k"], **rest)
+
+
 def _with_fresh_state(inputs):
     return {**inputs, "phase": inputs["phase"].clone(),
             "conv_state": None if inputs["conv_state"] is None else inputs["conv_state"].clone()}
