@@ -27,6 +27,7 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton path c
 from rotary_reference import HIDDEN, make_rotary  # noqa: E402
 
 from selective_rope.kernels import rotary_triton  # noqa: E402
+from selective_rope.modeling import returned_cache  # noqa: E402
 
 from families import FAMILIES  # noqa: E402
 
@@ -109,7 +110,7 @@ def test_every_familys_decoding_step_is_one_fused_launch_per_layer(name):
     model = family.lm_class(family.config_class(**family.tiny, backend="triton")).eval()
     rotary_layers = sum(1 for m in model.modules() if type(m).__name__ == "SelectiveRotaryEmbedding")
     with torch.no_grad():
-        cache = model(torch.tensor([[5, 6, 7]]), use_cache=True).past_key_values
+        cache = returned_cache(model(torch.tensor([[5, 6, 7]]), use_cache=True))
         token = torch.tensor([[8]])
 
         def step():
