@@ -123,8 +123,8 @@ def calls(family: str, batch: int, seq_len: int, device: str) -> dict:
     @torch.no_grad()
     def phase_kernel_forward(keep=False):
         conv, gate, proj = selective.phase_conv, selective.phase_gate_proj, selective.phase_proj
-        out = phase_increment_triton(x, proj.down, proj.up, conv.taps(x.device), conv.activation, selective.phase_bias,
-                                     gate.weight, gate.bias)
+        out, _ = phase_increment_triton(x, proj.down, proj.up, conv.taps(x.device), conv.activation,
+                                        selective.phase_bias, gate.weight, gate.bias)
         return out if keep else None
 
     return {"phase path": phase_path, "rotary op": rotary_op,

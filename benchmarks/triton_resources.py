@@ -113,13 +113,15 @@ def run_every_wrapper(rotary_triton) -> None:
     rotary_triton.selective_rotary_decode_from_input_triton(
         x=randn(2, hidden, dtype=torch.bfloat16), down=randn(heads, 32, chunk), up=randn(heads, pairs, 32),
         gate_weight=randn(heads, hidden), gate_bias=randn(heads), conv_activation="silu", **steps)
-    # the phase increments (kernels/phase_triton.py): padded rows, and packed sequences without gate or bias
+    # the phase increments (kernels/phase_triton.py): padded rows, and packed sequences after a cached history,
+    # without gate or bias
     from selective_rope.kernels.phase_triton import phase_increment_triton
 
     phase = dict(down=randn(heads, 32, chunk), up=randn(heads, pairs, 32), conv_weight=randn(heads * pairs, 4))
     phase_increment_triton(randn(2, 64, hidden), **phase, conv_activation="silu", bias=randn(heads, pairs),
                            gate_weight=randn(heads, hidden), gate_bias=randn(heads), lengths=torch.tensor([64, 9]))
-    phase_increment_triton(randn(1, seq_len, hidden), **phase, cu_seqlens=offsets)
+    phase_increment_triton(randn(1, seq_len, hidden), **phase, cu_seqlens=offsets,
+                           conv_state=randn(2, 3, heads * pairs, dtype=torch.float64))
 
 
 def signature(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict]:

@@ -1,6 +1,7 @@
 """``kernels/phase_triton.py`` (run on CPU by Triton's interpreter) against the rotary module's torch phase path,
-``SelectiveRotaryEmbedding.phase_increment``: the default phase path's increments from a sequence start, with its
-options, padding and packed sequences (issue 46, item 1's first block; no model calls it yet)."""
+``SelectiveRotaryEmbedding.phase_increment``: the default phase path's increments and the convolution's new history,
+from a sequence start or a cached history, with its options, padding and packed sequences (issue 46, item 1's first
+block; no model calls it yet)."""
 
 import pytest
 import torch
@@ -24,26 +25,32 @@ OPTIONS = {
 }
 
 
-def kernel_increment(module, x, lengths=None, cu_seqlens=None):
+def kernel_increment(module, x, lengths=None, cu_seqlens=None, conv_state=None):
     conv, gate = module.phase_conv, module.phase_gate_proj
     return phase_increment_triton(
         x, module.phase_proj.down, module.phase_proj.up,
         conv_weight=None if conv is None else conv.taps(x.device), conv_activation=None if conv is None else
         conv.activation, bias=module.phase_bias, gate_weight=None if gate is None else gate.weight,
-        gate_bias=None if gate is None else gate.bias, lengths=lengths, cu_seqlens=cu_seqlens)
+        gate_bias=None if gate is None else gate.bias, lengths=lengths, cu_seqlens=cu_seqlens, conv_state=conv_state)
 
 
-def torch_increment(module, x, lengths=None):
+def torch_increment(module, x, lengths=None, conv_state=None):
     valid = None if lengths is None else valid_mask(lengths, x.shape[1])
     with torch.no_grad():
-        return module.phase_increment(x, valid, None, lengths)[0]
+        return module.phase_increment(x, valid, conv_state, lengths)
 
 
 def assert_same_increments(actual, expected):
-    """Equal after the one rounding to float32, but where the float64 sums (in another order) fell on either side of
-    a float32 rounding boundary: one float32 step there."""
-    assert actual.shape == expected.shape and actual.dtype == expected.dtype == torch.float32
-    torch.testing.assert_close(actual, expected, rtol=2 ** -23, atol=1e-12)
+    """Increments equal after the one rounding to float32, but where the float64 sums (in another order) fell on
+    either side of a float32 rounding boundary: one float32 step there; the histories (float64) within rounding."""
+    (increment, history), (expected_increment, expected_history) = actual, expected
+    assert increment.shape == expected_increment.shape and increment.dtype == expected_increment.dtype == torch.float32
+    torch.testing.assert_close(increment, expected_increment, rtol=2 ** -23, atol=1e-12)
+    if expected_history is None:
+        assert history is None
+    else:
+        assert history.shape == expected_history.shape and history.dtype == torch.float64
+        torch.testing.assert_close(history, expected_history, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", OPTIONS)
@@ -61,7 +68,23 @@ def test_padding_adds_nothing_and_strided_rows_are_read_as_they_are():
     lengths = torch.tensor([21, 5, 0], device=DEVICE)
     actual = kernel_increment(module, x, lengths=lengths)
     assert_same_increments(actual, torch_increment(module, x, lengths))
-    assert not actual[1, 5:].any() and not actual[2].any() and actual[1, :5].all()
+    increment = actual[0]
+    assert not increment[1, 5:].any() and not increment[2].any() and increment[1, :5].all()
+
+
+@pytest.mark.parametrize("taps", [4, 2])
+def test_a_cached_history_is_continued(taps):
+    """A prefill after a cache: the window before each row's start reads the cached history, and the new history
+    continues it where a row has fewer than K - 1 real tokens (lengths 1 and 0)."""
+    module = make_rotary(dtype=torch.float32, device=DEVICE, phase_conv_size=taps, phase_bias=True,
+                         phase_proj_rank=4)
+    x = torch.randn(4, 18, HIDDEN, device=DEVICE)
+    lengths = torch.tensor([18, 1, 0, 7], device=DEVICE)
+    history = torch.randn(4, taps - 1, module.num_key_heads * module.rotary_pairs, dtype=torch.float64,
+                          device=DEVICE)
+    actual = kernel_increment(module, x, lengths=lengths, conv_state=history)
+    assert_same_increments(actual, torch_increment(module, x, lengths, history))
+    assert torch.equal(actual[1][2], history[2])  # no real token: the history as it was
 
 
 def test_packed_sequences_restart_at_each_boundary():
@@ -69,8 +92,12 @@ def test_packed_sequences_restart_at_each_boundary():
                          phase_proj_rank=4)
     bounds = [0, 5, 6, 22, 29]
     x = torch.randn(1, bounds[-1], HIDDEN, device=DEVICE)
-    actual = kernel_increment(module, x, cu_seqlens=torch.tensor(bounds, device=DEVICE))
-    expected = torch.cat([torch_increment(module, x[:, start:end]) for start, end in zip(bounds, bounds[1:])], 1)
+    history = torch.randn(len(bounds) - 1, 3, module.num_key_heads * module.rotary_pairs, dtype=torch.float64,
+                          device=DEVICE)
+    actual = kernel_increment(module, x, cu_seqlens=torch.tensor(bounds, device=DEVICE), conv_state=history)
+    pieces = [torch_increment(module, x[:, start:end], conv_state=history[i:i + 1])
+              for i, (start, end) in enumerate(zip(bounds, bounds[1:]))]
+    expected = torch.cat([piece[0] for piece in pieces], 1), torch.cat([piece[1] for piece in pieces])
     assert_same_increments(actual, expected)
 
 
@@ -83,3 +110,6 @@ def test_bad_arguments_are_refused_by_name():
         phase_increment_triton(x, module.phase_proj.down, module.phase_proj.up, conv_activation="gelu")
     with pytest.raises(ValueError, match="cu_seqlens needs batch 1"):
         phase_increment_triton(x, module.phase_proj.down, module.phase_proj.up, cu_seqlens=torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match="conv_state"):
+        phase_increment_triton(x, module.phase_proj.down, module.phase_proj.up, conv_weight=module.phase_conv.taps(
+            x.device), conv_state=torch.zeros(2, 2, 8, dtype=torch.float64))
