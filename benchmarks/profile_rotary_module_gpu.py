@@ -9,6 +9,8 @@ splits that per layer, under the benchmark's bf16 autocast with float32 weights,
 - ``phase path``: ``phase_increment`` forward + backward (its increment's gradient given);
 - ``rotary op``: ``selective_rotary`` forward + backward on a fixed increment;
 - ``module``: the whole ``SelectiveRotaryEmbedding`` forward + backward (RoPE's module beside it);
+- forward only, no autograd: the phase path's PyTorch ops against ``kernels/phase_triton.py``'s one launch (issue
+  46's first block of the phase path in Triton: the same increments);
 each as GPU time (CUDA events around calls run back to back), host time per call, and the memory its forward keeps
 for the backward; then torch.profiler's table of the module's forward + backward sorted by GPU time.
 
@@ -30,6 +32,7 @@ from bench_models_gpu import MODEL_CONFIGS
 from profile_rotary_gpu import device_us, host_times, profile_table
 
 from selective_rope.families import FAMILIES
+from selective_rope.kernels.phase_triton import phase_increment_triton
 from selective_rope.kernels.rotary import selective_rotary
 from selective_rope.modeling.rotary import SelectiveRotaryEmbedding
 
@@ -111,9 +114,23 @@ def calls(family: str, batch: int, seq_len: int, device: str) -> dict:
             return out_q, out_k
         torch.autograd.grad((out_q, out_k), (x, q, k), (grad_q, grad_k), allow_unused=True)
 
+    @torch.no_grad()
+    def phase_path_forward(keep=False):
+        with autocast():
+            out, _ = selective.phase_increment(x, None, None, None)
+        return out if keep else None
+
+    @torch.no_grad()
+    def phase_kernel_forward(keep=False):
+        conv, gate, proj = selective.phase_conv, selective.phase_gate_proj, selective.phase_proj
+        out, _ = phase_increment_triton(x, proj.down, proj.up, conv.taps(x.device), conv.activation,
+                                        selective.phase_bias, gate.weight, gate.bias)
+        return out if keep else None
+
     return {"phase path": phase_path, "rotary op": rotary_op,
             "module (Selective RoPE)": lambda keep=False: module(selective, keep),
-            "module (RoPE)": lambda keep=False: module(rope, keep)}
+            "module (RoPE)": lambda keep=False: module(rope, keep),
+            "phase path, forward": phase_path_forward, "phase kernel, forward": phase_kernel_forward}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,7 +45,7 @@ SWEEP = [(block_t, block_r, warps) for block_t in (16, 32) for block_r in (32, 6
 def record_launches(config: dict | None = None) -> list[tuple[str, object, tuple, dict]]:
     """(kernel name, kernel, args, kwargs) of every launch of one prefill forward + backward, one decode step and
     one decode phase-input call, with ``config`` (BLOCK_T, BLOCK_R, num_warps) replacing the prefill's tiles."""
-    from selective_rope.kernels import rotary_triton
+    from selective_rope.kernels import phase_triton, rotary_triton
 
     launches = []
 
@@ -58,9 +58,11 @@ def record_launches(config: dict | None = None) -> list[tuple[str, object, tuple
 
     kernels = [name for name in vars(rotary_triton) if name.endswith("_kernel")]
     saved = {name: getattr(rotary_triton, name) for name in (*kernels, "_config", "_chunk_tiles", "_multiprocessors")}
+    phase_kernel = phase_triton._phase_increment_kernel
     try:
         for name in kernels:
             setattr(rotary_triton, name, Recorder(name, saved[name]))
+        phase_triton._phase_increment_kernel = Recorder("_phase_increment_kernel", phase_kernel)
         if config is not None:
             rotary_triton._config = lambda pairs, passes: {**saved["_config"](pairs, passes), **config}
         # chunks planned as on an H100 / H200 (132 multiprocessors), so the chunked scan's kernels launch too
@@ -70,6 +72,7 @@ def record_launches(config: dict | None = None) -> list[tuple[str, object, tuple
     finally:
         for name, value in saved.items():
             setattr(rotary_triton, name, value)
+        phase_triton._phase_increment_kernel = phase_kernel
     return launches
 
 
@@ -110,6 +113,15 @@ def run_every_wrapper(rotary_triton) -> None:
     rotary_triton.selective_rotary_decode_from_input_triton(
         x=randn(2, hidden, dtype=torch.bfloat16), down=randn(heads, 32, chunk), up=randn(heads, pairs, 32),
         gate_weight=randn(heads, hidden), gate_bias=randn(heads), conv_activation="silu", **steps)
+    # the phase increments (kernels/phase_triton.py): padded rows, and packed sequences after a cached history,
+    # without gate or bias
+    from selective_rope.kernels.phase_triton import phase_increment_triton
+
+    phase = dict(down=randn(heads, 32, chunk), up=randn(heads, pairs, 32), conv_weight=randn(heads * pairs, 4))
+    phase_increment_triton(randn(2, 64, hidden), **phase, conv_activation="silu", bias=randn(heads, pairs),
+                           gate_weight=randn(heads, hidden), gate_bias=randn(heads), lengths=torch.tensor([64, 9]))
+    phase_increment_triton(randn(1, seq_len, hidden), **phase, cu_seqlens=offsets,
+                           conv_state=randn(2, 3, heads * pairs, dtype=torch.float64))
 
 
 def signature(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict]:

@@ -135,11 +135,10 @@ def decode_step_triton(module: PhasePath, x, q, k, state, lengths, in_place=Fals
     writes the new phase and history into ``state``'s."""
     kernels = triton_rotary()
     valid = None if lengths is None else lengths > 0
-    if module.position_embedding == "rope":
+    if module.position_embedding == "rope":  # (the steps take q, k and x as they are: (B, 1, ...), no view)
         q_out, k_out, phase, _ = kernels.selective_rotary_decode_triton(
-            q[:, 0], k[:, 0], unit_step(x.device), module.temperature, phase=state.get("phase"), valid=valid,
-            in_place=in_place)
-        return q_out.unsqueeze(1), k_out.unsqueeze(1), rotary_state(phase, None)
+            q, k, unit_step(x.device), module.temperature, phase=state.get("phase"), valid=valid, in_place=in_place)
+        return q_out, k_out, rotary_state(phase, None)
     conv = module.phase_conv
     step_state = dict(
         phase=state.get("phase"),
@@ -152,13 +151,13 @@ def decode_step_triton(module: PhasePath, x, q, k, state, lengths, in_place=Fals
     )
     weights = module.fusable_phase_weights()
     step = None if weights is None else kernels.selective_rotary_decode_from_input_triton(
-        q[:, 0], k[:, 0], x[:, 0], *weights, module.temperature, **step_state)
+        q, k, x, *weights, module.temperature, **step_state)
     if step is None:
         projection, gate_logits = module.decode_phase_inputs(x)
-        step = kernels.selective_rotary_decode_triton(q[:, 0], k[:, 0], projection, module.temperature,
-                                                      gate_logits=gate_logits, **step_state)
+        step = kernels.selective_rotary_decode_triton(q, k, projection, module.temperature, gate_logits=gate_logits,
+                                                      **step_state)
     q_out, k_out, phase, conv_state = step
-    return q_out.unsqueeze(1), k_out.unsqueeze(1), rotary_state(phase, conv_state)
+    return q_out, k_out, rotary_state(phase, conv_state)
 
 
 @functools.lru_cache(maxsize=None)

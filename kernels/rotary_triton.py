@@ -53,8 +53,6 @@ from typing import NamedTuple
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .rotary_torch import TWO_PI
-
 # Inside try/except: transformers' remote-code loader requires every library a shipped file imports outside such
 # blocks, and this file travels with saved models while triton is optional (the caller falls back to torch).
 try:
@@ -117,19 +115,24 @@ def _sum0(x):
 
 
 @triton.jit
-def _turns_per_phase(temp_ptr, two_pi_ptr, rs, mask_r):
-    """``τ / 2π`` in float64, as ``rotary_torch.rotary_angles`` computes it: the float64 2π is read from memory (a
-    float constant in a Triton kernel is float32). Computed here rather than by two more launches per call."""
-    return tl.load(temp_ptr + rs, mask=mask_r, other=0.0).to(tl.float64) / tl.load(two_pi_ptr)
+def _turns_per_phase(temp_ptr, rs, mask_r):
+    """``τ / 2π`` in float64, as ``rotary_torch.rotary_angles`` computes it. The float64 2π is made by ``tl.full``
+    (a bare float literal in a Triton kernel is float32; ``tl.full`` keeps all 64 bits of it, the PTX holds
+    ``0d401921FB54442D18``), not read from memory: one launch argument less per kernel."""
+    two_pi = tl.full([], 6.283185307179586, tl.float64)
+    return tl.load(temp_ptr + rs, mask=mask_r, other=0.0).to(tl.float64) / two_pi
 
 
 @triton.jit
 def _angle(phase, turns_per_phase):
     """``τ θ`` reduced mod 2π: float64 ``phase`` and ``τ / 2π`` in, float32 angle in (-2π, 2π) out, computed as
-    ``rotary_torch.rotary_angles`` does (the 2π factor comes last, in float32: a float constant in a Triton kernel is
-    float32, so a float64 2π could not be written)."""
+    ``rotary_torch.rotary_angles`` does: the turns minus their integer part toward zero (``torch.frac``), then the 2π
+    factor in float32. The integer part is rounded in float64 (``floor`` of the magnitude: one ``cvt.rmi.f64.f64``),
+    not through 64-bit integers (a float64 -> int64 -> float64 round trip, two slow conversions per element): the
+    same value for every float64."""
     turns = phase * turns_per_phase
-    return (turns - turns.to(tl.int64).to(tl.float64)).to(tl.float32) * 6.283185307179586
+    whole = tl.floor(tl.abs(turns))
+    return (turns - tl.where(turns < 0, -whole, whole)).to(tl.float32) * 6.283185307179586
 
 
 @triton.jit
@@ -190,7 +193,7 @@ def _chunk_totals_kernel(
 
 @triton.jit
 def _selective_rotary_fwd_kernel(
-    q_ptr, k_ptr, inc_ptr, temp_ptr, two_pi_ptr, carry_ptr, oq_ptr, ok_ptr, final_ptr, cu_ptr,
+    q_ptr, k_ptr, inc_ptr, temp_ptr, carry_ptr, oq_ptr, ok_ptr, final_ptr, cu_ptr,
     T, Hk, G, R, D, NC, CR, CHUNK,
     sq_b, sq_t, sq_h, sq_d,
     sk_b, sk_t, sk_h, sk_d,
@@ -201,7 +204,7 @@ def _selective_rotary_fwd_kernel(
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     pid_nh, pid_r, pid_c, hk, b, start, end, rs, mask_r = _chunk_program(cu_ptr, T, Hk, R, CHUNK, IS_VARLEN, BLOCK_R)
-    turns = _turns_per_phase(temp_ptr, two_pi_ptr, rs, mask_r)
+    turns = _turns_per_phase(temp_ptr, rs, mask_r)
     if HAS_CARRY:  # the phase before this chunk: initial phase + the totals of the chunks before it
         carry = tl.load(carry_ptr + (pid_nh.to(tl.int64) * CR + pid_c) * R + rs, mask=mask_r, other=0.0)
     else:
@@ -259,7 +262,7 @@ def _selective_rotary_fwd_kernel(
 
 @triton.jit
 def _selective_rotary_bwd_kernel(
-    q_ptr, k_ptr, dyq_ptr, dyk_ptr, inc_ptr, temp_ptr, two_pi_ptr, carry_ptr, dfinal_ptr, cu_ptr,
+    q_ptr, k_ptr, dyq_ptr, dyk_ptr, inc_ptr, temp_ptr, carry_ptr, dfinal_ptr, cu_ptr,
     dq_ptr, dk_ptr, dinc_ptr, dsums_ptr, dtemp_ptr,
     T, Hk, G, R, D, NC, CR, CHUNK,
     sq_b, sq_t, sq_h, sq_d,
@@ -280,7 +283,7 @@ def _selective_rotary_bwd_kernel(
     Σ θ dangle (for d temperature) to a per-chunk partial."""
     pid_nh, pid_r, pid_c, hk, b, start, end, rs, mask_r = _chunk_program(cu_ptr, T, Hk, R, CHUNK, IS_VARLEN, BLOCK_R)
     temp = tl.load(temp_ptr + rs, mask=mask_r, other=0.0).to(tl.float32)
-    turns = _turns_per_phase(temp_ptr, two_pi_ptr, rs, mask_r)
+    turns = _turns_per_phase(temp_ptr, rs, mask_r)
     chunk_offs = (pid_nh.to(tl.int64) * NC + pid_c) * R + rs
     if HAS_CARRY:
         carry = tl.load(carry_ptr + (pid_nh.to(tl.int64) * CR + pid_c) * R + rs, mask=mask_r, other=0.0)
@@ -407,7 +410,7 @@ def _rotate_head(x_ptr, o_ptr, rs, mask_r, cos, sin, R, D, s_d, so_d,
 @triton.jit
 def _selective_rotary_decode_kernel(
     q_ptr, k_ptr, proj_ptr, gate_ptr,
-    temp_ptr, two_pi_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, valid_ptr,
+    temp_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, valid_ptr,
     oq_ptr, ok_ptr, ophase_ptr, oconv_ptr,
     Hk, G, R, D,
     sq_b, sq_h, sq_d,
@@ -432,7 +435,7 @@ def _selective_rotary_decode_kernel(
         gate = tl.load(gate_ptr + b * sg_b + hk * sg_h + rs * sg_r, mask=mask_r, other=0.0).to(tl.float64)
     _decode_steps(
         a, gate, pid, b, hk, rs, mask_r,
-        q_ptr, k_ptr, temp_ptr, two_pi_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, valid_ptr,
+        q_ptr, k_ptr, temp_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, valid_ptr,
         oq_ptr, ok_ptr, ophase_ptr, oconv_ptr,
         Hk, G, R, D, sq_b, sq_h, sq_d, sk_b, sk_h, sk_d, soq_b, soq_h, soq_d, sok_b, sok_h, sok_d,
         CONV_K, SILU, HAS_BIAS, HAS_GATE, HAS_VALID, HAS_PASS, BLOCK_R, BLOCK_P,
@@ -442,7 +445,7 @@ def _selective_rotary_decode_kernel(
 @triton.jit
 def _selective_rotary_decode_from_input_kernel(
     q_ptr, k_ptr, x_ptr, down_ptr, up_ptr, gw_ptr, gb_ptr,
-    temp_ptr, two_pi_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, valid_ptr,
+    temp_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, valid_ptr,
     oq_ptr, ok_ptr, ophase_ptr, oconv_ptr,
     Hk, G, R, D,
     sq_b, sq_h, sq_d,
@@ -468,7 +471,7 @@ def _selective_rotary_decode_from_input_kernel(
         gate = _per_head_gate_logit(row, gw_ptr, gb_ptr, hk, Hk, Dc, BLOCK_D)
     _decode_steps(
         a, gate, pid, b, hk, rs, mask_r,
-        q_ptr, k_ptr, temp_ptr, two_pi_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, valid_ptr,
+        q_ptr, k_ptr, temp_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, valid_ptr,
         oq_ptr, ok_ptr, ophase_ptr, oconv_ptr,
         Hk, G, R, D, sq_b, sq_h, sq_d, sk_b, sk_h, sk_d, soq_b, soq_h, soq_d, sok_b, sok_h, sok_d,
         CONV_K, SILU, HAS_BIAS, HAS_GATE, HAS_VALID, HAS_PASS, BLOCK_R, BLOCK_P,
@@ -478,7 +481,7 @@ def _selective_rotary_decode_from_input_kernel(
 @triton.jit
 def _decode_steps(
     a, gate, pid, b, hk, rs, mask_r,
-    q_ptr, k_ptr, temp_ptr, two_pi_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, valid_ptr,
+    q_ptr, k_ptr, temp_ptr, phase_ptr, conv_ptr, weight_ptr, bias_ptr, valid_ptr,
     oq_ptr, ok_ptr, ophase_ptr, oconv_ptr,
     Hk, G, R, D, sq_b, sq_h, sq_d, sk_b, sk_h, sk_d, soq_b, soq_h, soq_d, sok_b, sok_h, sok_d,
     CONV_K: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GATE: tl.constexpr,
@@ -526,7 +529,7 @@ def _decode_steps(
     # mod 2π, the rotation of the key head and of its query heads.
     phase = tl.load(phase_ptr + pid * R + rs, mask=mask_r, other=0.0).to(tl.float64) + c.to(tl.float32).to(tl.float64)
     tl.store(ophase_ptr + pid * R + rs, phase, mask=mask_r)
-    angle = _angle(phase, _turns_per_phase(temp_ptr, two_pi_ptr, rs, mask_r))
+    angle = _angle(phase, _turns_per_phase(temp_ptr, rs, mask_r))
     cos = tl.cos(angle)
     sin = tl.sin(angle)
     _rotate_head(k_ptr + b * sk_b + hk * sk_h, ok_ptr + b * sok_b + hk * sok_h, rs, mask_r, cos, sin, R, D,
@@ -595,13 +598,6 @@ def _per_head_gate_logit(row, gw_ptr, gb_ptr, hk, Hk, Dc, BLOCK_D: tl.constexpr)
 # --------------------------------------------------------------------------------------------------------------------
 def _num_seqs(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> int:
     return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-
-
-@functools.lru_cache(maxsize=None)
-def _two_pi(device: torch.device) -> torch.Tensor:
-    """2π in float64 on ``device``, for the kernels to divide the temperature by (made once per device, never
-    written; by a fill, not a copy from the host, which would synchronise)."""
-    return torch.full((1,), TWO_PI, dtype=torch.float64, device=device)
 
 
 # Programs wanted in flight on a GPU, per multiprocessor: one program per (sequence, key head) would leave most of an
@@ -685,7 +681,7 @@ def _rotary_forward_impl(
     num_key_heads, rotary_pairs = k.shape[2], temperature.shape[0]
     num_seqs = _num_seqs(q, cu_seqlens)
     # The kernels carry the phase in float64: a float32 initial phase (the op called directly) is widened here.
-    init = None if initial_phase is None else initial_phase.to(torch.float64).contiguous()
+    init = None if initial_phase is None else _as(initial_phase, torch.float64).contiguous()
     out_q, out_k = torch.empty_like(q), torch.empty_like(k)
     final = torch.empty(num_seqs, num_key_heads, rotary_pairs, dtype=torch.float64, device=q.device)
     if seq_len == 0 or num_seqs == 0 or rotary_pairs == 0:
@@ -696,7 +692,7 @@ def _rotary_forward_impl(
     plan = _plan(q, num_seqs, num_key_heads, rotary_pairs)
     carries = _chunk_carries(plan, increment, init, cu_seqlens)
     _selective_rotary_fwd_kernel[plan.grid](
-        q, k, increment, temperature.contiguous(), _two_pi(q.device), carries if carries is not None else final,
+        q, k, increment, temperature.contiguous(), carries if carries is not None else final,
         out_q, out_k, final, cu_seqlens if cu_seqlens is not None else final,
         seq_len, num_key_heads, num_query_heads // num_key_heads, rotary_pairs, head_dim, plan.grid[2],
         carries.shape[1] if carries is not None else 0, plan.chunk,
@@ -736,10 +732,10 @@ def _rotary_backward_impl(
     batch, seq_len, num_query_heads, head_dim = q.shape
     num_key_heads, rotary_pairs = k.shape[2], temperature.shape[0]
     num_seqs = _num_seqs(q, cu_seqlens)
-    init = None if initial_phase is None else initial_phase.to(torch.float64).contiguous()
+    init = None if initial_phase is None else _as(initial_phase, torch.float64).contiguous()
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dinc = torch.zeros(batch, seq_len, num_key_heads, rotary_pairs, dtype=torch.float32, device=q.device)
-    dfinal = None if grad_final is None else grad_final.float().reshape(-1, rotary_pairs)
+    dfinal = None if grad_final is None else _as(grad_final, torch.float32).reshape(-1, rotary_pairs)
     if seq_len == 0 or num_seqs == 0 or rotary_pairs == 0:
         dq.copy_(grad_q)
         dk.copy_(grad_k)
@@ -757,7 +753,7 @@ def _rotary_backward_impl(
     placeholder = dsums  # for pointers a disabled branch never reads
     cu = cu_seqlens if cu_seqlens is not None else placeholder
     _selective_rotary_bwd_kernel[plan.grid](
-        q, k, grad_q, grad_k, increment, temperature.contiguous(), _two_pi(q.device),
+        q, k, grad_q, grad_k, increment, temperature.contiguous(),
         carries if carries is not None else placeholder, dfinal if dfinal is not None else placeholder, cu,
         dq, dk, dinc, dsums, dtemp_partial,
         seq_len, num_key_heads, num_query_heads // num_key_heads, rotary_pairs, head_dim, chunks,
@@ -889,10 +885,12 @@ def selective_rotary_triton(
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
     # Broadcasts and casts happen here, outside the op, so that autograd reduces their gradients back to the shapes
     # and dtypes the caller passed (e.g. a (B, T, 1, 1) RoPE increment).
-    increment = increment.float().expand(batch, seq_len, num_key_heads, rotary_pairs)
+    # (``_as``: a cast to the dtype a tensor has is still a dispatched op, on the GPU host 10-25 us each)
+    increment = _as(increment, torch.float32).expand(batch, seq_len, num_key_heads, rotary_pairs)
     if initial_phase is not None:
-        initial_phase = initial_phase.double().expand(_num_seqs(q, cu_seqlens), num_key_heads, rotary_pairs)
-    temperature = temperature.float()
+        initial_phase = _as(initial_phase, torch.float64).expand(_num_seqs(q, cu_seqlens), num_key_heads,
+                                                                 rotary_pairs)
+    temperature = _as(temperature, torch.float32)
     inputs = (q, k, increment, temperature, initial_phase, cu_seqlens)
     if not _plain_eager_call(inputs):
         return _rotary_forward(*inputs)
@@ -927,7 +925,7 @@ def _rotary_decode_impl(
 def _decode_from_projection(q, k, projection, temperature, phase, conv_state, conv_weight, bias, gate_logits, valid,
                             silu: bool, in_place: bool):
     """``_launch_decode`` of the decode kernel that takes the phase inputs (both custom ops' function)."""
-    batch, num_key_heads, rotary_pairs = k.shape[0], k.shape[1], temperature.shape[0]
+    batch, num_key_heads, rotary_pairs = k.shape[0], k.shape[-2], temperature.shape[0]
     gate = projection if gate_logits is None else gate_logits.expand(batch, num_key_heads, rotary_pairs)
     return _launch_decode(_selective_rotary_decode_kernel, (projection, gate), (*projection.stride(), *gate.stride()),
                           {}, q, k, temperature, phase, conv_state, conv_weight, bias, valid, silu,
@@ -949,9 +947,10 @@ def _launch_decode(kernel, inputs: tuple, input_args: tuple, input_meta: dict, q
     with one program per (row, key head). Returns q, k, the new phase and the new history, as
     ``_rotary_decode_impl``. ``in_place``: the new phase and history are written into ``phase`` and ``conv_state``
     (contiguous, float64), which are returned: each program reads its own (row, head) slots before it writes them,
-    and history slot j before it writes slot j - 1."""
-    batch, num_query_heads, head_dim = q.shape
-    num_key_heads, rotary_pairs = k.shape[1], temperature.shape[0]
+    and history slot j before it writes slot j - 1. q and k are ``(B, H, D)`` or the layer's ``(B, 1, H, D)`` (no
+    view to make: on the GPU host each torch op costs 10-25 us per layer and step); the outputs have their shapes."""
+    batch, num_query_heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
+    num_key_heads, rotary_pairs = k.shape[-2], temperature.shape[0]
     out_q, out_k = torch.empty_like(q), torch.empty_like(k)
     conv_k = 0 if conv_weight is None else conv_weight.shape[-1]
     if in_place:
@@ -970,14 +969,15 @@ def _launch_decode(kernel, inputs: tuple, input_args: tuple, input_meta: dict, q
         return out_q, out_k, new_phase, new_conv
     placeholder = new_phase  # for pointers a disabled branch never reads
     kernel[(batch * num_key_heads,)](
-        q, k, *inputs, temperature.contiguous(), _two_pi(q.device), phase.contiguous(),
+        q, k, *inputs, temperature.contiguous(), phase.contiguous(),
         conv_state.contiguous() if conv_state is not None else placeholder,
         conv_weight.contiguous() if conv_weight is not None else placeholder,
         bias.contiguous() if bias is not None else placeholder,
         valid if valid is not None else placeholder,
         out_q, out_k, new_phase, new_conv,
         num_key_heads, num_query_heads // num_key_heads, rotary_pairs, head_dim,
-        *q.stride(), *k.stride(), *out_q.stride(), *out_k.stride(), *input_args,
+        *_row_head_dim_strides(q), *_row_head_dim_strides(k), *_row_head_dim_strides(out_q),
+        *_row_head_dim_strides(out_k), *input_args,
         CONV_K=conv_k, SILU=silu, HAS_BIAS=bias is not None, HAS_GATE=has_gate,
         HAS_VALID=valid is not None, HAS_PASS=head_dim > 2 * rotary_pairs,
         **_decode_blocks(rotary_pairs, head_dim), **input_meta,
@@ -990,7 +990,7 @@ _rotary_decode = torch.library.custom_op("selective_rope::rotary_decode", _rotar
 
 @_rotary_decode.register_fake
 def _(q, k, projection, temperature, phase, conv_state, conv_weight, bias, gate_logits, valid, silu):
-    batch, num_key_heads, rotary_pairs = k.shape[0], k.shape[1], temperature.shape[0]
+    batch, num_key_heads, rotary_pairs = k.shape[0], k.shape[-2], temperature.shape[0]
     conv_k = 0 if conv_weight is None else conv_weight.shape[-1]
     new_conv = q.new_empty(batch, max(conv_k - 1, 0), num_key_heads * rotary_pairs, dtype=torch.float64)
     new_phase = q.new_empty(batch, num_key_heads, rotary_pairs, dtype=torch.float64)
@@ -1025,6 +1025,11 @@ _rotary_decode_in_place = torch.library.custom_op("selective_rope::rotary_decode
 @_rotary_decode_in_place.register_fake
 def _(q, k, projection, temperature, phase, conv_state, conv_weight, bias, gate_logits, valid, silu):
     return torch.empty_like(q), torch.empty_like(k)
+
+
+def _row_head_dim_strides(x: torch.Tensor) -> tuple[int, int, int]:
+    """The strides of a decoding step's ``(B, H, D)`` or ``(B, 1, H, D)`` tensor along rows, heads and dims."""
+    return x.stride(0), x.stride(-2), x.stride(-1)
 
 
 def _writable(state: torch.Tensor | None) -> bool:
@@ -1071,7 +1076,8 @@ def selective_rotary_decode_triton(
     """One decoding step of Selective RoPE for every row, fused (SPEC §3 steps 3-8, in training order).
 
     Args:
-        q: ``(B, Hq, D)``; k: ``(B, Hk, D)``: this step's query and key, ``Hq % Hk == 0``.
+        q: ``(B, Hq, D)``; k: ``(B, Hk, D)``: this step's query and key, ``Hq % Hk == 0``; or both as the layer has
+            them, ``(B, 1, Hq, D)`` and ``(B, 1, Hk, D)`` (then so are the results).
         projection: ``(B, Hk, R)`` the phase projection ``P(u)`` of this step's input, float64 (any strides, e.g.
             the expanded output of the ``scalar`` projection).
         temperature: ``(R,)``.
@@ -1092,8 +1098,8 @@ def selective_rotary_decode_triton(
         ``(B, K-1, Hk*R)`` (``None`` without convolution), both float64. Not differentiable: for inference.
     """
     step = _step_inputs(q, k, temperature, phase, conv_state, conv_weight, conv_activation, bias, valid)
-    projection = projection.double().expand(*k.shape[:2], temperature.shape[-1])
-    gate_logits = None if gate_logits is None else gate_logits.double()
+    projection = _as(projection, torch.float64).expand(k.shape[0], k.shape[-2], temperature.shape[-1])
+    gate_logits = None if gate_logits is None else _as(gate_logits, torch.float64)
     inputs = (q, k, projection, step.temperature, step.phase, step.conv_state, step.conv_weight, step.bias,
               gate_logits, step.valid, step.silu)
     # The custom op's dispatch layers cost ~10 us, a good part of a decoding step's budget: plain eager calls skip them.
@@ -1130,7 +1136,7 @@ def selective_rotary_decode_from_input_triton(
     launch, ~10-25 per torch op) in every layer of every decoding step, which is host-bound: this is one launch.
 
     Args:
-        x: ``(B, Hk * Dc)`` this step's input (any float dtype; rows may be strided).
+        x: ``(B, Hk * Dc)`` or ``(B, 1, Hk * Dc)`` this step's input (any float dtype; rows may be strided).
         down: ``(Hk, rank, Dc)``; up: ``(Hk, R, rank)``: the projection's weights (any float dtype).
         gate_weight: ``(Hk, Hk * Dc)``; gate_bias: ``(Hk,)``: the per-head gate, or ``None`` for no gate.
         The rest: as ``selective_rotary_decode_triton``'s.
@@ -1143,8 +1149,10 @@ def selective_rotary_decode_from_input_triton(
                               bias, valid)):
         return None
     _check_phase_weights(x, down, up, gate_weight)
+    if x.shape[:-1] != q.shape[:-2]:
+        raise ValueError(f"x {tuple(x.shape)} and q {tuple(q.shape)} disagree: one input row per query row")
     step = _step_inputs(q, k, temperature, phase, conv_state, conv_weight, conv_activation, bias, valid)
-    x = x if x.stride(1) == 1 else x.contiguous()
+    x = x if x.stride(-1) == 1 else x.contiguous()
     chunk_dim, rank = down.shape[2], down.shape[1]
     gate = (x, x) if gate_weight is None else (gate_weight.contiguous(), gate_bias.contiguous())  # x: unread
     meta = _phase_blocks(chunk_dim, rank)
@@ -1173,10 +1181,12 @@ def _step_inputs(q, k, temperature, phase, conv_state, conv_weight, conv_activat
     float32 parameters, float64 state, ``valid`` as int32."""
     if conv_activation not in (None, "silu"):
         raise ValueError(f"unsupported activation {conv_activation!r}; expected None or 'silu'")
-    batch, num_key_heads = k.shape[:2]
+    batch, num_key_heads = k.shape[0], k.shape[-2]
     rotary_pairs = temperature.shape[-1]
-    if q.shape[1] % num_key_heads or 2 * rotary_pairs > q.shape[-1] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and R={rotary_pairs} disagree")
+    if (q.shape[-2] % num_key_heads or 2 * rotary_pairs > q.shape[-1] or q.shape[-1] != k.shape[-1]
+            or q.dim() != k.dim() or q.dim() not in (3, 4) or (q.dim() == 4 and (q.shape[1], k.shape[1]) != (1, 1))):
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and R={rotary_pairs} disagree: expected "
+                         "(B, Hq, D) and (B, Hk, D), or (B, 1, Hq, D) and (B, 1, Hk, D), with Hq % Hk == 0 and 2R <= D")
     if phase is None:
         phase = q.new_zeros(batch, num_key_heads, rotary_pairs, dtype=torch.float64)
     if conv_weight is not None and conv_state is None:

@@ -113,7 +113,8 @@ def check_labels(labels, input_ids, inputs_embeds, vocab_size: int, name: str = 
     _require_tensor(name, labels, expected)
     if labels.dtype not in (torch.int64, torch.int32) or labels.dim() != 2 or grid not in (None, labels.shape):
         raise ValueError(f"{name} must be {expected}; got {labels.dtype} of shape {tuple(labels.shape)}")
-    if labels.numel():  # (an empty input is refused by check_tokens, naming it)
+    # Values: in eager calls only (module docstring); an empty input is refused by check_tokens, naming it.
+    if labels.numel() and not torch.compiler.is_compiling():
         ignored = labels == IGNORE_INDEX  # left out of the range (all ignored: an empty range, which passes)
         limits = torch.iinfo(labels.dtype)
         extremes = torch.stack([labels.masked_fill(ignored, limits.max).min(),

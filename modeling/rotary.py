@@ -74,6 +74,10 @@ def rotary_temperature(kind: str, theta: float, rotary_dim: int, scale: float = 
     return (scale * tau).to(torch.float32)
 
 
+# F.normalize's default; a module constant, as torch.compile cannot trace a class attribute read in a Function
+NORMALIZE_EPS = 1e-12
+
+
 class L2NormalizeChunks(torch.autograd.Function):
     """``F.normalize(x, dim=-1)`` (``x / max(‖x‖, 1e-12)``, the same operations, so the same values) whose backward
     keeps only the result and the clamped norms.
@@ -84,15 +88,14 @@ class L2NormalizeChunks(torch.autograd.Function):
     where the norm is under the clamp, as ``clamp_min``'s gradient has it), equal to autograd's within float64
     rounding (tests/modeling/test_rotary.py)."""
 
-    EPS = 1e-12  # F.normalize's default
     generate_vmap_rule = True  # (torch.func transforms work through it too)
 
     @staticmethod
     def forward(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> ``u``, the clamped norms and where the norm is not clamped (the last two for the backward only)."""
         norm = x.norm(2, -1, keepdim=True)
-        denom = norm.clamp_min(L2NormalizeChunks.EPS)
-        return x / denom.expand_as(x), denom, norm >= L2NormalizeChunks.EPS
+        denom = norm.clamp_min(NORMALIZE_EPS)
+        return x / denom.expand_as(x), denom, norm >= NORMALIZE_EPS
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:

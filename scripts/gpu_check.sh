@@ -4,6 +4,12 @@
 #            (-m cuda: every family, fp32 and bf16, padding, cached decoding, generate, packing; -x). fla's kernels
 #            run their first configuration there (tests/autotuning.py), so nothing autotunes.
 #   suite    (not in the default) the rest of the default suite with the GPU visible.
+#   decode   (not in the default) where an eager decoding step's time goes, NoPE against Selective RoPE, 370M GLA and
+#            FoX (benchmarks/profile_decode_gpu.py; issue 46: GLA decodes at 2.28x NoPE although its rotary step is
+#            one fused launch, as FoX's). DECODE_LIMIT (default 150).
+#   host     (not in the default) this host's CPU time around our kernels with their launches stubbed: decoding
+#            steps, the op's and one layer's training forward + backward, and their launch and op counts
+#            (benchmarks/host_time_cpu.py).
 #   models   370M-class models (benchmarks/bench_models_gpu.py), one family at a time, each with its own time limit
 #            (MODELS_LIMIT seconds, default 120), in MODEL_FAMILIES' order (default "fox gla gated_deltanet"):
 #            NoPE / RoPE / Selective RoPE / NoPE again, training dense and packed, peak memory, eager decoding.
@@ -14,8 +20,13 @@
 #            GRAPHED_LAYERS, default 24: inductor compiles the whole step, minutes at 24 layers; GRAPHED_LIMIT).
 #   bench    the rotary op: eager, torch.compile, Triton (benchmarks/bench_rotary_gpu.py).
 #   profile  host against device time of one call (benchmarks/profile_rotary_gpu.py).
-#   module   one 370M FoX layer's Selective RoPE module in training: phase path against rotary op.
+#   module   one 370M FoX layer's Selective RoPE module in training: phase path against rotary op; forward only, the
+#            phase path's torch ops against kernels/phase_triton.py's one launch.
 #   sweep    the prefill kernels' tiles and warps (benchmarks/sweep_rotary_gpu.py).
+# Last, always: issue 46's targets read from what this call wrote (benchmarks/gpu_targets.py; training ratio, peak
+# memory, packing, the op's bandwidth at T >= 8k), into $OUT/log.txt.
+# Issue 46's call, in ~8 minutes: SECTIONS="tests decode host models bench module" MODEL_FAMILIES="fox gla"
+# DEADLINE_S=500 (decode and host run right after the tests, before the models).
 # Every section has its own time limit, cut to what is left of DEADLINE_S (seconds of work for the whole script, if
 # set), so one that hangs cannot take the others with it; a test failure is printed when it happens (pytest prints
 # failures at the end, which a time limit cuts off). Logs and JSON go to $OUT (at most 8 files, as many as a lent
@@ -108,6 +119,18 @@ pytest_in_tmp "$(limit 150)" "$OUT/pytest_suite.txt" -m "not slow and not cuda" 
 grep -h "^FAILED\|exit status\| passed\| failed" "$OUT/pytest_suite.txt" | tail -n 40
 fi
 
+if wanted decode; then
+step "eager decoding step of the 370M GLA and FoX: NoPE against Selective RoPE, host and device time, profiles"
+timeout "$(limit "${DECODE_LIMIT:-150}")" "$PYTHON" benchmarks/profile_decode_gpu.py --families gla fox \
+    --variants nope selective_rope --context 4096 --steps 20
+fi
+
+if wanted host; then
+step "host time around our kernels on this machine's CPU, launches stubbed: counts, then times"
+timeout "$(limit 40)" "$PYTHON" benchmarks/host_time_cpu.py --count
+timeout "$(limit 60)" "$PYTHON" benchmarks/host_time_cpu.py --rounds 10 --calls 50
+fi
+
 if wanted models; then
 step "370M-class models: training (dense, packed) and decoding, one family at a time"
 for family in ${MODEL_FAMILIES:-fox gla gated_deltanet}; do
@@ -148,6 +171,9 @@ if wanted sweep; then
 step "prefill kernels' tiles and warps"
 timeout "$(limit 90)" "$PYTHON" benchmarks/sweep_rotary_gpu.py
 fi
+
+step "issue 46's targets in this call's results"
+"$PYTHON" benchmarks/gpu_targets.py "$OUT"
 
 step "fla's autotuning results so far, for the next run (AUTOTUNE_ARCHIVE=...)"
 (cd "$TRITON_CACHE" 2>/dev/null && find . -name '*.autotune.json' | tar czf "$OUT/autotune.tgz" -T - \

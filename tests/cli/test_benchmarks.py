@@ -183,7 +183,8 @@ def test_the_host_time_script_times_every_case_in_its_own_process():
     done = subprocess.run([sys.executable, str(path), "--rounds", "2", "--calls", "1"], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    for case in ("decode rope", "decode selective_rope", "train eager autograd", "train custom op"):
+    for case in ("decode fox rope", "decode fox selective_rope", "decode gla rope", "decode gla selective_rope",
+                 "train eager autograd", "train custom op", "layer fox selective_rope"):
         assert f"  {case} " in done.stdout, done.stdout
 
 
@@ -229,3 +230,22 @@ def test_the_committed_performance_page_is_what_the_results_give():
     expected = performance_page.page()
     assert performance_page.PAGE.read_text() == expected, "run: python benchmarks/performance_page.py"
     assert "benchmarks/results/fox_vs_llama_cpu.json" in expected and "fox_selective" in expected
+
+
+def test_the_gpu_targets_script_reads_a_gpu_check_calls_results(tmp_path, capsys):
+    """``benchmarks/gpu_targets.py`` on the H200 results of 28 Nov 2026 (committed): FoX's figures as the lead read
+    them (0.739x NoPE, +9.8 GiB, packed 0.954x dense); a folder with nothing measured says so."""
+    spec = importlib.util.spec_from_file_location(
+        "gpu_targets", Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_targets.py")
+    gpu_targets = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_targets)
+    results = Path(__file__).resolve().parents[2] / "benchmarks/results/gpu/2026-11-28-h200/call1-c786278"
+    assert gpu_targets.main([str(results), "--output", str(tmp_path / "targets.json")]) == 0
+    targets = {t["target"]: (t["value"], t["met"]) for t in json.loads((tmp_path / "targets.json").read_text())}
+    assert targets["fox: Selective RoPE / NoPE training tokens/s"] == (0.7389, False)
+    assert targets["fox: Selective RoPE peak memory over NoPE's (GiB)"] == (9.82, False)
+    assert targets["fox: Selective RoPE packed / dense training tokens/s"] == (0.9539, True)
+    assert targets["gla: Selective RoPE / NoPE training tokens/s"] == (0.6921, False)
+    capsys.readouterr()
+    assert gpu_targets.main([str(tmp_path)]) == 0
+    assert "nothing measured" in capsys.readouterr().out

@@ -131,3 +131,13 @@ def _train_decode_generate(family, dynamic) -> None:
         torch.testing.assert_close(torch.cat(logits, dim=1), full, atol=1e-4, rtol=0)
         assert torch.equal(model.generate(ids[:, :4], max_new_tokens=4, do_sample=False, pad_token_id=0), generated)
 
+
+
+def test_a_training_forward_traces_without_graph_breaks(family):
+    """The input checks and the Selective RoPE module trace as one graph: a value check (``.tolist()`` on the labels)
+    and a class attribute read inside an autograd Function each broke the graph, with a warning at every compile.
+    ``torch._dynamo.explain`` traces without compiling, so this stays cheap."""
+    model = family.lm_class(family.config_class(**family.tiny, position_embedding="selective_rope")).train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    explanation = torch._dynamo.explain(model)(ids, labels=ids)
+    assert explanation.graph_break_count == 0, [reason.reason.splitlines()[0] for reason in explanation.break_reasons]

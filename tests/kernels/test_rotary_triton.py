@@ -13,6 +13,8 @@ import torch
 # Without a GPU, conftest.py has set TRITON_INTERPRET=1 (before triton was imported): the kernels run on CPU.
 pytest.importorskip("triton", reason="triton is not installed: the Triton rotary kernel cannot be tested")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from rotary_reference import HIDDEN, make_rotary, rotate_exactly  # noqa: E402
 
 from selective_rope.kernels import rotary_triton  # noqa: E402
@@ -114,6 +116,32 @@ def test_rope_matches_positions():
     x1, x2 = k[..., :half], k[..., half:]
     torch.testing.assert_close(out_k, torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1))
     torch.testing.assert_close(final, torch.full((1, 1, half), float(seq_len), dtype=torch.float64))
+
+
+@triton.jit
+def _angles_kernel(phase_ptr, temp_ptr, out_ptr, N, R, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr):
+    """``rotary_triton._angle`` of a (N, R) float64 phase: what every kernel computes before sin/cos."""
+    ns, rs = tl.arange(0, BLOCK), tl.arange(0, BLOCK_R)
+    mask_r = rs < R
+    mask = (ns < N)[:, None] & mask_r[None, :]
+    phase = tl.load(phase_ptr + ns[:, None] * R + rs[None, :], mask=mask, other=0.0)
+    turns = rotary_triton._turns_per_phase(temp_ptr, rs, mask_r)
+    tl.store(out_ptr + ns[:, None] * R + rs[None, :], rotary_triton._angle(phase, turns[None, :]), mask=mask)
+
+
+def test_the_kernels_reduce_angles_exactly_as_the_torch_path():
+    """The same float32 angle as ``rotary_angles`` for every phase, negative ones and ones of 10^4-10^7 turns too:
+    the integer part is taken toward zero, in float64 (a floor instead would move a negative angle by 2π, which the
+    rotation tests' tolerances would not see)."""
+    from selective_rope.kernels.rotary_torch import rotary_angles
+
+    phase = torch.cat([torch.randn(8, 5) * scale for scale in (1.0, 1e3, 1e5, 1e7)]).double()
+    phase[0, 0], phase[1, 1] = 0.0, -0.0
+    temperature = torch.tensor([1.0, 0.3, 1e-3, 2.5, 500000.0 ** -0.5])
+    out = torch.empty(phase.shape, dtype=torch.float32)
+    _angles_kernel[(1,)](phase, temperature, out, phase.shape[0], phase.shape[1], BLOCK=32, BLOCK_R=8)
+    expected = rotary_angles(phase, temperature)
+    assert (expected < 0).any() and torch.equal(out, expected)
 
 
 def test_bf16_inputs():
@@ -388,11 +416,12 @@ def test_opcheck_forward_and_backward():
 
 
 class _LaunchRecorder:
-    """Stands in for a Triton kernel: records the dtype of one argument of each launch (when ``flag`` is set), then
-    launches the kernel."""
+    """Stands in for a Triton kernel: records the dtype of one argument of each launch, named ``argument`` (when
+    ``flag`` is set), then launches the kernel."""
 
-    def __init__(self, kernel, name, index, flag, seen):
-        self.kernel, self.name, self.index, self.flag, self.seen = kernel, name, index, flag, seen
+    def __init__(self, kernel, name, argument, flag, seen):
+        self.kernel, self.name, self.flag, self.seen = kernel, name, flag, seen
+        self.index = kernel.arg_names.index(argument)
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
@@ -413,9 +442,11 @@ def test_the_op_widens_a_float32_initial_phase(monkeypatch, several_chunks):
     monkeypatch.setattr(rotary_triton, "_config", lambda r, p: {**base(r, p), "BLOCK_T": 16})
     monkeypatch.setattr(rotary_triton, "_chunk_tiles", lambda *args: 1 if several_chunks else 3)
     seen = []
-    for name, index, flag in (("_chunk_totals_kernel", 1, "HAS_INIT"), ("_selective_rotary_fwd_kernel", 4, "HAS_CARRY"),
-                              ("_selective_rotary_bwd_kernel", 7, "HAS_CARRY")):
-        monkeypatch.setattr(rotary_triton, name, _LaunchRecorder(getattr(rotary_triton, name), name, index, flag, seen))
+    for name, argument, flag in (("_chunk_totals_kernel", "init_ptr", "HAS_INIT"),
+                                 ("_selective_rotary_fwd_kernel", "carry_ptr", "HAS_CARRY"),
+                                 ("_selective_rotary_bwd_kernel", "carry_ptr", "HAS_CARRY")):
+        monkeypatch.setattr(rotary_triton, name, _LaunchRecorder(getattr(rotary_triton, name), name, argument, flag,
+                                                                 seen))
     q, k, increment, temperature, phase0 = make_inputs(1, 40, 2, 1, 8, 3)
     weights = [torch.randn(q.shape), torch.randn(k.shape), torch.randn(phase0.shape)]
     results = []
@@ -724,6 +755,36 @@ def test_decode_from_input_matches_the_modules(heads, chunk_dim, rank, pairs, ga
     torch.testing.assert_close(actual[3], expected[3], rtol=1e-13, atol=1e-13)
     torch.testing.assert_close(actual[3][[0, 2], -1].view(2, heads, pairs), inputs[0][[0, 2]], rtol=1e-13,
                                atol=1e-13)
+
+
+@pytest.mark.parametrize("entry", ["projection", "from_input"])
+def test_decode_steps_take_the_layers_tensors_as_they_are(entry):
+    """q ``(B, 1, Hq, D)``, k ``(B, 1, Hk, D)`` and x ``(B, 1, D)``, as a layer has them (no view to make per layer
+    and step): the results of the ``(B, H, D)`` call, with the time axis; any other shape is refused by name."""
+    inputs = decode_inputs(head_dim=8)
+    if entry == "from_input":
+        x, down, up = torch.randn(3, 2 * 6), torch.randn(2, 3, 6), torch.randn(2, 4, 3)
+        gate = torch.randn(2, 12), torch.randn(2)
+
+        def call(q, k, x=x, **rest):
+            return rotary_triton.selective_rotary_decode_from_input_triton(
+                q, k, x, down, up, *gate, rest["temperature"], phase=rest["phase"], conv_state=rest["conv_state"],
+                conv_weight=rest["conv_weight"], bias=rest["bias"], valid=rest["valid"])
+    else:
+        x = None
+
+        def call(q, k, x=None, **rest):
+            return selective_rotary_decode_triton(q, k, **rest)
+    rest = {n: v for n, v in inputs.items() if n not in ("q", "k")}
+    flat = call(inputs["q"], inputs["k"], **rest)
+    timed = call(inputs["q"][:, None], inputs["k"][:, None], **({} if x is None else {"x": x[:, None]}), **rest)
+    assert timed[0].shape == (3, 1, 4, 8) and timed[1].shape == (3, 1, 2, 8)
+    for a, e in zip((timed[0][:, 0], timed[1][:, 0], *timed[2:]), flat):
+        assert torch.equal(a, e)
+    with pytest.raises(ValueError, match="disagree"):
+        call(torch.randn(3, 2, 4, 8), torch.randn(3, 2, 2, 8), **rest)
+    with pytest.raises(ValueError, match="disagree"):
+        call(inputs["q"][:, None], inputs["k"], **rest)
 
 
 def _with_fresh_state(inputs):
