@@ -193,11 +193,11 @@ def test_trainer_with_lora_and_activation_checkpointing(tmp_path):
     assert not unchanged, f"adapters that did not learn: {unchanged[:4]}"
 
 
-def test_the_readme_lora_snippet_runs_as_written(tmp_path, monkeypatch):
-    """The README's LoRA block, executed as it stands: the adapter is a causal-LM one, so AutoPeftModelForCausalLM
+def test_the_documented_lora_snippet_runs_as_written(tmp_path, monkeypatch):
+    """docs/training.md's LoRA block, executed as it stands: the adapter is a causal-LM one, so AutoPeftModelForCausalLM
     reloads it onto the recorded base model, and merging gives our class back (equal to the base: nothing trained)."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "AutoPeftModelForCausalLM" in b]
+    page = (Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", page, re.S) if "AutoPeftModelForCausalLM" in b]
     assert len(blocks) == 1
     family = FAMILIES["gla"]
     monkeypatch.chdir(tmp_path)
