@@ -27,6 +27,7 @@ keep our ops' conventions: the default query scale ``D^-0.5``, log-space decays,
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
@@ -150,8 +151,13 @@ def fla_refuses_gated_delta_backward() -> bool:
         from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
     except ImportError:  # an fla without the check
         return False
-    tilelang = importlib.util.find_spec("tilelang") is not None
-    return IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1 and not tilelang
+    return IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1 and not _tilelang_installed()
+
+
+@functools.cache
+def _tilelang_installed() -> bool:
+    """Looked up once: the question is asked on every training call of the gated delta rule on CUDA."""
+    return importlib.util.find_spec("tilelang") is not None
 
 
 def keeps_packed(backend: str, device: torch.device | str) -> bool:
