@@ -33,6 +33,7 @@ def first_candidates() -> list[str]:
 def saved_or_first_configuration():
     check_disk_cache = autotuner.Autotuner.check_disk_cache
     run = autotuner.Autotuner.run
+    switched_on = []  # the autotuners whose ``cache_results`` was off: set back when the context ends
 
     def saved_or_first(self, tuning_key, configs, bench_fn):
         def first_candidate():
@@ -47,7 +48,9 @@ def saved_or_first_configuration():
             return False
 
     def run_with_cache_lookup(self, *args, **kwargs):
-        self.cache_results = True  # a kernel made without ``cache_results`` would otherwise benchmark every candidate
+        if not self.cache_results:  # a kernel made without ``cache_results`` would otherwise benchmark every candidate
+            self.cache_results = True
+            switched_on.append(self)
         return run(self, *args, **kwargs)
 
     autotuner.Autotuner.check_disk_cache = saved_or_first
@@ -57,3 +60,5 @@ def saved_or_first_configuration():
     finally:
         autotuner.Autotuner.check_disk_cache = check_disk_cache
         autotuner.Autotuner.run = run
+        for tuner in switched_on:
+            tuner.cache_results = False

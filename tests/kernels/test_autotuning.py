@@ -98,3 +98,4 @@ def test_benchmarks_run_the_saved_choice_or_the_first_candidate_and_never_autotu
     assert timed == [] and first_candidates() == ["_copy"]
     assert len(disk) == 1  # nothing written for the pinned choice
     assert autotuner.Autotuner.check_disk_cache is check_disk_cache  # restored
+    assert _copy.cache_results is False  # as the kernel was made (here: as the test set it)
