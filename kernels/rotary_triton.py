@@ -136,6 +136,34 @@ def _angle(phase, turns_per_phase):
 
 
 @triton.jit
+def _sincos(angle):
+    """``(sin, cos)`` of a float32 angle in (-2π, 2π): what ``tl.sin`` and ``tl.cos`` give on a GPU (libdevice's
+    ``sinf`` / ``cosf``), bit for bit, with one range reduction for both instead of two and without their slow path.
+    Each of those reduces by π/2 in three fma steps, unless ``|x| >= 105615``, where a Payne-Hanek reduction in local
+    memory runs instead: never here, but it held a stack frame and registers in every tile loop. The constants are
+    libdevice's (read from the PTX Triton 3.6 and 3.9 emit for ``tl.sin``), every step an fma as there, the quadrant
+    rounded half to even as its ``cvt.rni``. One difference: libdevice flushes a subnormal angle (below 2^-126) to
+    zero, this keeps it. Under the interpreter, so the tests and the decoding kernels see what a GPU computes."""
+    # q = rint(angle * 2/π): the product rounded first (an fma with a zero addend, so the compiler cannot fuse it into
+    # the rounding's addition), then to an integer by adding and subtracting 1.5 * 2^23 (exact for |q| < 2^22)
+    q = (tl.fma(angle, 0.636619747, 0.0) + 12582912.0) - 12582912.0
+    r = tl.fma(q, -1.57079625, angle)  # angle - q π/2, π/2 in three parts
+    r = tl.fma(q, -7.54978942e-08, r)
+    r = tl.fma(q, -5.39030295e-15, r)
+    r2 = r * r
+    odd = q.to(tl.int32)
+    sine = tl.fma(tl.fma(tl.fma(-0.000195746587, r2, 0.00833270326), r2, -0.166666627), tl.fma(r2, r, 0.0), r)
+    cosine = tl.fma(tl.fma(tl.fma(tl.fma(2.42795795e-05, r2, -0.00138878601), r2, 0.0416667275), r2, -0.49999997),
+                    r2, 1.0)
+    sin = tl.where((odd & 1) != 0, cosine, sine)
+    cos = tl.where((odd & 1) != 0, sine, cosine)
+    # the sign of quadrants 2-3 (cos: of the next quadrant), as libdevice's fma(x, -1, 0): 0 - x, +0 for x = 0
+    sin = tl.where((odd & 2) != 0, 0.0 - sin, sin)
+    cos = tl.where(((odd + 1) & 2) != 0, 0.0 - cos, cos)
+    return sin, cos
+
+
+@triton.jit
 def _span(n, cu_ptr, T, IS_VARLEN: tl.constexpr):
     """(batch row, first token, end token) of sequence ``n``."""
     if IS_VARLEN:
@@ -220,9 +248,7 @@ def _selective_rotary_fwd_kernel(
         inc = tl.load(inc_base + ts[:, None] * si_t + rs[None, :] * si_r, mask=mask, other=0.0).to(tl.float64)
         phase = _cumsum(inc, False) + carry[None, :]
         carry += _sum0(inc)
-        angle = _angle(phase, turns[None, :])
-        cos = tl.cos(angle)
-        sin = tl.sin(angle)
+        sin, cos = _sincos(_angle(phase, turns[None, :]))
 
         # key head
         p1 = k_base + ts[:, None] * sk_t + rs[None, :] * sk_d
@@ -284,7 +310,6 @@ def _selective_rotary_bwd_kernel(
     pid_nh, pid_r, pid_c, hk, b, start, end, rs, mask_r = _chunk_program(cu_ptr, T, Hk, R, CHUNK, IS_VARLEN, BLOCK_R)
     temp = tl.load(temp_ptr + rs, mask=mask_r, other=0.0).to(tl.float32)
     turns = _turns_per_phase(temp_ptr, rs, mask_r)
-    chunk_offs = (pid_nh.to(tl.int64) * NC + pid_c) * R + rs
     if HAS_CARRY:
         carry = tl.load(carry_ptr + (pid_nh.to(tl.int64) * CR + pid_c) * R + rs, mask=mask_r, other=0.0)
     else:
@@ -301,9 +326,7 @@ def _selective_rotary_bwd_kernel(
         inc = tl.load(inc_base + ts[:, None] * si_t + rs[None, :] * si_r, mask=mask, other=0.0).to(tl.float64)
         phase = _cumsum(inc, False) + carry[None, :]
         carry += _sum0(inc)
-        angle = _angle(phase, turns[None, :])
-        cos = tl.cos(angle)
-        sin = tl.sin(angle)
+        sin, cos = _sincos(_angle(phase, turns[None, :]))
 
         # key head: y = rot(x); dangle = dy2 * y1 - dy1 * y2; dx = rot(-angle)(dy)
         p1 = k_ptr + b * sk_b + hk * sk_h + ts[:, None] * sk_t + rs[None, :] * sk_d
@@ -359,7 +382,8 @@ def _selective_rotary_bwd_kernel(
         else:
             last = tl.full([BLOCK_R], 0.0, tl.float32)
         tl.store(dsums_ptr + row * R + rs, last, mask=mask_r)
-    tl.store(dtemp_ptr + chunk_offs, dtemp_acc.to(tl.float32), mask=mask_r)  # zeros unless NEED_DTEMP
+    tl.store(dtemp_ptr + (pid_nh.to(tl.int64) * NC + pid_c) * R + rs, dtemp_acc.to(tl.float32),
+             mask=mask_r)  # zeros unless NEED_DTEMP
 
 
 @triton.jit
@@ -529,9 +553,7 @@ def _decode_steps(
     # mod 2π, the rotation of the key head and of its query heads.
     phase = tl.load(phase_ptr + pid * R + rs, mask=mask_r, other=0.0).to(tl.float64) + c.to(tl.float32).to(tl.float64)
     tl.store(ophase_ptr + pid * R + rs, phase, mask=mask_r)
-    angle = _angle(phase, _turns_per_phase(temp_ptr, rs, mask_r))
-    cos = tl.cos(angle)
-    sin = tl.sin(angle)
+    sin, cos = _sincos(_angle(phase, _turns_per_phase(temp_ptr, rs, mask_r)))
     _rotate_head(k_ptr + b * sk_b + hk * sk_h, ok_ptr + b * sok_b + hk * sok_h, rs, mask_r, cos, sin, R, D,
                  sk_d, sok_d, HAS_PASS, BLOCK_P)
     for g in range(G):
