@@ -220,6 +220,24 @@ def _chunk_totals_kernel(
 
 
 @triton.jit
+def _copy_pass_through(x_ptr, o_ptr, b, h0, heads, start, end, R, D, sx_b, sx_t, sx_h, sx_d, so_b, so_t, so_h, so_d,
+                       BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Copy the dims ``>= 2R`` (no frequency rotates them) of tokens [start, end) of heads [h0, h0 + heads) of batch
+    row ``b`` from ``x`` to ``o``, in ``o``'s dtype. Its own loop, after the rotation's: inside that loop its tiles
+    and pointers were live registers in every tile of every program, for a copy only one program in R's blocks does."""
+    for h in range(h0, h0 + heads):
+        x_base = x_ptr + b * sx_b + h * sx_h
+        o_base = o_ptr + b * so_b + h * so_h
+        for t0 in range(start, end, BLOCK_T):
+            ts = t0 + tl.arange(0, BLOCK_T)
+            for p0 in range(2 * R, D, BLOCK_P):
+                ds = p0 + tl.arange(0, BLOCK_P)
+                mask = (ts < end)[:, None] & (ds < D)[None, :]
+                x = tl.load(x_base + ts[:, None] * sx_t + ds[None, :] * sx_d, mask=mask, other=0.0)
+                tl.store(o_base + ts[:, None] * so_t + ds[None, :] * so_d, x.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _selective_rotary_fwd_kernel(
     q_ptr, k_ptr, inc_ptr, temp_ptr, carry_ptr, oq_ptr, ok_ptr, final_ptr, cu_ptr,
     T, Hk, G, R, D, NC, CR, CHUNK,
@@ -267,20 +285,12 @@ def _selective_rotary_fwd_kernel(
             tl.store(o1, (x1 * cos - x2 * sin).to(oq_ptr.dtype.element_ty), mask=mask)
             tl.store(o1 + R * soq_d, (x1 * sin + x2 * cos).to(oq_ptr.dtype.element_ty), mask=mask)
 
-        if HAS_PASS:  # dims >= 2R are copied by the first frequency block only
-            if pid_r == 0:
-                for p0 in range(2 * R, D, BLOCK_P):
-                    ds = p0 + tl.arange(0, BLOCK_P)
-                    pmask = mask_t[:, None] & (ds < D)[None, :]
-                    x = tl.load(k_base + ts[:, None] * sk_t + ds[None, :] * sk_d, mask=pmask, other=0.0)
-                    tl.store(ok_base + ts[:, None] * sok_t + ds[None, :] * sok_d,
-                             x.to(ok_ptr.dtype.element_ty), mask=pmask)
-                    for g in range(G):
-                        hq = hk * G + g
-                        x = tl.load(q_ptr + b * sq_b + hq * sq_h + ts[:, None] * sq_t + ds[None, :] * sq_d,
-                                    mask=pmask, other=0.0)
-                        tl.store(oq_ptr + b * soq_b + hq * soq_h + ts[:, None] * soq_t + ds[None, :] * soq_d,
-                                 x.to(oq_ptr.dtype.element_ty), mask=pmask)
+    if HAS_PASS:  # dims >= 2R: copied by the first frequency block only, outside the rotation's tile loop
+        if pid_r == 0:
+            _copy_pass_through(k_ptr, ok_ptr, b, hk, 1, start, end, R, D, sk_b, sk_t, sk_h, sk_d,
+                               sok_b, sok_t, sok_h, sok_d, BLOCK_T, BLOCK_P)
+            _copy_pass_through(q_ptr, oq_ptr, b, hk * G, G, start, end, R, D, sq_b, sq_t, sq_h, sq_d,
+                               soq_b, soq_t, soq_h, soq_d, BLOCK_T, BLOCK_P)
 
     if pid_c == NC - 1:  # the last chunk (of the longest sequence: past a shorter one's end, it carries its total)
         tl.store(final_ptr + pid_nh.to(tl.int64) * R + rs, carry, mask=mask_r)
@@ -358,21 +368,12 @@ def _selective_rotary_bwd_kernel(
             dtemp_acc += _sum0(tl.where(mask, phase * dangle.to(tl.float64), 0.0))
         tl.store(dinc_base + ts[:, None] * sdi_t + rs[None, :], dphase, mask=mask)
 
-        if HAS_PASS:  # pass-through dims: the gradient is copied by the first frequency block only
-            if pid_r == 0:
-                for p0 in range(2 * R, D, BLOCK_P):
-                    ds = p0 + tl.arange(0, BLOCK_P)
-                    pmask = mask_t[:, None] & (ds < D)[None, :]
-                    dy = tl.load(dyk_ptr + b * sdyk_b + hk * sdyk_h + ts[:, None] * sdyk_t + ds[None, :] * sdyk_d,
-                                 mask=pmask, other=0.0)
-                    tl.store(dk_ptr + b * sdk_b + hk * sdk_h + ts[:, None] * sdk_t + ds[None, :] * sdk_d,
-                             dy.to(dk_ptr.dtype.element_ty), mask=pmask)
-                    for g in range(G):
-                        hq = hk * G + g
-                        dy = tl.load(dyq_ptr + b * sdyq_b + hq * sdyq_h + ts[:, None] * sdyq_t
-                                     + ds[None, :] * sdyq_d, mask=pmask, other=0.0)
-                        tl.store(dq_ptr + b * sdq_b + hq * sdq_h + ts[:, None] * sdq_t + ds[None, :] * sdq_d,
-                                 dy.to(dq_ptr.dtype.element_ty), mask=pmask)
+    if HAS_PASS:  # pass-through dims: the gradient is copied by the first frequency block only
+        if pid_r == 0:
+            _copy_pass_through(dyk_ptr, dk_ptr, b, hk, 1, start, end, R, D, sdyk_b, sdyk_t, sdyk_h, sdyk_d,
+                               sdk_b, sdk_t, sdk_h, sdk_d, BLOCK_T, BLOCK_P)
+            _copy_pass_through(dyq_ptr, dq_ptr, b, hk * G, G, start, end, R, D, sdyq_b, sdyq_t, sdyq_h, sdyq_d,
+                               sdq_b, sdq_t, sdq_h, sdq_d, BLOCK_T, BLOCK_P)
 
     row = pid_nh.to(tl.int64) * (NC + 1)
     tl.store(dsums_ptr + (row + NC - pid_c) * R + rs, dphase_total, mask=mask_r)
