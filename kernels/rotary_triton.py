@@ -18,8 +18,9 @@ Backward, same grid, two kernels: a forward walk over each chunk (from pass 1's 
 writes ``dq``/``dk`` (the inverse rotation of the incoming gradients) and the per-position
 ``dθ_t = τ · Σ_heads (dy_2 · y_1 − dy_1 · y_2)`` (summed over the query heads of the group inside the program) and
 the chunk's Σ dθ; then a reverse walk over each chunk turns ``dθ`` into ``d(increment)_s = Σ_{t>=s} dθ_t
-(+ d final phase)``, starting from the later chunks' sums. ``d(initial_phase)`` is the total and ``d(temperature)``
-is reduced from per-chunk partials in PyTorch (no atomics).
+(+ d final phase)``, starting from the later chunks' sums: in the same program, after a barrier, where each
+sequence is one chunk (one launch), else in a second kernel. ``d(initial_phase)`` is the total and
+``d(temperature)`` is reduced from per-chunk partials in PyTorch (no atomics).
 
 **Decode** (``selective_rotary_decode_triton``): one token per row, one program per (row, key head). From the phase
 projection ``a`` it does SPEC §3 steps 3-8 in training order: the causal convolution over the cached history (then
@@ -316,7 +317,7 @@ def _selective_rotary_bwd_kernel(
     gradients back, and write dθ_t (summed over the key head and its query heads) into the d(increment) buffer. The
     chunk's Σ dθ goes to slot ``NC - chunk`` of a ``(N * Hk, NC + 1, R)`` buffer whose slot 0 gets the final phase's
     gradient, so that one cumulative sum over the slots gives what reaches each chunk from later in time; its
-    Σ θ dangle (for d temperature) to a per-chunk partial."""
+    Σ θ dangle (for d temperature) to a per-chunk partial. With one chunk a sequence it also does walk 2."""
     pid_nh, pid_r, pid_c, hk, b, start, end, rs, mask_r = _chunk_program(cu_ptr, T, Hk, R, CHUNK, IS_VARLEN, BLOCK_R)
     temp = tl.load(temp_ptr + rs, mask=mask_r, other=0.0).to(tl.float32)
     turns = _turns_per_phase(temp_ptr, rs, mask_r)
@@ -375,16 +376,23 @@ def _selective_rotary_bwd_kernel(
             _copy_pass_through(dyq_ptr, dq_ptr, b, hk * G, G, start, end, R, D, sdyq_b, sdyq_t, sdyq_h, sdyq_d,
                                sdq_b, sdq_t, sdq_h, sdq_d, BLOCK_T, BLOCK_P)
 
-    row = pid_nh.to(tl.int64) * (NC + 1)
-    tl.store(dsums_ptr + (row + NC - pid_c) * R + rs, dphase_total, mask=mask_r)
-    if pid_c == 0:
-        if HAS_DFINAL:
-            last = tl.load(dfinal_ptr + pid_nh.to(tl.int64) * R + rs, mask=mask_r, other=0.0)
-        else:
-            last = tl.full([BLOCK_R], 0.0, tl.float32)
-        tl.store(dsums_ptr + row * R + rs, last, mask=mask_r)
     tl.store(dtemp_ptr + (pid_nh.to(tl.int64) * NC + pid_c) * R + rs, dtemp_acc.to(tl.float32),
              mask=mask_r)  # zeros unless NEED_DTEMP
+    row = pid_nh.to(tl.int64) * (NC + 1)
+    if HAS_DFINAL:
+        last = tl.load(dfinal_ptr + pid_nh.to(tl.int64) * R + rs, mask=mask_r, other=0.0)
+    else:
+        last = tl.full([BLOCK_R], 0.0, tl.float32)
+    if NC == 1:
+        # One chunk a sequence (a plan whose programs fill the device): walk 2 here, not in a second launch. Slot 1
+        # gets d initial phase, what the cumulative sum of the slots would give (d final phase + the chunk's Σ dθ).
+        tl.store(dsums_ptr + (row + 1) * R + rs, last + dphase_total, mask=mask_r)
+        tl.debug_barrier()  # this program's dθ stores, seen by all its threads
+        _suffix_walk(dinc_base, last, start, end, sdi_t, rs, mask_r, BLOCK_T)
+    else:
+        tl.store(dsums_ptr + (row + NC - pid_c) * R + rs, dphase_total, mask=mask_r)
+        if pid_c == 0:
+            tl.store(dsums_ptr + row * R + rs, last, mask=mask_r)
 
 
 @triton.jit
@@ -394,12 +402,18 @@ def _suffix_sum_kernel(
     sdi_b, sdi_t, sdi_h,
     IS_VARLEN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """Backward walk 2, reverse in time over one chunk, in place over the dθ buffer:
-    d(increment)_s = Σ_{t>=s in the chunk} dθ_t + (Σ dθ of the later chunks + d final phase)."""
+    """Backward walk 2 over one chunk of several (with one, the backward kernel walks it): ``_suffix_walk`` from
+    what reaches the chunk from later in time."""
     pid_nh, pid_r, pid_c, hk, b, start, end, rs, mask_r = _chunk_program(cu_ptr, T, Hk, R, CHUNK, IS_VARLEN, BLOCK_R)
     # slot NC - 1 - chunk of the cumulative sums: d final phase + Σ dθ of the chunks after this one
     suffix = tl.load(suffix_ptr + (pid_nh.to(tl.int64) * (NC + 1) + NC - 1 - pid_c) * R + rs, mask=mask_r, other=0.0)
-    dinc_base = dinc_ptr + b * sdi_b + hk * sdi_h
+    _suffix_walk(dinc_ptr + b * sdi_b + hk * sdi_h, suffix, start, end, sdi_t, rs, mask_r, BLOCK_T)
+
+
+@triton.jit
+def _suffix_walk(dinc_base, suffix, start, end, sdi_t, rs, mask_r, BLOCK_T: tl.constexpr):
+    """Reverse in time over tokens [start, end), in place over the dθ buffer:
+    d(increment)_s = Σ_{t>=s in [start, end)} dθ_t + suffix (Σ dθ of the later chunks + d final phase)."""
     num_tiles = tl.maximum(end - start + BLOCK_T - 1, 0) // BLOCK_T
     for i in range(0, num_tiles):
         ts = start + (num_tiles - 1 - i) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -788,13 +802,14 @@ def _rotary_backward_impl(
         BLOCK_T=plan.cfg["BLOCK_T"], BLOCK_R=plan.cfg["BLOCK_R"], BLOCK_P=plan.cfg["BLOCK_P"],
         num_warps=plan.cfg["num_warps"],
     )
-    suffixes = dsums.cumsum_(dim=1)
-    _suffix_sum_kernel[plan.grid](
-        dinc, suffixes, cu, seq_len, num_key_heads, rotary_pairs, chunks, plan.chunk, *dinc.stride()[:3],
-        IS_VARLEN=cu_seqlens is not None,
-        BLOCK_T=plan.cfg["BLOCK_T"], BLOCK_R=plan.cfg["BLOCK_R"], num_warps=plan.cfg["num_warps"],
-    )
-    dinit = suffixes[:, chunks].double().view(num_seqs, num_key_heads, rotary_pairs)
+    if chunks > 1:  # (with one chunk the kernel walked it back and wrote d initial phase into slot 1)
+        dsums.cumsum_(dim=1)
+        _suffix_sum_kernel[plan.grid](
+            dinc, dsums, cu, seq_len, num_key_heads, rotary_pairs, chunks, plan.chunk, *dinc.stride()[:3],
+            IS_VARLEN=cu_seqlens is not None,
+            BLOCK_T=plan.cfg["BLOCK_T"], BLOCK_R=plan.cfg["BLOCK_R"], num_warps=plan.cfg["num_warps"],
+        )
+    dinit = dsums[:, chunks].double().view(num_seqs, num_key_heads, rotary_pairs)
     return dq, dk, dinc, dtemp_partial.sum(dim=(0, 1)), dinit
 
 
