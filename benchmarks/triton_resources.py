@@ -39,12 +39,16 @@ from pathlib import Path
 import torch
 
 ARCH = "sm_90a"  # what Triton targets for compute capability 9.0 (H100, H200)
-SWEEP = [(block_t, block_r, warps) for block_t in (16, 32) for block_r in (32, 64) for warps in (4, 8)]
+# (BLOCK_T, BLOCK_R, warps, pipeline stages of the tile loop): every tile shape unpipelined, and the two fastest of
+# run 4 pipelined
+SWEEP = ([(block_t, block_r, warps, 1) for block_t in (16, 32) for block_r in (32, 64) for warps in (4, 8)]
+         + [(32, 32, 4, 2), (32, 32, 4, 3), (32, 64, 4, 2)])
 
 
 def record_launches(config: dict | None = None) -> list[tuple[str, object, tuple, dict]]:
     """(kernel name, kernel, args, kwargs) of every launch of one prefill forward + backward, one decode step and
-    one decode phase-input call, with ``config`` (BLOCK_T, BLOCK_R, num_warps) replacing the prefill's tiles."""
+    one decode phase-input call, with ``config`` (BLOCK_T, BLOCK_R, num_warps, NUM_STAGES) replacing the prefill's
+    tiles."""
     from selective_rope.kernels import phase_triton, rotary_triton
 
     launches = []
@@ -196,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("triton_resources.py: unset TRITON_INTERPRET (the kernels must be compiled, not interpreted)")
 
-    configs = [None] + ([{"BLOCK_T": t, "BLOCK_R": r, "num_warps": w} for t, r, w in SWEEP] if args.sweep else [])
+    configs = [None] + ([{"BLOCK_T": t, "BLOCK_R": r, "num_warps": w, "NUM_STAGES": s} for t, r, w, s in SWEEP]
+                        if args.sweep else [])
     rows = []
     for config in configs:
         with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):  # Triton's knob warnings

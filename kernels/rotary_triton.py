@@ -14,8 +14,8 @@ carry of the phase:
 for the key head and every query head of its group (GPT-NeoX halves; dims ``>= 2R`` pass through). ``R`` is the
 number of frequency pairs, ``rotary_dim // 2``: ``rotary_pairs`` in the Python code, as in the rest of the library,
 and ``R`` in the kernels' arguments, next to their other shape letters (``T``, ``Hk``, ``G``, ``D``).
-Backward, same grid, two kernels: a forward walk over each chunk (from pass 1's starting phases) recomputes the phase,
-writes ``dq``/``dk`` (the inverse rotation of the incoming gradients) and the per-position
+Backward, same grid, one or two kernels: a forward walk over each chunk (from pass 1's starting phases) recomputes
+the phase, writes ``dq``/``dk`` (the inverse rotation of the incoming gradients) and the per-position
 ``dθ_t = τ · Σ_heads (dy_2 · y_1 − dy_1 · y_2)`` (summed over the query heads of the group inside the program) and
 the chunk's Σ dθ; then a reverse walk over each chunk turns ``dθ`` into ``d(increment)_s = Σ_{t>=s} dθ_t
 (+ d final phase)``, starting from the later chunks' sums: in the same program, after a barrier, where each
@@ -90,10 +90,15 @@ def _config(rotary_pairs: int, pass_dims: int) -> dict[str, int]:
     32 x 64 was 7 % slower at B=8, T=8k. 8 warps were slower in every tile shape (16 x 32 with 8 warps, chosen before
     from the compiler's resource report because it spills nothing, took 2.15 and 3.93 ms): spilling
     (``benchmarks/triton_resources.py``) is not what bounds these kernels.
+
+    ``NUM_STAGES``: the software pipelining of the rotation's tile loop (forward and backward walk 1). With 2 or 3
+    Triton prefetches the next tiles' increments, k and q into shared memory (``cp.async``) while this one is
+    computed; they compile for sm_90a without spills (``benchmarks/triton_resources.py --sweep``). 1 (no prefetch,
+    the loop as run 4 timed it) until a GPU sweep has timed them (``sweep_rotary_gpu.py`` includes them).
     """
     block_r = max(1, min(_next_power_of_2(max(rotary_pairs, 1)), 32))
     block_p = max(1, min(_next_power_of_2(max(pass_dims, 1)), 64))
-    return {"BLOCK_T": 32, "BLOCK_R": block_r, "BLOCK_P": block_p, "num_warps": 4}
+    return {"BLOCK_T": 32, "BLOCK_R": block_r, "BLOCK_P": block_p, "NUM_STAGES": 1, "num_warps": 4}
 
 
 # Scans and reductions use our own combine function, and zeros come from ``tl.full``: ``tl.cumsum``, ``tl.sum``,
@@ -248,7 +253,7 @@ def _selective_rotary_fwd_kernel(
     sok_b, sok_t, sok_h, sok_d,
     si_b, si_t, si_h, si_r,
     HAS_CARRY: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_PASS: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     pid_nh, pid_r, pid_c, hk, b, start, end, rs, mask_r = _chunk_program(cu_ptr, T, Hk, R, CHUNK, IS_VARLEN, BLOCK_R)
     turns = _turns_per_phase(temp_ptr, rs, mask_r)
@@ -260,7 +265,7 @@ def _selective_rotary_fwd_kernel(
     inc_base = inc_ptr + b * si_b + hk * si_h
     k_base = k_ptr + b * sk_b + hk * sk_h
     ok_base = ok_ptr + b * sok_b + hk * sok_h
-    for t0 in range(start, end, BLOCK_T):
+    for t0 in tl.range(start, end, BLOCK_T, num_stages=NUM_STAGES):
         ts = t0 + tl.arange(0, BLOCK_T)
         mask_t = ts < end
         mask = mask_t[:, None] & mask_r[None, :]
@@ -312,6 +317,7 @@ def _selective_rotary_bwd_kernel(
     sdi_b, sdi_t, sdi_h,
     HAS_CARRY: tl.constexpr, HAS_DFINAL: tl.constexpr, NEED_DTEMP: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_PASS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """Backward walk 1, forward in time over one chunk: recompute the phase exactly as the forward did, rotate the
     gradients back, and write dθ_t (summed over the key head and its query heads) into the d(increment) buffer. The
@@ -330,7 +336,7 @@ def _selective_rotary_bwd_kernel(
 
     inc_base = inc_ptr + b * si_b + hk * si_h
     dinc_base = dinc_ptr + b * sdi_b + hk * sdi_h
-    for t0 in range(start, end, BLOCK_T):
+    for t0 in tl.range(start, end, BLOCK_T, num_stages=NUM_STAGES):
         ts = t0 + tl.arange(0, BLOCK_T)
         mask_t = ts < end
         mask = mask_t[:, None] & mask_r[None, :]
@@ -736,7 +742,7 @@ def _rotary_forward_impl(
         *q.stride(), *k.stride(), *out_q.stride(), *out_k.stride(), *increment.stride(),
         HAS_CARRY=carries is not None, IS_VARLEN=cu_seqlens is not None, HAS_PASS=head_dim > 2 * rotary_pairs,
         BLOCK_T=plan.cfg["BLOCK_T"], BLOCK_R=plan.cfg["BLOCK_R"], BLOCK_P=plan.cfg["BLOCK_P"],
-        num_warps=plan.cfg["num_warps"],
+        NUM_STAGES=plan.cfg["NUM_STAGES"], num_warps=plan.cfg["num_warps"],
     )
     return out_q, out_k, final
 
@@ -800,7 +806,7 @@ def _rotary_backward_impl(
         HAS_CARRY=carries is not None, HAS_DFINAL=dfinal is not None, NEED_DTEMP=need_temperature_grad,
         IS_VARLEN=cu_seqlens is not None, HAS_PASS=head_dim > 2 * rotary_pairs,
         BLOCK_T=plan.cfg["BLOCK_T"], BLOCK_R=plan.cfg["BLOCK_R"], BLOCK_P=plan.cfg["BLOCK_P"],
-        num_warps=plan.cfg["num_warps"],
+        NUM_STAGES=plan.cfg["NUM_STAGES"], num_warps=plan.cfg["num_warps"],
     )
     if chunks > 1:  # (with one chunk the kernel walked it back and wrote d initial phase into slot 1)
         dsums.cumsum_(dim=1)
