@@ -149,7 +149,7 @@ def _sincos(angle):
     memory runs instead: never here, but it held a stack frame and registers in every tile loop. The constants are
     libdevice's (read from the PTX Triton 3.6 and 3.9 emit for ``tl.sin``), every step an fma as there, the quadrant
     rounded half to even as its ``cvt.rni``. One difference: libdevice flushes a subnormal angle (below 2^-126) to
-    zero, this keeps it. Under the interpreter, so the tests and the decoding kernels see what a GPU computes."""
+    zero, this keeps it. The interpreter runs it too: the CPU tests see the GPU's arithmetic, not numpy's sin."""
     # q = rint(angle * 2/π): the product rounded first (an fma with a zero addend, so the compiler cannot fuse it into
     # the rounding's addition), then to an integer by adding and subtracting 1.5 * 2^23 (exact for |q| < 2^22)
     q = (tl.fma(angle, 0.636619747, 0.0) + 12582912.0) - 12582912.0
