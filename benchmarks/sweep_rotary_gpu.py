@@ -4,8 +4,9 @@
 Run 4 on an H200 (``benchmarks/results/gpu/2026-11-27-h200``) chose the code's 32 tokens x 32 pairs with 4 warps;
 the spill-free 16 x 32 with 8 warps, picked before from ``benchmarks/triton_resources.py``'s register report, was
 slower in every shape, as were all 8-warp configurations. This script measures the code's configuration and each
-of ``SWEEP``, forward and forward + backward, with ``triton.testing.do_bench`` medians (launches pipelined, as in a
-training step), on bf16 q and k (16 heads of 128, R = 64).
+of ``SWEEP`` (tile shapes and warps; the tile loop software-pipelined in 2-3 stages), forward and forward + backward,
+with ``triton.testing.do_bench`` medians (launches pipelined, as in a training step), on bf16 q and k (16 heads of
+128, R = 64).
 
 Usage::
 
@@ -69,24 +70,25 @@ def main(argv: list[str] | None = None) -> int:
 
     base = rotary_triton._config
     code = base(PAIRS, HEAD_DIM - 2 * PAIRS)
-    configs = [None] + [{"BLOCK_T": t, "BLOCK_R": r, "num_warps": w} for t, r, w in SWEEP]
+    configs = [None] + [{"BLOCK_T": t, "BLOCK_R": r, "num_warps": w, "NUM_STAGES": s} for t, r, w, s in SWEEP]
     shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes]
     rows = []
     print(f"{torch.cuda.get_device_name(0)}: prefill kernels, do_bench medians (us), bf16, H={HEADS}, D={HEAD_DIM}, "
           f"R={PAIRS}; the code's configuration: BLOCK_T={code['BLOCK_T']} BLOCK_R={code['BLOCK_R']} "
-          f"warps={code['num_warps']}")
+          f"warps={code['num_warps']} stages={code['NUM_STAGES']}")
     for config in configs:
         rotary_triton._config = base if config is None else (lambda r, p, c=config: {**base(r, p), **c})
-        label = "code" if config is None else "T{BLOCK_T:<3d} R{BLOCK_R:<3d} w{num_warps}".format(**config)
+        label = "code" if config is None else "T{BLOCK_T:<3d} R{BLOCK_R:<3d} w{num_warps} s{NUM_STAGES}".format(
+            **config)
         try:
             measured = {f"{b}x{t}": timings(b, t) for b, t in shapes}
         except Exception as error:  # noqa: BLE001 - a configuration that fails is reported, the others still run
-            print(f"  {label:14s} failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
+            print(f"  {label:17s} failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
             continue
         finally:
             rotary_triton._config = base
         rows.append({"config": config or "code", **measured})
-        print(f"  {label:14s} " + " | ".join(
+        print(f"  {label:17s} " + " | ".join(
             f"{shape}: fwd {m['forward_us']:8.1f} ({m['forward_gbps']:6.0f} GB/s) "
             f"fwd+bwd {m['forward_backward_us']:8.1f}" for shape, m in measured.items()), flush=True)
     if args.json is not None:

@@ -14,12 +14,13 @@ carry of the phase:
 for the key head and every query head of its group (GPT-NeoX halves; dims ``>= 2R`` pass through). ``R`` is the
 number of frequency pairs, ``rotary_dim // 2``: ``rotary_pairs`` in the Python code, as in the rest of the library,
 and ``R`` in the kernels' arguments, next to their other shape letters (``T``, ``Hk``, ``G``, ``D``).
-Backward, same grid, two kernels: a forward walk over each chunk (from pass 1's starting phases) recomputes the phase,
-writes ``dq``/``dk`` (the inverse rotation of the incoming gradients) and the per-position
+Backward, same grid, one or two kernels: a forward walk over each chunk (from pass 1's starting phases) recomputes
+the phase, writes ``dq``/``dk`` (the inverse rotation of the incoming gradients) and the per-position
 ``dθ_t = τ · Σ_heads (dy_2 · y_1 − dy_1 · y_2)`` (summed over the query heads of the group inside the program) and
 the chunk's Σ dθ; then a reverse walk over each chunk turns ``dθ`` into ``d(increment)_s = Σ_{t>=s} dθ_t
-(+ d final phase)``, starting from the later chunks' sums. ``d(initial_phase)`` is the total and ``d(temperature)``
-is reduced from per-chunk partials in PyTorch (no atomics).
+(+ d final phase)``, starting from the later chunks' sums: in the same program, after a barrier, where each
+sequence is one chunk (one launch), else in a second kernel. ``d(initial_phase)`` is the total and
+``d(temperature)`` is reduced from per-chunk partials in PyTorch (no atomics).
 
 **Decode** (``selective_rotary_decode_triton``): one token per row, one program per (row, key head). From the phase
 projection ``a`` it does SPEC §3 steps 3-8 in training order: the causal convolution over the cached history (then
@@ -89,10 +90,15 @@ def _config(rotary_pairs: int, pass_dims: int) -> dict[str, int]:
     32 x 64 was 7 % slower at B=8, T=8k. 8 warps were slower in every tile shape (16 x 32 with 8 warps, chosen before
     from the compiler's resource report because it spills nothing, took 2.15 and 3.93 ms): spilling
     (``benchmarks/triton_resources.py``) is not what bounds these kernels.
+
+    ``NUM_STAGES``: the software pipelining of the rotation's tile loop (forward and backward walk 1). With 2 or 3
+    Triton prefetches the next tiles' increments, k and q into shared memory (``cp.async``) while this one is
+    computed; they compile for sm_90a without spills (``benchmarks/triton_resources.py --sweep``). 1 (no prefetch,
+    the loop as run 4 timed it) until a GPU sweep has timed them (``sweep_rotary_gpu.py`` includes them).
     """
     block_r = max(1, min(_next_power_of_2(max(rotary_pairs, 1)), 32))
     block_p = max(1, min(_next_power_of_2(max(pass_dims, 1)), 64))
-    return {"BLOCK_T": 32, "BLOCK_R": block_r, "BLOCK_P": block_p, "num_warps": 4}
+    return {"BLOCK_T": 32, "BLOCK_R": block_r, "BLOCK_P": block_p, "NUM_STAGES": 1, "num_warps": 4}
 
 
 # Scans and reductions use our own combine function, and zeros come from ``tl.full``: ``tl.cumsum``, ``tl.sum``,
@@ -133,6 +139,34 @@ def _angle(phase, turns_per_phase):
     turns = phase * turns_per_phase
     whole = tl.floor(tl.abs(turns))
     return (turns - tl.where(turns < 0, -whole, whole)).to(tl.float32) * 6.283185307179586
+
+
+@triton.jit
+def _sincos(angle):
+    """``(sin, cos)`` of a float32 angle in (-2π, 2π): what ``tl.sin`` and ``tl.cos`` give on a GPU (libdevice's
+    ``sinf`` / ``cosf``), bit for bit, with one range reduction for both instead of two and without their slow path.
+    Each of those reduces by π/2 in three fma steps, unless ``|x| >= 105615``, where a Payne-Hanek reduction in local
+    memory runs instead: never here, but it held a stack frame and registers in every tile loop. The constants are
+    libdevice's (read from the PTX Triton 3.6 and 3.9 emit for ``tl.sin``), every step an fma as there, the quadrant
+    rounded half to even as its ``cvt.rni``. One difference: libdevice flushes a subnormal angle (below 2^-126) to
+    zero, this keeps it. The interpreter runs it too: the CPU tests see the GPU's arithmetic, not numpy's sin."""
+    # q = rint(angle * 2/π): the product rounded first (an fma with a zero addend, so the compiler cannot fuse it into
+    # the rounding's addition), then to an integer by adding and subtracting 1.5 * 2^23 (exact for |q| < 2^22)
+    q = (tl.fma(angle, 0.636619747, 0.0) + 12582912.0) - 12582912.0
+    r = tl.fma(q, -1.57079625, angle)  # angle - q π/2, π/2 in three parts
+    r = tl.fma(q, -7.54978942e-08, r)
+    r = tl.fma(q, -5.39030295e-15, r)
+    r2 = r * r
+    odd = q.to(tl.int32)
+    sine = tl.fma(tl.fma(tl.fma(-0.000195746587, r2, 0.00833270326), r2, -0.166666627), tl.fma(r2, r, 0.0), r)
+    cosine = tl.fma(tl.fma(tl.fma(tl.fma(2.42795795e-05, r2, -0.00138878601), r2, 0.0416667275), r2, -0.49999997),
+                    r2, 1.0)
+    sin = tl.where((odd & 1) != 0, cosine, sine)
+    cos = tl.where((odd & 1) != 0, sine, cosine)
+    # the sign of quadrants 2-3 (cos: of the next quadrant), as libdevice's fma(x, -1, 0): 0 - x, +0 for x = 0
+    sin = tl.where((odd & 2) != 0, 0.0 - sin, sin)
+    cos = tl.where(((odd + 1) & 2) != 0, 0.0 - cos, cos)
+    return sin, cos
 
 
 @triton.jit
@@ -192,6 +226,24 @@ def _chunk_totals_kernel(
 
 
 @triton.jit
+def _copy_pass_through(x_ptr, o_ptr, b, h0, heads, start, end, R, D, sx_b, sx_t, sx_h, sx_d, so_b, so_t, so_h, so_d,
+                       BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Copy the dims ``>= 2R`` (no frequency rotates them) of tokens [start, end) of heads [h0, h0 + heads) of batch
+    row ``b`` from ``x`` to ``o``, in ``o``'s dtype. Its own loop, after the rotation's: inside that loop its tiles
+    and pointers were live registers in every tile of every program, for a copy only one program in R's blocks does."""
+    for h in range(h0, h0 + heads):
+        x_base = x_ptr + b * sx_b + h * sx_h
+        o_base = o_ptr + b * so_b + h * so_h
+        for t0 in range(start, end, BLOCK_T):
+            ts = t0 + tl.arange(0, BLOCK_T)
+            for p0 in range(2 * R, D, BLOCK_P):
+                ds = p0 + tl.arange(0, BLOCK_P)
+                mask = (ts < end)[:, None] & (ds < D)[None, :]
+                x = tl.load(x_base + ts[:, None] * sx_t + ds[None, :] * sx_d, mask=mask, other=0.0)
+                tl.store(o_base + ts[:, None] * so_t + ds[None, :] * so_d, x.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _selective_rotary_fwd_kernel(
     q_ptr, k_ptr, inc_ptr, temp_ptr, carry_ptr, oq_ptr, ok_ptr, final_ptr, cu_ptr,
     T, Hk, G, R, D, NC, CR, CHUNK,
@@ -201,7 +253,7 @@ def _selective_rotary_fwd_kernel(
     sok_b, sok_t, sok_h, sok_d,
     si_b, si_t, si_h, si_r,
     HAS_CARRY: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_PASS: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     pid_nh, pid_r, pid_c, hk, b, start, end, rs, mask_r = _chunk_program(cu_ptr, T, Hk, R, CHUNK, IS_VARLEN, BLOCK_R)
     turns = _turns_per_phase(temp_ptr, rs, mask_r)
@@ -213,16 +265,14 @@ def _selective_rotary_fwd_kernel(
     inc_base = inc_ptr + b * si_b + hk * si_h
     k_base = k_ptr + b * sk_b + hk * sk_h
     ok_base = ok_ptr + b * sok_b + hk * sok_h
-    for t0 in range(start, end, BLOCK_T):
+    for t0 in tl.range(start, end, BLOCK_T, num_stages=NUM_STAGES):
         ts = t0 + tl.arange(0, BLOCK_T)
         mask_t = ts < end
         mask = mask_t[:, None] & mask_r[None, :]
         inc = tl.load(inc_base + ts[:, None] * si_t + rs[None, :] * si_r, mask=mask, other=0.0).to(tl.float64)
         phase = _cumsum(inc, False) + carry[None, :]
         carry += _sum0(inc)
-        angle = _angle(phase, turns[None, :])
-        cos = tl.cos(angle)
-        sin = tl.sin(angle)
+        sin, cos = _sincos(_angle(phase, turns[None, :]))
 
         # key head
         p1 = k_base + ts[:, None] * sk_t + rs[None, :] * sk_d
@@ -241,20 +291,12 @@ def _selective_rotary_fwd_kernel(
             tl.store(o1, (x1 * cos - x2 * sin).to(oq_ptr.dtype.element_ty), mask=mask)
             tl.store(o1 + R * soq_d, (x1 * sin + x2 * cos).to(oq_ptr.dtype.element_ty), mask=mask)
 
-        if HAS_PASS:  # dims >= 2R are copied by the first frequency block only
-            if pid_r == 0:
-                for p0 in range(2 * R, D, BLOCK_P):
-                    ds = p0 + tl.arange(0, BLOCK_P)
-                    pmask = mask_t[:, None] & (ds < D)[None, :]
-                    x = tl.load(k_base + ts[:, None] * sk_t + ds[None, :] * sk_d, mask=pmask, other=0.0)
-                    tl.store(ok_base + ts[:, None] * sok_t + ds[None, :] * sok_d,
-                             x.to(ok_ptr.dtype.element_ty), mask=pmask)
-                    for g in range(G):
-                        hq = hk * G + g
-                        x = tl.load(q_ptr + b * sq_b + hq * sq_h + ts[:, None] * sq_t + ds[None, :] * sq_d,
-                                    mask=pmask, other=0.0)
-                        tl.store(oq_ptr + b * soq_b + hq * soq_h + ts[:, None] * soq_t + ds[None, :] * soq_d,
-                                 x.to(oq_ptr.dtype.element_ty), mask=pmask)
+    if HAS_PASS:  # dims >= 2R: copied by the first frequency block only, outside the rotation's tile loop
+        if pid_r == 0:
+            _copy_pass_through(k_ptr, ok_ptr, b, hk, 1, start, end, R, D, sk_b, sk_t, sk_h, sk_d,
+                               sok_b, sok_t, sok_h, sok_d, BLOCK_T, BLOCK_P)
+            _copy_pass_through(q_ptr, oq_ptr, b, hk * G, G, start, end, R, D, sq_b, sq_t, sq_h, sq_d,
+                               soq_b, soq_t, soq_h, soq_d, BLOCK_T, BLOCK_P)
 
     if pid_c == NC - 1:  # the last chunk (of the longest sequence: past a shorter one's end, it carries its total)
         tl.store(final_ptr + pid_nh.to(tl.int64) * R + rs, carry, mask=mask_r)
@@ -275,16 +317,16 @@ def _selective_rotary_bwd_kernel(
     sdi_b, sdi_t, sdi_h,
     HAS_CARRY: tl.constexpr, HAS_DFINAL: tl.constexpr, NEED_DTEMP: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_PASS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """Backward walk 1, forward in time over one chunk: recompute the phase exactly as the forward did, rotate the
     gradients back, and write dθ_t (summed over the key head and its query heads) into the d(increment) buffer. The
     chunk's Σ dθ goes to slot ``NC - chunk`` of a ``(N * Hk, NC + 1, R)`` buffer whose slot 0 gets the final phase's
     gradient, so that one cumulative sum over the slots gives what reaches each chunk from later in time; its
-    Σ θ dangle (for d temperature) to a per-chunk partial."""
+    Σ θ dangle (for d temperature) to a per-chunk partial. With one chunk a sequence it also does walk 2."""
     pid_nh, pid_r, pid_c, hk, b, start, end, rs, mask_r = _chunk_program(cu_ptr, T, Hk, R, CHUNK, IS_VARLEN, BLOCK_R)
     temp = tl.load(temp_ptr + rs, mask=mask_r, other=0.0).to(tl.float32)
     turns = _turns_per_phase(temp_ptr, rs, mask_r)
-    chunk_offs = (pid_nh.to(tl.int64) * NC + pid_c) * R + rs
     if HAS_CARRY:
         carry = tl.load(carry_ptr + (pid_nh.to(tl.int64) * CR + pid_c) * R + rs, mask=mask_r, other=0.0)
     else:
@@ -294,16 +336,14 @@ def _selective_rotary_bwd_kernel(
 
     inc_base = inc_ptr + b * si_b + hk * si_h
     dinc_base = dinc_ptr + b * sdi_b + hk * sdi_h
-    for t0 in range(start, end, BLOCK_T):
+    for t0 in tl.range(start, end, BLOCK_T, num_stages=NUM_STAGES):
         ts = t0 + tl.arange(0, BLOCK_T)
         mask_t = ts < end
         mask = mask_t[:, None] & mask_r[None, :]
         inc = tl.load(inc_base + ts[:, None] * si_t + rs[None, :] * si_r, mask=mask, other=0.0).to(tl.float64)
         phase = _cumsum(inc, False) + carry[None, :]
         carry += _sum0(inc)
-        angle = _angle(phase, turns[None, :])
-        cos = tl.cos(angle)
-        sin = tl.sin(angle)
+        sin, cos = _sincos(_angle(phase, turns[None, :]))
 
         # key head: y = rot(x); dangle = dy2 * y1 - dy1 * y2; dx = rot(-angle)(dy)
         p1 = k_ptr + b * sk_b + hk * sk_h + ts[:, None] * sk_t + rs[None, :] * sk_d
@@ -335,31 +375,30 @@ def _selective_rotary_bwd_kernel(
             dtemp_acc += _sum0(tl.where(mask, phase * dangle.to(tl.float64), 0.0))
         tl.store(dinc_base + ts[:, None] * sdi_t + rs[None, :], dphase, mask=mask)
 
-        if HAS_PASS:  # pass-through dims: the gradient is copied by the first frequency block only
-            if pid_r == 0:
-                for p0 in range(2 * R, D, BLOCK_P):
-                    ds = p0 + tl.arange(0, BLOCK_P)
-                    pmask = mask_t[:, None] & (ds < D)[None, :]
-                    dy = tl.load(dyk_ptr + b * sdyk_b + hk * sdyk_h + ts[:, None] * sdyk_t + ds[None, :] * sdyk_d,
-                                 mask=pmask, other=0.0)
-                    tl.store(dk_ptr + b * sdk_b + hk * sdk_h + ts[:, None] * sdk_t + ds[None, :] * sdk_d,
-                             dy.to(dk_ptr.dtype.element_ty), mask=pmask)
-                    for g in range(G):
-                        hq = hk * G + g
-                        dy = tl.load(dyq_ptr + b * sdyq_b + hq * sdyq_h + ts[:, None] * sdyq_t
-                                     + ds[None, :] * sdyq_d, mask=pmask, other=0.0)
-                        tl.store(dq_ptr + b * sdq_b + hq * sdq_h + ts[:, None] * sdq_t + ds[None, :] * sdq_d,
-                                 dy.to(dq_ptr.dtype.element_ty), mask=pmask)
+    if HAS_PASS:  # pass-through dims: the gradient is copied by the first frequency block only
+        if pid_r == 0:
+            _copy_pass_through(dyk_ptr, dk_ptr, b, hk, 1, start, end, R, D, sdyk_b, sdyk_t, sdyk_h, sdyk_d,
+                               sdk_b, sdk_t, sdk_h, sdk_d, BLOCK_T, BLOCK_P)
+            _copy_pass_through(dyq_ptr, dq_ptr, b, hk * G, G, start, end, R, D, sdyq_b, sdyq_t, sdyq_h, sdyq_d,
+                               sdq_b, sdq_t, sdq_h, sdq_d, BLOCK_T, BLOCK_P)
 
+    tl.store(dtemp_ptr + (pid_nh.to(tl.int64) * NC + pid_c) * R + rs, dtemp_acc.to(tl.float32),
+             mask=mask_r)  # zeros unless NEED_DTEMP
     row = pid_nh.to(tl.int64) * (NC + 1)
-    tl.store(dsums_ptr + (row + NC - pid_c) * R + rs, dphase_total, mask=mask_r)
-    if pid_c == 0:
-        if HAS_DFINAL:
-            last = tl.load(dfinal_ptr + pid_nh.to(tl.int64) * R + rs, mask=mask_r, other=0.0)
-        else:
-            last = tl.full([BLOCK_R], 0.0, tl.float32)
-        tl.store(dsums_ptr + row * R + rs, last, mask=mask_r)
-    tl.store(dtemp_ptr + chunk_offs, dtemp_acc.to(tl.float32), mask=mask_r)  # zeros unless NEED_DTEMP
+    if HAS_DFINAL:
+        last = tl.load(dfinal_ptr + pid_nh.to(tl.int64) * R + rs, mask=mask_r, other=0.0)
+    else:
+        last = tl.full([BLOCK_R], 0.0, tl.float32)
+    if NC == 1:
+        # One chunk a sequence (a plan whose programs fill the device): walk 2 here, not in a second launch. Slot 1
+        # gets d initial phase, what the cumulative sum of the slots would give (d final phase + the chunk's Σ dθ).
+        tl.store(dsums_ptr + (row + 1) * R + rs, last + dphase_total, mask=mask_r)
+        tl.debug_barrier()  # this program's dθ stores, seen by all its threads
+        _suffix_walk(dinc_base, last, start, end, sdi_t, rs, mask_r, BLOCK_T)
+    else:
+        tl.store(dsums_ptr + (row + NC - pid_c) * R + rs, dphase_total, mask=mask_r)
+        if pid_c == 0:
+            tl.store(dsums_ptr + row * R + rs, last, mask=mask_r)
 
 
 @triton.jit
@@ -369,12 +408,18 @@ def _suffix_sum_kernel(
     sdi_b, sdi_t, sdi_h,
     IS_VARLEN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """Backward walk 2, reverse in time over one chunk, in place over the dθ buffer:
-    d(increment)_s = Σ_{t>=s in the chunk} dθ_t + (Σ dθ of the later chunks + d final phase)."""
+    """Backward walk 2 over one chunk of several (with one, the backward kernel walks it): ``_suffix_walk`` from
+    what reaches the chunk from later in time."""
     pid_nh, pid_r, pid_c, hk, b, start, end, rs, mask_r = _chunk_program(cu_ptr, T, Hk, R, CHUNK, IS_VARLEN, BLOCK_R)
     # slot NC - 1 - chunk of the cumulative sums: d final phase + Σ dθ of the chunks after this one
     suffix = tl.load(suffix_ptr + (pid_nh.to(tl.int64) * (NC + 1) + NC - 1 - pid_c) * R + rs, mask=mask_r, other=0.0)
-    dinc_base = dinc_ptr + b * sdi_b + hk * sdi_h
+    _suffix_walk(dinc_ptr + b * sdi_b + hk * sdi_h, suffix, start, end, sdi_t, rs, mask_r, BLOCK_T)
+
+
+@triton.jit
+def _suffix_walk(dinc_base, suffix, start, end, sdi_t, rs, mask_r, BLOCK_T: tl.constexpr):
+    """Reverse in time over tokens [start, end), in place over the dθ buffer:
+    d(increment)_s = Σ_{t>=s in [start, end)} dθ_t + suffix (Σ dθ of the later chunks + d final phase)."""
     num_tiles = tl.maximum(end - start + BLOCK_T - 1, 0) // BLOCK_T
     for i in range(0, num_tiles):
         ts = start + (num_tiles - 1 - i) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -529,9 +574,7 @@ def _decode_steps(
     # mod 2π, the rotation of the key head and of its query heads.
     phase = tl.load(phase_ptr + pid * R + rs, mask=mask_r, other=0.0).to(tl.float64) + c.to(tl.float32).to(tl.float64)
     tl.store(ophase_ptr + pid * R + rs, phase, mask=mask_r)
-    angle = _angle(phase, _turns_per_phase(temp_ptr, rs, mask_r))
-    cos = tl.cos(angle)
-    sin = tl.sin(angle)
+    sin, cos = _sincos(_angle(phase, _turns_per_phase(temp_ptr, rs, mask_r)))
     _rotate_head(k_ptr + b * sk_b + hk * sk_h, ok_ptr + b * sok_b + hk * sok_h, rs, mask_r, cos, sin, R, D,
                  sk_d, sok_d, HAS_PASS, BLOCK_P)
     for g in range(G):
@@ -699,7 +742,7 @@ def _rotary_forward_impl(
         *q.stride(), *k.stride(), *out_q.stride(), *out_k.stride(), *increment.stride(),
         HAS_CARRY=carries is not None, IS_VARLEN=cu_seqlens is not None, HAS_PASS=head_dim > 2 * rotary_pairs,
         BLOCK_T=plan.cfg["BLOCK_T"], BLOCK_R=plan.cfg["BLOCK_R"], BLOCK_P=plan.cfg["BLOCK_P"],
-        num_warps=plan.cfg["num_warps"],
+        NUM_STAGES=plan.cfg["NUM_STAGES"], num_warps=plan.cfg["num_warps"],
     )
     return out_q, out_k, final
 
@@ -763,15 +806,16 @@ def _rotary_backward_impl(
         HAS_CARRY=carries is not None, HAS_DFINAL=dfinal is not None, NEED_DTEMP=need_temperature_grad,
         IS_VARLEN=cu_seqlens is not None, HAS_PASS=head_dim > 2 * rotary_pairs,
         BLOCK_T=plan.cfg["BLOCK_T"], BLOCK_R=plan.cfg["BLOCK_R"], BLOCK_P=plan.cfg["BLOCK_P"],
-        num_warps=plan.cfg["num_warps"],
+        NUM_STAGES=plan.cfg["NUM_STAGES"], num_warps=plan.cfg["num_warps"],
     )
-    suffixes = dsums.cumsum_(dim=1)
-    _suffix_sum_kernel[plan.grid](
-        dinc, suffixes, cu, seq_len, num_key_heads, rotary_pairs, chunks, plan.chunk, *dinc.stride()[:3],
-        IS_VARLEN=cu_seqlens is not None,
-        BLOCK_T=plan.cfg["BLOCK_T"], BLOCK_R=plan.cfg["BLOCK_R"], num_warps=plan.cfg["num_warps"],
-    )
-    dinit = suffixes[:, chunks].double().view(num_seqs, num_key_heads, rotary_pairs)
+    if chunks > 1:  # (with one chunk the kernel walked it back and wrote d initial phase into slot 1)
+        dsums.cumsum_(dim=1)
+        _suffix_sum_kernel[plan.grid](
+            dinc, dsums, cu, seq_len, num_key_heads, rotary_pairs, chunks, plan.chunk, *dinc.stride()[:3],
+            IS_VARLEN=cu_seqlens is not None,
+            BLOCK_T=plan.cfg["BLOCK_T"], BLOCK_R=plan.cfg["BLOCK_R"], num_warps=plan.cfg["num_warps"],
+        )
+    dinit = dsums[:, chunks].double().view(num_seqs, num_key_heads, rotary_pairs)
     return dq, dk, dinc, dtemp_partial.sum(dim=(0, 1)), dinit
 
 
