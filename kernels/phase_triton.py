@@ -268,7 +268,10 @@ def _chunk_and_norm(x_ptr, b, ts, mask_t, chunk, sx_b, sx_t, Dc, BLOCK_DC: tl.co
                 mask=mask_t[:, None] & (ds < Dc)[None, :], other=0.0).to(tl.float64)
     norm = tl.sqrt(_sum1(x * x))
     denom = tl.maximum(norm, 1e-12)
-    return x / denom[:, None], denom, norm >= 1e-12
+    # Through an identity gather: Triton 3.6 fails to compile a float64 tl.dot whose operand it traces back, through
+    # elementwise ops, to a 16-bit load ("Currently fp64 don't support largeK MMA", bf16 x); the gather ends the trace.
+    u = x / denom[:, None]
+    return tl.gather(u, tl.broadcast_to(tl.arange(0, u.shape[0])[:, None], u.shape), 0), denom, norm >= 1e-12
 
 
 @triton.jit
@@ -545,6 +548,6 @@ def phase_increment_backward_triton(
         HAS_LENGTHS=lengths is not None, IS_VARLEN=cu_seqlens is not None, HAS_STATE=conv_state is not None,
         HALO=halo, BLOCK_E=block_e, BLOCK_DC=max(_next_power_of_2(chunk_dim), 16),
         BLOCK_RANK=max(_next_power_of_2(rank), 16), BLOCK_R=max(_next_power_of_2(rotary_pairs), 16),
-        BLOCK_H=max(_next_power_of_2(num_key_heads), 16), BLOCK_COPY=_COPY_BLOCK, num_warps=4,
+        BLOCK_H=max(_next_power_of_2(num_key_heads), 16), BLOCK_COPY=_COPY_BLOCK, num_warps=8,
     )
     return dx, *grads
