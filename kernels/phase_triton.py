@@ -250,8 +250,8 @@ def _column(m, cols, j):
 
 @triton.jit
 def _shift(v, m: tl.constexpr, BLOCK_E: tl.constexpr):
-    """``v[e - m]`` along the tokens (rows) of ``v`` ``(BLOCK_E, ...)``, zero where ``e - m`` leaves the block: ``m > 0``
-    reads earlier tokens, ``m < 0`` later ones."""
+    """``v[e - m]`` along the tokens (rows) of ``v`` ``(BLOCK_E, ...)``, zero where ``e - m`` leaves the block:
+    ``m > 0`` reads earlier tokens, ``m < 0`` later ones."""
     es = tl.arange(0, BLOCK_E)
     src = es - m
     inside = (src >= 0) & (src < BLOCK_E)
@@ -305,13 +305,30 @@ def _recompute_head(x_ptr, down_ptr, up_ptr, conv_ptr, state_ptr, b, n, h, ts, r
 
 
 @triton.jit
+def _gate_weights_on(gw_ptr, chunk, Hk, Dc, BLOCK_H: tl.constexpr, BLOCK_DC: tl.constexpr):
+    """Every per-head gate's weights on input chunk ``chunk``: ``(BLOCK_H, BLOCK_DC)`` float64."""
+    hs, ds = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_DC)
+    return tl.load(gw_ptr + hs[:, None] * (Hk * Dc) + chunk * Dc + ds[None, :],
+                   mask=(hs < Hk)[:, None] & (ds < Dc)[None, :], other=0.0).to(tl.float64)
+
+
+@triton.jit
+def _rounded(x, dtype: tl.constexpr):
+    """Float64 ``x`` in ``dtype``: to a 16-bit float through float32, as torch casts float64 to one (so as autograd's
+    cast of the float64 gradient rounds it)."""
+    if dtype.primitive_bitwidth < 32:
+        return x.to(tl.float32).to(dtype)
+    return x.to(dtype)
+
+
+@triton.jit
 def _copy_out(src_ptr, dst_ptr, count, BLOCK: tl.constexpr):
     """``dst[:count] = src[:count]`` in ``dst``'s dtype, reading past the L1 cache (other programs' atomics wrote
     ``src``)."""
     for start in range(0, count, BLOCK):
         i = start + tl.arange(0, BLOCK)
         value = tl.load(src_ptr + i, mask=i < count, other=0.0, cache_modifier=".cg")
-        tl.store(dst_ptr + i, value.to(dst_ptr.dtype.element_ty), mask=i < count)
+        tl.store(dst_ptr + i, _rounded(value, dst_ptr.dtype.element_ty), mask=i < count)
 
 
 @triton.jit
@@ -373,9 +390,7 @@ def _phase_increment_bwd_kernel(
                 u, denom, unclamped, down, up, low, a, z = _recompute_head(
                     x_ptr, down_ptr, up_ptr, conv_ptr, state_ptr, b, n, h, ts, real, bos, sx_b, sx_t, Dc, RANK, R,
                     channels, CONV_K, HAS_STATE, BLOCK_E, BLOCK_DC, BLOCK_RANK, BLOCK_R)
-                w = tl.load(gw_ptr + hs[:, None] * hidden + h * Dc + ds[None, :], mask=mask_h[:, None] & mask_d[None, :],
-                            other=0.0).to(tl.float64)  # (BLOCK_H, BLOCK_DC): every gate's weights on chunk h
-                logits += _dot(u, tl.trans(w))
+                logits += _dot(u, tl.trans(_gate_weights_on(gw_ptr, h, Hk, Dc, BLOCK_H, BLOCK_DC)))
                 y = z
                 if SILU:
                     y = z * _sigmoid(z)
@@ -423,16 +438,14 @@ def _phase_increment_bwd_kernel(
                           mask=mask_k[:, None] & mask_d[None, :], sem="relaxed")
             du = _dot(d_low, down)  # (BLOCK_E, BLOCK_DC)
             if HAS_GATE:  # every gate's share in chunk h
-                w = tl.load(gw_ptr + hs[:, None] * hidden + h * Dc + ds[None, :], mask=mask_h[:, None] & mask_d[None, :],
-                            other=0.0).to(tl.float64)
-                du += _dot(d_logit, w)
+                du += _dot(d_logit, _gate_weights_on(gw_ptr, h, Hk, Dc, BLOCK_H, BLOCK_DC))
                 tl.atomic_add(ws_ptr + o_gw + hs[:, None] * hidden + h * Dc + ds[None, :], _dot(tl.trans(d_logit), u),
                               mask=mask_h[:, None] & mask_d[None, :], sem="relaxed")
-            # the chunk norm's backward, as L2NormalizeChunks': (du - u (u·du)) / ‖x‖, no u·du where the clamp holds
+            # the chunk norm's backward, as L2NormalizeChunks': (du - u (u·du)) / ‖x‖, no u·du where clamped
             along = tl.where(unclamped, _sum1(u * du), 0.0)
             dx = (du - u * along[:, None]) / denom[:, None]
-            tl.store(dx_ptr + (b * T + ts[:, None]) * hidden + h * Dc + ds[None, :], dx.to(dx_ptr.dtype.element_ty),
-                     mask=owned[:, None] & mask_d[None, :])
+            tl.store(dx_ptr + (b * T + ts[:, None]) * hidden + h * Dc + ds[None, :],
+                     _rounded(dx, dx_ptr.dtype.element_ty), mask=owned[:, None] & mask_d[None, :])
 
     # The last program to finish rounds the weight gradients once into their own dtypes (no launch or op after this
     # one). Each program's atomics come before its count (the barrier, then an acq_rel atomic).
