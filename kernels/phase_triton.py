@@ -1,6 +1,6 @@
 """Selective RoPE's phase increments in Triton, for the default phase path: a first building block of issue 46's item 1
-(the phase path inside the rotary op). Forward only, and no model calls it yet: the rotary module's Triton path still
-computes the increments with PyTorch ops (``SelectiveRotaryEmbedding.phase_increment``).
+(the phase path inside the rotary op), forward and backward. No model calls them yet: the rotary module's Triton path
+still computes the increments with PyTorch ops (``SelectiveRotaryEmbedding.phase_increment``).
 
 ``phase_increment_triton`` computes, for every token and key head, what ``phase_increment`` computes for a
 ``"low_rank"`` projection, the per-head gate (or none), a learned causal convolution (or none; its activation ``None``
@@ -15,8 +15,22 @@ its tile (the convolution's window) rather than reading another program's. The s
 torch path's matrix products: equal within float64 rounding, which the rounding to float32 absorbs
 (``tests/kernels/test_phase_triton.py``).
 
-Not yet: the backward, the other projections and gates, and fusing it into the rotary scan's first pass (two
-launches for the whole forward).
+``phase_increment_backward_triton`` gives the gradients of those increments with respect to the input and every
+weight (projection, taps, bias, gate), recomputing the forward instead of keeping anything from it. One launch, one
+program per (sequence, tile of up to 32 tokens) with a gate (each gate reads every chunk, so a chunk's dx needs every
+head's gate gradient: the program does every head, in two passes, the first for the gate logits and ``Σ_r dc·y``),
+per (sequence x key head, tile) without one. The program recomputes the convolution's window K - 1 tokens before
+its tile (its first tokens' z) and K - 1 after it (the later tokens whose windows reach back into the tile give its
+``d a``), so no program reads another's results; the convolution's shifts are gathers over the tile, and the
+projections, the gate and their gradients float64 ``tl.dot`` products (the float64 MMA on sm_80 and later). The
+weight gradients are sums over tokens: each program adds its share with float64 atomics into one zeroed buffer, and
+the last program to finish (a count in the same buffer) rounds them once into the weights' dtypes, so the backward is
+that one launch and its outputs' allocations. Float64 atomics add in no fixed order: the float64 sums may differ in
+their last bits from run to run on a GPU (the interpreter runs the programs in order), which the rounding to float32
+weights almost always absorbs. The cached history ``conv_state`` is a constant (no gradient).
+
+Not yet: the other projections and gates, and fusing the forward into the rotary scan's first pass (two launches for
+the whole forward).
 """
 
 from __future__ import annotations
