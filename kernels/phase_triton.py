@@ -571,7 +571,7 @@ def phase_increment_backward_triton(
           for t in (conv_weight, bias, gate_weight, gate_bias, lengths, cu_seqlens, conv_state)),
         dx, *(placeholder if g is None else g for g in grads), workspace,
         seq_len, num_key_heads, rotary_pairs, chunk_dim, rank, x.stride(0), x.stride(1),
-        CONV_K=conv_k, SILU=conv_activation == "silu", HAS_BIAS=has_bias, HAS_GATE=has_gate,
+        CONV_K=conv_k, SILU=conv_k > 0 and conv_activation == "silu", HAS_BIAS=has_bias, HAS_GATE=has_gate,
         HAS_LENGTHS=lengths is not None, IS_VARLEN=cu_seqlens is not None, HAS_STATE=conv_state is not None,
         HALO=halo, BLOCK_E=block_e, BLOCK_DC=max(_next_power_of_2(chunk_dim), 16),
         BLOCK_RANK=max(_next_power_of_2(rank), 16), BLOCK_R=max(_next_power_of_2(rotary_pairs), 16),
