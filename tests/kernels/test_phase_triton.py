@@ -4,6 +4,10 @@ from a sequence start or a cached history, with its options, padding and packed 
 gradients against autograd through that path and against finite differences (issue 46, item 1; no model calls them
 yet)."""
 
+import importlib.util
+from collections import Counter
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -289,3 +293,29 @@ def test_the_backward_refuses_a_gradient_of_another_shape():
     grad = torch.zeros(2, 4, module.num_key_heads, module.rotary_pairs + 1, device=DEVICE)
     with pytest.raises(ValueError, match="grad_increment"):
         kernel_gradients(module, grad, x)
+
+
+def test_the_backward_is_one_launch_and_its_outputs_allocations(monkeypatch):
+    """Issue 46, item 3 (forward + backward of a layer's Selective RoPE in at most 4 launches and no other aten op):
+    the phase path's backward takes one launch, and its only aten ops allocate dx, the six weight gradients and the
+    zeroed float64 buffer of the atomics (counted with the launch stubbed, by ``host_time_cpu``'s counter)."""
+    spec = importlib.util.spec_from_file_location(
+        "host_time_cpu", Path(__file__).resolve().parents[2] / "benchmarks" / "host_time_cpu.py")
+    host_time_cpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host_time_cpu)
+    launches = Counter()
+
+    class Stub:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.update(["backward"])
+
+    monkeypatch.setattr(phase_triton, "_phase_increment_bwd_kernel", Stub())
+    module = make_rotary(dtype=torch.float32, phase_bias=True)
+    x = torch.randn(2, 40, HIDDEN)
+    grad = torch.randn(2, 40, module.num_key_heads, module.rotary_pairs)
+    lengths = torch.tensor([40, 7])
+    weights = kernel_weights(module, x.device)  # (the taps' view of the convolution weight is the caller's op)
+    ops = host_time_cpu.top_level_ops(lambda: phase_increment_backward_triton(
+        grad, x, module.phase_proj.down, module.phase_proj.up, **weights, lengths=lengths))
+    assert launches == {"backward": 1}
+    assert ops == {"aten::empty": 7, "aten::zeros": 1}
