@@ -266,7 +266,7 @@ def unrounded_increment(x, down, up, taps, bias, gate_weight, gate_bias, lengths
 def test_the_backward_agrees_with_finite_differences():
     """``torch.autograd.gradcheck`` (fast mode: random projections of the Jacobians) of the kernel's backward against
     central differences of ``unrounded_increment``, every input at once."""
-    lengths = torch.tensor([7, 4])
+    lengths = torch.tensor([7, 4], device=DEVICE)
 
     class KernelBackward(torch.autograd.Function):
         @staticmethod
@@ -283,7 +283,7 @@ def test_the_backward_agrees_with_finite_differences():
     heads, rank, chunk, pairs = 2, 3, HIDDEN // 2, 4
     shapes = [(2, 7, HIDDEN), (heads, rank, chunk), (heads, pairs, rank), (heads * pairs, 3), (heads, pairs),
               (heads, HIDDEN), (heads,)]
-    inputs = [torch.randn(shape, dtype=torch.float64, requires_grad=True) for shape in shapes]
+    inputs = [torch.randn(shape, dtype=torch.float64, device=DEVICE, requires_grad=True) for shape in shapes]
     assert torch.autograd.gradcheck(KernelBackward.apply, inputs, fast_mode=True, nondet_tol=1e-12)
 
 
