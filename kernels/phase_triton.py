@@ -477,9 +477,10 @@ def _phase_increment_bwd_kernel(
             _copy_out(ws_ptr + o_gb, dgb_ptr, o_count - o_gb, BLOCK_COPY)
 
 
-def _backward_shapes(grad_increment, x, down, up, conv_weight, conv_activation, bias, gate_weight, gate_bias, lengths,
-                     cu_seqlens, conv_state) -> tuple[int, int]:
-    """The number of sequences and of taps (0: no convolution), after refusing inputs that disagree by name."""
+def _check_phase_inputs(grad_increment, x, down, up, conv_weight, conv_activation, bias, gate_weight, gate_bias,
+                        lengths, cu_seqlens, conv_state) -> tuple[int, int]:
+    """The number of sequences and of taps (0: no convolution), after refusing inputs that disagree by name
+    (``grad_increment``: ``None`` for the forward's inputs alone; the forward's wrapper checks the same inline)."""
     batch, seq_len, hidden = x.shape
     num_key_heads, rank, chunk_dim = down.shape
     rotary_pairs = up.shape[1]
@@ -492,7 +493,7 @@ def _backward_shapes(grad_increment, x, down, up, conv_weight, conv_activation, 
                          f"{None if conv_weight is None else tuple(conv_weight.shape)}, bias "
                          f"{None if bias is None else tuple(bias.shape)} and gate weight "
                          f"{None if gate_weight is None else tuple(gate_weight.shape)} disagree")
-    if grad_increment.shape != (batch, seq_len, num_key_heads, rotary_pairs):
+    if grad_increment is not None and grad_increment.shape != (batch, seq_len, num_key_heads, rotary_pairs):
         raise ValueError(f"grad_increment {tuple(grad_increment.shape)} is not the increments' shape "
                          f"{(batch, seq_len, num_key_heads, rotary_pairs)}")
     if conv_activation not in (None, "silu"):
@@ -542,8 +543,8 @@ def phase_increment_backward_triton(
         input. Computed in float64 and rounded once, as autograd through ``SelectiveRotaryEmbedding.phase_increment``
         computes them (its final rounding to float32 has derivative 1).
     """
-    num_seqs, conv_k = _backward_shapes(grad_increment, x, down, up, conv_weight, conv_activation, bias, gate_weight,
-                                        gate_bias, lengths, cu_seqlens, conv_state)
+    num_seqs, conv_k = _check_phase_inputs(grad_increment, x, down, up, conv_weight, conv_activation, bias,
+                                           gate_weight, gate_bias, lengths, cu_seqlens, conv_state)
     batch, seq_len, hidden = x.shape
     num_key_heads, rank, chunk_dim = down.shape
     rotary_pairs = up.shape[1]

@@ -287,12 +287,18 @@ def test_the_backward_agrees_with_finite_differences():
     assert torch.autograd.gradcheck(KernelBackward.apply, inputs, fast_mode=True, nondet_tol=1e-12)
 
 
-def test_the_backward_refuses_a_gradient_of_another_shape():
+def test_the_backward_refuses_bad_arguments_by_name():
     module = make_rotary(dtype=torch.float32, device=DEVICE)
     x = torch.randn(2, 4, HIDDEN, device=DEVICE)
-    grad = torch.zeros(2, 4, module.num_key_heads, module.rotary_pairs + 1, device=DEVICE)
+    grad = torch.zeros(2, 4, module.num_key_heads, module.rotary_pairs, device=DEVICE)
     with pytest.raises(ValueError, match="grad_increment"):
-        kernel_gradients(module, grad, x)
+        kernel_gradients(module, grad[..., 1:], x)
+    with pytest.raises(ValueError, match="disagree"):
+        kernel_gradients(module, grad, x[..., 1:])
+    with pytest.raises(ValueError, match="conv_state"):
+        kernel_gradients(module, grad, x, conv_state=torch.zeros(2, 2, 8, dtype=torch.float64, device=DEVICE))
+    with pytest.raises(ValueError, match="cu_seqlens needs batch 1"):
+        kernel_gradients(module, grad, x, cu_seqlens=torch.tensor([0, 4], device=DEVICE))
 
 
 def test_the_backward_is_one_launch_and_its_outputs_allocations(monkeypatch):
