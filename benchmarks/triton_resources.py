@@ -62,11 +62,12 @@ def record_launches(config: dict | None = None) -> list[tuple[str, object, tuple
 
     kernels = [name for name in vars(rotary_triton) if name.endswith("_kernel")]
     saved = {name: getattr(rotary_triton, name) for name in (*kernels, "_config", "_chunk_tiles", "_multiprocessors")}
-    phase_kernel = phase_triton._phase_increment_kernel
+    phase_kernels = {name: kernel for name, kernel in vars(phase_triton).items() if name.endswith("_kernel")}
     try:
         for name in kernels:
             setattr(rotary_triton, name, Recorder(name, saved[name]))
-        phase_triton._phase_increment_kernel = Recorder("_phase_increment_kernel", phase_kernel)
+        for name, kernel in phase_kernels.items():
+            setattr(phase_triton, name, Recorder(name, kernel))
         if config is not None:
             rotary_triton._config = lambda pairs, passes: {**saved["_config"](pairs, passes), **config}
         # chunks planned as on an H100 / H200 (132 multiprocessors), so the chunked scan's kernels launch too
@@ -76,7 +77,8 @@ def record_launches(config: dict | None = None) -> list[tuple[str, object, tuple
     finally:
         for name, value in saved.items():
             setattr(rotary_triton, name, value)
-        phase_triton._phase_increment_kernel = phase_kernel
+        for name, kernel in phase_kernels.items():
+            setattr(phase_triton, name, kernel)
     return launches
 
 
@@ -118,14 +120,18 @@ def run_every_wrapper(rotary_triton) -> None:
         x=randn(2, hidden, dtype=torch.bfloat16), down=randn(heads, 32, chunk), up=randn(heads, pairs, 32),
         gate_weight=randn(heads, hidden), gate_bias=randn(heads), conv_activation="silu", **steps)
     # the phase increments (kernels/phase_triton.py): padded rows, and packed sequences after a cached history,
-    # without gate or bias
-    from selective_rope.kernels.phase_triton import phase_increment_triton
+    # without gate or bias; the backward alike, with bf16 x
+    from selective_rope.kernels.phase_triton import phase_increment_backward_triton, phase_increment_triton
 
     phase = dict(down=randn(heads, 32, chunk), up=randn(heads, pairs, 32), conv_weight=randn(heads * pairs, 4))
-    phase_increment_triton(randn(2, 64, hidden), **phase, conv_activation="silu", bias=randn(heads, pairs),
-                           gate_weight=randn(heads, hidden), gate_bias=randn(heads), lengths=torch.tensor([64, 9]))
-    phase_increment_triton(randn(1, seq_len, hidden), **phase, cu_seqlens=offsets,
-                           conv_state=randn(2, 3, heads * pairs, dtype=torch.float64))
+    padded = dict(conv_activation="silu", bias=randn(heads, pairs), gate_weight=randn(heads, hidden),
+                  gate_bias=randn(heads), lengths=torch.tensor([64, 9]))
+    packed = dict(cu_seqlens=offsets, conv_state=randn(2, 3, heads * pairs, dtype=torch.float64))
+    phase_increment_triton(randn(2, 64, hidden), **phase, **padded)
+    phase_increment_triton(randn(1, seq_len, hidden), **phase, **packed)
+    phase_increment_backward_triton(randn(2, 64, heads, pairs), randn(2, 64, hidden, dtype=torch.bfloat16), **phase,
+                                    **padded)
+    phase_increment_backward_triton(randn(1, seq_len, heads, pairs), randn(1, seq_len, hidden), **phase, **packed)
 
 
 def jit_inputs(kernel, args: tuple, kwargs: dict, backend) -> tuple[dict, dict, dict, object]:

@@ -1,6 +1,6 @@
 """Selective RoPE's phase increments in Triton, for the default phase path: a first building block of issue 46's item 1
-(the phase path inside the rotary op). Forward only, and no model calls it yet: the rotary module's Triton path still
-computes the increments with PyTorch ops (``SelectiveRotaryEmbedding.phase_increment``).
+(the phase path inside the rotary op), forward and backward. No model calls them yet: the rotary module's Triton path
+still computes the increments with PyTorch ops (``SelectiveRotaryEmbedding.phase_increment``).
 
 ``phase_increment_triton`` computes, for every token and key head, what ``phase_increment`` computes for a
 ``"low_rank"`` projection, the per-head gate (or none), a learned causal convolution (or none; its activation ``None``
@@ -15,8 +15,22 @@ its tile (the convolution's window) rather than reading another program's. The s
 torch path's matrix products: equal within float64 rounding, which the rounding to float32 absorbs
 (``tests/kernels/test_phase_triton.py``).
 
-Not yet: the backward, the other projections and gates, and fusing it into the rotary scan's first pass (two
-launches for the whole forward).
+``phase_increment_backward_triton`` gives the gradients of those increments with respect to the input and every
+weight (projection, taps, bias, gate), recomputing the forward instead of keeping anything from it. One launch, one
+program per (sequence, tile of up to 32 tokens) with a gate (each gate reads every chunk, so a chunk's dx needs every
+head's gate gradient: the program does every head, in two passes, the first for the gate logits and ``Σ_r dc·y``),
+per (sequence x key head, tile) without one. The program recomputes the convolution's window K - 1 tokens before
+its tile (its first tokens' z) and K - 1 after it (the later tokens whose windows reach back into the tile give its
+``d a``), so no program reads another's results; the convolution's shifts are gathers over the tile, and the
+projections, the gate and their gradients float64 ``tl.dot`` products (the float64 MMA on sm_80 and later). The
+weight gradients are sums over tokens: each program adds its share with float64 atomics into one zeroed buffer, and
+the last program to finish (a count in the same buffer) rounds them once into the weights' dtypes, so the backward is
+that one launch and its outputs' allocations. Float64 atomics add in no fixed order: the float64 sums may differ in
+their last bits from run to run on a GPU (the interpreter runs the programs in order), which the rounding to float32
+weights almost always absorbs. The cached history ``conv_state`` is a constant (no gradient).
+
+Not yet: the other projections and gates, and fusing the forward into the rotary scan's first pass (two launches for
+the whole forward).
 """
 
 from __future__ import annotations
@@ -31,7 +45,7 @@ try:  # (see rotary_triton: triton is optional, and this file may travel with sa
 except ImportError as error:
     raise ImportError("the Triton Selective RoPE kernels need `triton` (pip install triton)") from error
 
-__all__ = ["phase_increment_triton"]
+__all__ = ["phase_increment_backward_triton", "phase_increment_triton"]
 
 _BLOCK_T = 16
 
@@ -222,3 +236,346 @@ def phase_increment_triton(
         BLOCK_S=_next_power_of_2(max(conv_k - 1, 1)), num_warps=4,
     )
     return out, new_state
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# backward: recomputes the forward over each tile and its halos, one launch
+# --------------------------------------------------------------------------------------------------------------------
+_BACKWARD_BLOCK_T = 32  # tokens per backward program, its halos included: a power of 2, >= 16 (tl.dot's minimum)
+_COPY_BLOCK = 1024  # elements per step of the last program's copy of the weight gradients
+
+
+@triton.jit
+def _sum0(x):
+    return tl.reduce(x, 0, _add)
+
+
+@triton.jit
+def _dot(a, b):
+    """``a @ b`` in float64 (the float64 MMA on sm_80 and later); every dimension >= 16."""
+    return tl.dot(a, b, out_dtype=tl.float64)
+
+
+@triton.jit
+def _column(m, cols, j):
+    """Column ``j`` of ``m`` ``(BLOCK_E, BLOCK_H)``, ``cols = tl.arange(0, BLOCK_H)``."""
+    return _sum1(tl.where(cols[None, :] == j, m, 0.0))
+
+
+@triton.jit
+def _shift(v, m: tl.constexpr, BLOCK_E: tl.constexpr):
+    """``v[e - m]`` along the tokens (rows) of ``v`` ``(BLOCK_E, ...)``, zero where ``e - m`` leaves the block:
+    ``m > 0`` reads earlier tokens, ``m < 0`` later ones."""
+    es = tl.arange(0, BLOCK_E)
+    src = es - m
+    inside = (src >= 0) & (src < BLOCK_E)
+    index = tl.broadcast_to(tl.where(inside, src, 0)[:, None], v.shape)
+    return tl.where(inside[:, None], tl.gather(v, index, 0), 0.0)
+
+
+@triton.jit
+def _chunk_and_norm(x_ptr, b, ts, mask_t, chunk, sx_b, sx_t, Dc, BLOCK_DC: tl.constexpr):
+    """Input chunk ``chunk`` of tokens ``ts`` L2-normalised, ``(BLOCK_E, BLOCK_DC)`` float64, with its clamped norms and
+    where the norm is not clamped (``L2NormalizeChunks``'s backward reads both)."""
+    ds = tl.arange(0, BLOCK_DC)
+    x = tl.load(x_ptr + b * sx_b + ts[:, None] * sx_t + chunk * Dc + ds[None, :],
+                mask=mask_t[:, None] & (ds < Dc)[None, :], other=0.0).to(tl.float64)
+    norm = tl.sqrt(_sum1(x * x))
+    denom = tl.maximum(norm, 1e-12)
+    # Through an identity gather: Triton 3.6 fails to compile a float64 tl.dot whose operand it traces back, through
+    # elementwise ops, to a 16-bit load ("Currently fp64 don't support largeK MMA", bf16 x); the gather ends the trace.
+    u = x / denom[:, None]
+    return tl.gather(u, tl.broadcast_to(tl.arange(0, u.shape[0])[:, None], u.shape), 0), denom, norm >= 1e-12
+
+
+@triton.jit
+def _recompute_head(x_ptr, down_ptr, up_ptr, conv_ptr, state_ptr, b, n, h, ts, real, bos, sx_b, sx_t, Dc, RANK, R,
+                    channels, CONV_K: tl.constexpr, HAS_STATE: tl.constexpr, BLOCK_E: tl.constexpr,
+                    BLOCK_DC: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Key head ``h``'s forward over the block's tokens ``ts``: ``u`` (with its norms), ``low = down_h u``,
+    ``a = up_h low`` (the cached history before the sequence start, zero at padding) and the convolution ``z`` of
+    ``a`` (meaningful from row K - 1 on; ``a`` itself without a convolution). Float64."""
+    u, denom, unclamped = _chunk_and_norm(x_ptr, b, ts, real, h, sx_b, sx_t, Dc, BLOCK_DC)
+    ds, ks, rs = tl.arange(0, BLOCK_DC), tl.arange(0, BLOCK_RANK), tl.arange(0, BLOCK_R)
+    mask_k, mask_r = ks < RANK, rs < R
+    down = tl.load(down_ptr + (h * RANK + ks[:, None]) * Dc + ds[None, :], mask=mask_k[:, None] & (ds < Dc)[None, :],
+                   other=0.0).to(tl.float64)  # (BLOCK_RANK, BLOCK_DC)
+    up = tl.load(up_ptr + (h * R + rs[:, None]) * RANK + ks[None, :], mask=mask_r[:, None] & mask_k[None, :],
+                 other=0.0).to(tl.float64)  # (BLOCK_R, BLOCK_RANK)
+    low = _dot(u, tl.trans(down))  # (BLOCK_E, BLOCK_RANK)
+    a = _dot(low, tl.trans(up))  # (BLOCK_E, BLOCK_R), zero where not real (u is)
+    z = a
+    if CONV_K > 0:
+        if HAS_STATE:  # before the sequence start: the cached history, slot K-1 - (bos - token)
+            slot = ts - bos + (CONV_K - 1)
+            before = (ts < bos) & (slot >= 0)
+            a += tl.load(state_ptr + (n * (CONV_K - 1) + slot[:, None]) * channels + h * R + rs[None, :],
+                         mask=before[:, None] & mask_r[None, :], other=0.0).to(tl.float64)
+        z = tl.full([BLOCK_E, BLOCK_R], 0.0, tl.float64)
+        for j in tl.static_range(CONV_K):  # taps oldest first: tap j reads K-1-j tokens back
+            tap = tl.load(conv_ptr + (h * R + rs) * CONV_K + j, mask=mask_r, other=0.0).to(tl.float64)
+            z += _shift(a, CONV_K - 1 - j, BLOCK_E) * tap[None, :]
+    return u, denom, unclamped, down, up, low, a, z
+
+
+@triton.jit
+def _gate_weights_on(gw_ptr, chunk, Hk, Dc, BLOCK_H: tl.constexpr, BLOCK_DC: tl.constexpr):
+    """Every per-head gate's weights on input chunk ``chunk``: ``(BLOCK_H, BLOCK_DC)`` float64."""
+    hs, ds = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_DC)
+    return tl.load(gw_ptr + hs[:, None] * (Hk * Dc) + chunk * Dc + ds[None, :],
+                   mask=(hs < Hk)[:, None] & (ds < Dc)[None, :], other=0.0).to(tl.float64)
+
+
+@triton.jit
+def _rounded(x, dtype: tl.constexpr):
+    """Float64 ``x`` in ``dtype``: to a 16-bit float through float32, as torch casts float64 to one (so as autograd's
+    cast of the float64 gradient rounds it)."""
+    if dtype.primitive_bitwidth < 32:
+        return x.to(tl.float32).to(dtype)
+    return x.to(dtype)
+
+
+@triton.jit
+def _copy_out(src_ptr, dst_ptr, count, BLOCK: tl.constexpr):
+    """``dst[:count] = src[:count]`` in ``dst``'s dtype, reading past the L1 cache (other programs' atomics wrote
+    ``src``)."""
+    for start in range(0, count, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        value = tl.load(src_ptr + i, mask=i < count, other=0.0, cache_modifier=".cg")
+        tl.store(dst_ptr + i, _rounded(value, dst_ptr.dtype.element_ty), mask=i < count)
+
+
+@triton.jit
+def _phase_increment_bwd_kernel(
+    grad_ptr, x_ptr, down_ptr, up_ptr, conv_ptr, bias_ptr, gw_ptr, gb_ptr, lengths_ptr, cu_ptr, state_ptr,
+    dx_ptr, ddown_ptr, dup_ptr, dconv_ptr, dbias_ptr, dgw_ptr, dgb_ptr, ws_ptr,
+    T, Hk, R, Dc, RANK,
+    sx_b, sx_t,
+    CONV_K: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GATE: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_STATE: tl.constexpr, HALO: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_COPY: tl.constexpr,
+):
+    # A program owns TILE tokens of one sequence and recomputes the forward over them and HALO = K-1 tokens either
+    # side: the convolution's window before (z of its first tokens) and after (dz of the tokens whose windows reach
+    # back into the tile). With a gate, every head (each gate reads every chunk, so dx of a chunk needs every head's
+    # gate gradient); without one, a single head.
+    TILE: tl.constexpr = BLOCK_E - 2 * HALO
+    pid_nh, pid_t = tl.program_id(0), tl.program_id(1)
+    if HAS_GATE:
+        n_prog = pid_nh
+        h_lo = pid_nh * 0
+        h_hi = h_lo + Hk
+    else:
+        n_prog = pid_nh // Hk
+        h_lo = pid_nh % Hk
+        h_hi = h_lo + 1
+    n = n_prog.to(tl.int64)
+    b, bos, end = _span(n_prog, cu_ptr, T, IS_VARLEN)
+    t0 = bos + pid_t.to(tl.int64) * TILE
+    es = tl.arange(0, BLOCK_E)
+    ts = t0 - HALO + es  # (BLOCK_E,) the tile and its halos
+    valid_end = end
+    if HAS_LENGTHS:  # right-padded rows: tokens from the row's length on are padding
+        valid_end = bos + tl.load(lengths_ptr + b).to(tl.int64)
+    real = (ts >= bos) & (ts < valid_end)  # the increments there depend on the inputs
+    owned = (es >= HALO) & (es < HALO + TILE) & (ts < end)  # the tokens whose gradients this program writes
+    counted = owned & real
+    rs, ks, ds, hs = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_RANK), tl.arange(0, BLOCK_DC), tl.arange(0, BLOCK_H)
+    mask_r, mask_k, mask_d, mask_h = rs < R, ks < RANK, ds < Dc, hs < Hk
+    channels = Hk * R
+    hidden = Hk * Dc
+    # float64 accumulators of the weight gradients, one after another (the launcher sizes it alike), then a count
+    o_up = Hk * RANK * Dc
+    o_conv = o_up + Hk * R * RANK
+    o_bias = o_conv + Hk * R * CONV_K
+    o_gw = o_bias + (Hk * R if HAS_BIAS else 0)
+    o_gb = o_gw + (Hk * hidden if HAS_GATE else 0)
+    o_count = o_gb + (Hk if HAS_GATE else 0)
+
+    if t0 < end:
+        grad_rows = (b * T + ts) * Hk
+        grad_mask = real[:, None] & mask_r[None, :]
+        if HAS_GATE:
+            # Pass 1: every head's gate logit and Σ_r dc·y, for d logit = σ'(logit) Σ_r dc·y (y: c before the gate)
+            logits = tl.full([BLOCK_E, BLOCK_H], 0.0, tl.float64)
+            dot_grad = tl.full([BLOCK_E, BLOCK_H], 0.0, tl.float64)
+            for h in range(0, Hk):
+                u, denom, unclamped, down, up, low, a, z = _recompute_head(
+                    x_ptr, down_ptr, up_ptr, conv_ptr, state_ptr, b, n, h, ts, real, bos, sx_b, sx_t, Dc, RANK, R,
+                    channels, CONV_K, HAS_STATE, BLOCK_E, BLOCK_DC, BLOCK_RANK, BLOCK_R)
+                logits += _dot(u, tl.trans(_gate_weights_on(gw_ptr, h, Hk, Dc, BLOCK_H, BLOCK_DC)))
+                y = z
+                if SILU:
+                    y = z * _sigmoid(z)
+                if HAS_BIAS:
+                    y += tl.exp(tl.load(bias_ptr + h * R + rs, mask=mask_r, other=0.0).to(tl.float64))[None, :]
+                g = tl.load(grad_ptr + (grad_rows[:, None] + h) * R + rs[None, :], mask=grad_mask, other=0.0)
+                dot_grad = tl.where(hs[None, :] == h, _sum1(g.to(tl.float64) * y)[:, None], dot_grad)
+            gate = _sigmoid(logits + tl.load(gb_ptr + hs, mask=mask_h, other=0.0).to(tl.float64)[None, :])
+            d_logit = tl.where(counted[:, None] & mask_h[None, :], gate * (1.0 - gate) * dot_grad, 0.0)
+            tl.atomic_add(ws_ptr + o_gb + hs, _sum0(d_logit), mask=mask_h, sem="relaxed")
+
+        # Pass 2, head by head: the chain back from dc to every input
+        for h in range(h_lo, h_hi):
+            u, denom, unclamped, down, up, low, a, z = _recompute_head(
+                x_ptr, down_ptr, up_ptr, conv_ptr, state_ptr, b, n, h, ts, real, bos, sx_b, sx_t, Dc, RANK, R,
+                channels, CONV_K, HAS_STATE, BLOCK_E, BLOCK_DC, BLOCK_RANK, BLOCK_R)
+            dy = tl.load(grad_ptr + (grad_rows[:, None] + h) * R + rs[None, :], mask=grad_mask, other=0.0)
+            dy = dy.to(tl.float64)  # (BLOCK_E, BLOCK_R), zero where not real
+            if HAS_GATE:
+                dy *= _column(gate, hs, h)[:, None]
+            if HAS_BIAS:
+                exp_b = tl.exp(tl.load(bias_ptr + h * R + rs, mask=mask_r, other=0.0).to(tl.float64))
+                tl.atomic_add(ws_ptr + o_bias + h * R + rs, _sum0(tl.where(owned[:, None], dy, 0.0)) * exp_b,
+                              mask=mask_r, sem="relaxed")
+            if CONV_K > 0:
+                dz = dy
+                if SILU:
+                    sig = _sigmoid(z)
+                    dz = dy * sig * (1.0 + z * (1.0 - sig))
+                dz_owned = tl.where(owned[:, None], dz, 0.0)
+                da = tl.full([BLOCK_E, BLOCK_R], 0.0, tl.float64)
+                for j in tl.static_range(CONV_K):  # tap j: z_t += w_j a_{t-(K-1-j)}, so da_s += w_j dz_{s+K-1-j}
+                    tap_ptrs = ws_ptr + o_conv + (h * R + rs) * CONV_K + j
+                    tl.atomic_add(tap_ptrs, _sum0(dz_owned * _shift(a, CONV_K - 1 - j, BLOCK_E)), mask=mask_r,
+                                  sem="relaxed")
+                    tap = tl.load(conv_ptr + (h * R + rs) * CONV_K + j, mask=mask_r, other=0.0).to(tl.float64)
+                    da += _shift(dz, j + 1 - CONV_K, BLOCK_E) * tap[None, :]
+            else:
+                da = dy
+            da = tl.where(counted[:, None], da, 0.0)  # (the history before the start and padding are constants)
+            tl.atomic_add(ws_ptr + o_up + (h * R + rs[:, None]) * RANK + ks[None, :], _dot(tl.trans(da), low),
+                          mask=mask_r[:, None] & mask_k[None, :], sem="relaxed")
+            d_low = _dot(da, up)  # (BLOCK_E, BLOCK_RANK)
+            tl.atomic_add(ws_ptr + (h * RANK + ks[:, None]) * Dc + ds[None, :], _dot(tl.trans(d_low), u),
+                          mask=mask_k[:, None] & mask_d[None, :], sem="relaxed")
+            du = _dot(d_low, down)  # (BLOCK_E, BLOCK_DC)
+            if HAS_GATE:  # every gate's share in chunk h
+                du += _dot(d_logit, _gate_weights_on(gw_ptr, h, Hk, Dc, BLOCK_H, BLOCK_DC))
+                tl.atomic_add(ws_ptr + o_gw + hs[:, None] * hidden + h * Dc + ds[None, :], _dot(tl.trans(d_logit), u),
+                              mask=mask_h[:, None] & mask_d[None, :], sem="relaxed")
+            # the chunk norm's backward, as L2NormalizeChunks': (du - u (u·du)) / ‖x‖, no u·du where clamped
+            along = tl.where(unclamped, _sum1(u * du), 0.0)
+            dx = (du - u * along[:, None]) / denom[:, None]
+            tl.store(dx_ptr + (b * T + ts[:, None]) * hidden + h * Dc + ds[None, :],
+                     _rounded(dx, dx_ptr.dtype.element_ty), mask=owned[:, None] & mask_d[None, :])
+
+    # The last program to finish rounds the weight gradients once into their own dtypes (no launch or op after this
+    # one). Each program's atomics come before its count (the barrier, then an acq_rel atomic).
+    tl.debug_barrier()
+    done = tl.atomic_add(ws_ptr + o_count, 1.0)
+    if done == (tl.num_programs(0) * tl.num_programs(1) - 1).to(tl.float64):
+        _copy_out(ws_ptr, ddown_ptr, o_up, BLOCK_COPY)
+        _copy_out(ws_ptr + o_up, dup_ptr, o_conv - o_up, BLOCK_COPY)
+        if CONV_K > 0:
+            _copy_out(ws_ptr + o_conv, dconv_ptr, o_bias - o_conv, BLOCK_COPY)
+        if HAS_BIAS:
+            _copy_out(ws_ptr + o_bias, dbias_ptr, o_gw - o_bias, BLOCK_COPY)
+        if HAS_GATE:
+            _copy_out(ws_ptr + o_gw, dgw_ptr, o_gb - o_gw, BLOCK_COPY)
+            _copy_out(ws_ptr + o_gb, dgb_ptr, o_count - o_gb, BLOCK_COPY)
+
+
+def _check_phase_inputs(grad_increment, x, down, up, conv_weight, conv_activation, bias, gate_weight, gate_bias,
+                        lengths, cu_seqlens, conv_state) -> tuple[int, int]:
+    """The number of sequences and of taps (0: no convolution), after refusing inputs that disagree by name
+    (``grad_increment``: ``None`` for the forward's inputs alone; the forward's wrapper checks the same inline)."""
+    batch, seq_len, hidden = x.shape
+    num_key_heads, rank, chunk_dim = down.shape
+    rotary_pairs = up.shape[1]
+    if (hidden != num_key_heads * chunk_dim or up.shape != (num_key_heads, rotary_pairs, rank)
+            or (conv_weight is not None and conv_weight.shape[0] != num_key_heads * rotary_pairs)
+            or (bias is not None and bias.shape != (num_key_heads, rotary_pairs))
+            or (gate_weight is not None and (gate_weight.shape != (num_key_heads, hidden) or gate_bias is None
+                                             or gate_bias.shape != (num_key_heads,)))):
+        raise ValueError(f"x {tuple(x.shape)}, down {tuple(down.shape)}, up {tuple(up.shape)}, conv_weight "
+                         f"{None if conv_weight is None else tuple(conv_weight.shape)}, bias "
+                         f"{None if bias is None else tuple(bias.shape)} and gate weight "
+                         f"{None if gate_weight is None else tuple(gate_weight.shape)} disagree")
+    if grad_increment is not None and grad_increment.shape != (batch, seq_len, num_key_heads, rotary_pairs):
+        raise ValueError(f"grad_increment {tuple(grad_increment.shape)} is not the increments' shape "
+                         f"{(batch, seq_len, num_key_heads, rotary_pairs)}")
+    if conv_activation not in (None, "silu"):
+        raise ValueError(f"unsupported activation {conv_activation!r}; expected None or 'silu'")
+    if cu_seqlens is not None and (batch != 1 or lengths is not None):
+        raise ValueError("cu_seqlens needs batch 1 and no lengths (packed sequences have no padding)")
+    num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    conv_k = 0 if conv_weight is None else conv_weight.shape[-1]
+    channels = num_key_heads * rotary_pairs
+    if conv_state is not None and (conv_weight is None or conv_state.shape != (num_seqs, conv_k - 1, channels)):
+        raise ValueError(f"conv_state {tuple(conv_state.shape)} disagrees with {num_seqs} sequences, "
+                         f"{None if conv_weight is None else conv_k} taps and {channels} channels")
+    return num_seqs, conv_k
+
+
+def _kernel_input(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """``tensor`` as the kernel reads it, row-major on ``device``: copied only where it is not (no op otherwise)."""
+    if tensor is not None and tensor.device != device:
+        tensor = tensor.to(device)
+    return tensor if tensor is None or tensor.is_contiguous() else tensor.contiguous()
+
+
+def phase_increment_backward_triton(
+    grad_increment: torch.Tensor,
+    x: torch.Tensor,
+    down: torch.Tensor,
+    up: torch.Tensor,
+    conv_weight: torch.Tensor | None = None,
+    conv_activation: str | None = None,
+    bias: torch.Tensor | None = None,
+    gate_weight: torch.Tensor | None = None,
+    gate_bias: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    conv_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, ...]:
+    """The gradients of ``phase_increment_triton``'s increments, recomputing the forward instead of saving it.
+
+    Args:
+        grad_increment: ``(B, T, Hk, R)`` the gradient of the increments (ignored at padding, where they are
+            constant zeros).
+        The others: as ``phase_increment_triton`` took them. ``conv_state`` is a constant here (no gradient).
+
+    Returns:
+        ``(dx, d_down, d_up, d_conv_weight, d_bias, d_gate_weight, d_gate_bias)``: ``dx`` ``(B, T, Hk * Dc)`` in
+        ``x``'s dtype (zero at padding), each weight's gradient in its own shape and dtype, ``None`` for an absent
+        input. Computed in float64 and rounded once, as autograd through ``SelectiveRotaryEmbedding.phase_increment``
+        computes them (its final rounding to float32 has derivative 1).
+    """
+    num_seqs, conv_k = _check_phase_inputs(grad_increment, x, down, up, conv_weight, conv_activation, bias,
+                                           gate_weight, gate_bias, lengths, cu_seqlens, conv_state)
+    batch, seq_len, hidden = x.shape
+    num_key_heads, rank, chunk_dim = down.shape
+    rotary_pairs = up.shape[1]
+    has_bias, has_gate = bias is not None, gate_weight is not None
+    inputs = (down, up, conv_weight, bias, gate_weight, gate_bias)
+    grads = [None if t is None else torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in inputs]
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if num_seqs == 0 or grad_increment.numel() == 0 or x.numel() == 0:
+        return dx.zero_(), *(None if g is None else g.zero_() for g in grads)
+    # the kernel's layout of its float64 accumulators, then the count of finished programs
+    accumulators = (num_key_heads * rank * chunk_dim + num_key_heads * rotary_pairs * (rank + conv_k + has_bias)
+                    + has_gate * num_key_heads * (hidden + 1))
+    workspace = torch.zeros(accumulators + 1, dtype=torch.float64, device=x.device)
+    halo = max(conv_k - 1, 0)
+    block_e = max(_BACKWARD_BLOCK_T, _next_power_of_2(4 * halo))  # (halos at most half the block)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    placeholder = workspace  # for pointers a disabled branch never reads
+    if lengths is not None and lengths.dtype not in (torch.int32, torch.int64):
+        lengths = lengths.long()
+    grid = (num_seqs * (1 if has_gate else num_key_heads), max(_cdiv(seq_len, block_e - 2 * halo), 1))
+    _phase_increment_bwd_kernel[grid](
+        _kernel_input(grad_increment, x.device), x, _kernel_input(down, x.device), _kernel_input(up, x.device),
+        *(placeholder if t is None else _kernel_input(t, x.device)
+          for t in (conv_weight, bias, gate_weight, gate_bias, lengths, cu_seqlens, conv_state)),
+        dx, *(placeholder if g is None else g for g in grads), workspace,
+        seq_len, num_key_heads, rotary_pairs, chunk_dim, rank, x.stride(0), x.stride(1),
+        CONV_K=conv_k, SILU=conv_k > 0 and conv_activation == "silu", HAS_BIAS=has_bias, HAS_GATE=has_gate,
+        HAS_LENGTHS=lengths is not None, IS_VARLEN=cu_seqlens is not None, HAS_STATE=conv_state is not None,
+        HALO=halo, BLOCK_E=block_e, BLOCK_DC=max(_next_power_of_2(chunk_dim), 16),
+        BLOCK_RANK=max(_next_power_of_2(rank), 16), BLOCK_R=max(_next_power_of_2(rotary_pairs), 16),
+        BLOCK_H=max(_next_power_of_2(num_key_heads), 16), BLOCK_COPY=_COPY_BLOCK, num_warps=8,
+    )
+    return dx, *grads
