@@ -100,19 +100,28 @@ class L2NormalizeChunks(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
         u, denom, unclamped = output
-        ctx.mark_non_differentiable(denom, unclamped)
+        # denom stays differentiable: a double backward differentiates the backward's division by it
+        ctx.mark_non_differentiable(unclamped)
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(u, denom, unclamped)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor, _grad_denom, _grad_unclamped) -> torch.Tensor:
+    def backward(ctx, grad: torch.Tensor | None, grad_denom: torch.Tensor | None, _grad_unclamped) -> torch.Tensor:
         u, denom, unclamped = ctx.saved_tensors
+        if grad is None:
+            grad = torch.zeros_like(u)
         along = (u * grad).sum(-1, keepdim=True) * unclamped  # the norm's share; none where the clamp holds it
         if torch.is_grad_enabled():  # a double backward (create_graph=True) differentiates these operations
-            return (grad - u * along) / denom
-        # The same operations into one buffer: each fresh full-width float64 temporary is fresh memory from the OS
-        # (page faults), which cost as much as the arithmetic at small widths (docs/cpu_performance.md, issue 51).
-        out = u * along
-        return torch.sub(grad, out, out=out).div_(denom)
+            grad_x = (grad - u * along) / denom
+        else:
+            # The same operations into one buffer: each fresh full-width float64 temporary is fresh memory from the
+            # OS (page faults), which cost as much as the arithmetic at small widths (docs/cpu_performance.md,
+            # issue 51).
+            out = u * along
+            grad_x = torch.sub(grad, out, out=out).div_(denom)
+        # Only the backward of a double backward reads denom (the first backward divides by it): d denom / dx = u
+        # where the clamp does not hold it.
+        return grad_x if grad_denom is None else grad_x + grad_denom * unclamped * u
 
 
 def no_autocast(x: torch.Tensor):

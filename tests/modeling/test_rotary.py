@@ -438,3 +438,20 @@ def test_training_forward_keeps_no_float64_copy_of_the_input():
         module.phase_increment(x, None, None, None)
     full = [t for t in storages.values() if t.dtype == torch.float64 and t.numel() == x.numel()]
     assert len(full) == 1, [tuple(t.shape) for t in full]
+
+
+def test_chunk_normalisation_second_derivative_equals_autograd_through_normalize():
+    """A double backward through the normalisation differentiates its backward's division by the norm too (the norm
+    was once marked non-differentiable, and the second derivative lost that term)."""
+    from selective_rope.modeling.rotary import L2NormalizeChunks
+
+    x = torch.randn(2, 3, 2, 8, dtype=torch.float64)
+    weights = torch.randn_like(x)
+    results = []
+    for normalize in (lambda t: torch.nn.functional.normalize(t, dim=-1), lambda t: L2NormalizeChunks.apply(t)[0]):
+        leaf = x.clone().requires_grad_()
+        (grad,) = torch.autograd.grad((normalize(leaf) * weights).pow(2).sum(), leaf, create_graph=True)
+        (second,) = torch.autograd.grad(grad.pow(2).sum(), leaf)
+        results.append((grad.detach(), second))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-10, atol=1e-10)
