@@ -1,9 +1,10 @@
 """Selective RoPE and RoPE over NoPE across widths and lengths on the CPU, and the FoX port over transformers' Llama
 (issue 51).
 
-For each family (GLA, Gated DeltaNet, FoX) and hidden size (64, 256, 1024: 1, 4 and 16 heads of 64), three models
-built from the same seed take turns round by round: NoPE, RoPE and Selective RoPE (2 layers, vocabulary 1024, fp32,
-the family's registry layout with short convolutions, SwiGLU width ~8/3 of the hidden size). Measured per width:
+For each family (GLA, Gated DeltaNet, FoX) and hidden size (64, 256, 1024: 1, 4 and 16 heads of 64), four models
+built from the same seed take turns round by round: NoPE, RoPE, Selective RoPE and a second NoPE, the noise floor
+(its ratio to the first is 1 but for the noise); 2 layers, vocabulary 1024, fp32, the family's registry layout with
+short convolutions, SwiGLU width ~8/3 of the hidden size. Measured per width:
 
 * prefill (batch 1, ``use_cache=False``, no grad) at each length;
 * cached greedy decoding, ms per token after a context;
@@ -189,8 +190,9 @@ def before_issue_51(model: torch.nn.Module) -> torch.nn.Module:
 # -- sections ---------------------------------------------------------------------------------------------------------
 def bench_width(family: str, width: int, plan: dict, before: bool, sections: list[str]) -> dict:
     models = {name: build(family, width, name) for name in VARIANTS}
+    models["nope_twin"] = build(family, width, "nope")  # the noise floor: a second, identical NoPE model
     result = {"family": family, "hidden_size": width, "config": models["nope"].config.to_diff_dict(),
-              "num_parameters": {n: sum(p.numel() for p in m.parameters()) for n, m in models.items()},
+              "num_parameters": {n: sum(p.numel() for p in m.parameters()) for n, m in models.items() if n in VARIANTS},
               "prefill": [], "scaling": {}}
     for T in plan["prefill_lengths"][width] if "prefill" in sections else []:
         ids = random_ids(1, T, 3000 + T)

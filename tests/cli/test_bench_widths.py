@@ -29,7 +29,7 @@ def test_a_small_run_writes_the_sections_asked_for(script, tmp_path):
     results = json.loads(output.read_text())
     (row,) = results["rows"]
     assert (row["family"], row["hidden_size"], row["prefill"]) == ("gla", 64, [])
-    assert set(row["train"]["models"]) == {"nope", "rope", "selective_rope", "selective_rope_before"}
+    assert set(row["train"]["models"]) == {"nope", "rope", "selective_rope", "nope_twin", "selective_rope_before"}
     for section in (row["decode"], row["train"]):
         assert len(section["load_average_1min"]) == 2
         ratio = section["models"]["selective_rope"]["wall_ratio_to_nope"]
