@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .rotary_triton import _add, _cdiv, _next_power_of_2, _sigmoid, _span
+from .rotary_triton import _add, _cdiv, _next_power_of_2, _sigmoid, _span, _sum0
 
 try:  # (see rotary_triton: triton is optional, and this file may travel with saved models)
     import triton
@@ -70,29 +70,15 @@ def _projection(x_ptr, down_ptr, up_ptr, b, hk, ts, mask_t, sx_b, sx_t, Dc, RANK
 
 
 @triton.jit
-def _phase_increment_kernel(
-    x_ptr, down_ptr, up_ptr, conv_ptr, bias_ptr, gw_ptr, gb_ptr, lengths_ptr, cu_ptr, state_ptr, out_ptr,
-    new_state_ptr,
-    T, Hk, R, Dc, RANK,
-    sx_b, sx_t,
-    CONV_K: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GATE: tl.constexpr,
-    HAS_LENGTHS: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_STATE: tl.constexpr, WRITE_STATE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    pid_nh, pid_t = tl.program_id(0), tl.program_id(1)
-    hk = pid_nh % Hk
-    n = (pid_nh // Hk).to(tl.int64)
-    b, bos, end = _span(pid_nh // Hk, cu_ptr, T, IS_VARLEN)
-    ts = bos + pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    valid_end = end
-    if HAS_LENGTHS:  # right-padded rows: tokens from the row's length on are padding
-        valid_end = bos + tl.load(lengths_ptr + b).to(tl.int64)
-    mask_t = ts < valid_end
-    written = ts < end  # the tokens this program writes (zeros at padding)
+def _increment_tile(x_ptr, down_ptr, up_ptr, conv_ptr, bias_ptr, gw_ptr, gb_ptr, state_ptr, b, n, hk, bos, ts,
+                    mask_t, Hk, R, Dc, RANK, sx_b, sx_t, CONV_K: tl.constexpr, SILU: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, HAS_GATE: tl.constexpr, HAS_STATE: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The increments of tokens ``ts`` (key head ``hk`` of sequence ``n``, batch row ``b``, first token ``bos``):
+    ``(BLOCK_T, BLOCK_R)`` float64, not yet rounded, zero where ``mask_t`` is False (padding, or past the tile)."""
     rs = tl.arange(0, BLOCK_R)
     mask_r = rs < R
     channels = Hk * R
-
     if CONV_K > 0:  # taps oldest first
         c = tl.full([BLOCK_T, BLOCK_R], 0.0, tl.float64)
         for j in tl.static_range(CONV_K):
@@ -121,13 +107,59 @@ def _phase_increment_kernel(
             w = tl.load(gw_ptr + hk * Hk * Dc + chunk * Dc + ds, mask=ds < Dc, other=0.0).to(tl.float64)
             logit += _sum1(u * w[None, :])
         c *= _sigmoid(logit + tl.load(gb_ptr + hk).to(tl.float64))[:, None]
-    c = tl.where(mask_t[:, None], c, 0.0)  # padding advances no phase
-    # (B, T, Hk, R) float32, contiguous: rounded once
-    offsets = ((b * T + ts[:, None]) * Hk + hk) * R + rs[None, :]
-    tl.store(out_ptr + offsets, c.to(tl.float32), mask=written[:, None] & mask_r[None, :])
+    return tl.where(mask_t[:, None], c, 0.0)  # padding advances no phase
+
+
+@triton.jit
+def _phase_increment_kernel(
+    x_ptr, down_ptr, up_ptr, conv_ptr, bias_ptr, gw_ptr, gb_ptr, lengths_ptr, cu_ptr, state_ptr, init_ptr, out_ptr,
+    new_state_ptr, totals_ptr,
+    T, Hk, R, Dc, RANK, NC, CHUNK,
+    sx_b, sx_t,
+    CONV_K: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GATE: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_STATE: tl.constexpr, WRITE_STATE: tl.constexpr,
+    WRITE_TOTALS: tl.constexpr, HAS_INIT: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """One program per (sequence x key head, time chunk of ``CHUNK`` tokens), walking its chunk in tiles of
+    ``BLOCK_T``. ``WRITE_TOTALS``: also pass 1 of the rotary scan (``rotary_triton._chunk_totals_kernel``'s output):
+    the float64 sum of the chunk's rounded increments into slot ``chunk + 1`` of a ``(N * Hk, NC + 1, R)`` buffer,
+    the initial phase (or zeros) into slot 0."""
+    pid_nh, pid_c = tl.program_id(0), tl.program_id(1)
+    hk = pid_nh % Hk
+    n = (pid_nh // Hk).to(tl.int64)
+    b, bos, end = _span(pid_nh // Hk, cu_ptr, T, IS_VARLEN)
+    valid_end = end
+    if HAS_LENGTHS:  # right-padded rows: tokens from the row's length on are padding
+        valid_end = bos + tl.load(lengths_ptr + b).to(tl.int64)
+    start = bos + pid_c.to(tl.int64) * CHUNK
+    chunk_end = tl.minimum(start + CHUNK, end)  # the tokens this program writes (zeros at padding)
+    real_end = tl.minimum(chunk_end, valid_end)
+    rs = tl.arange(0, BLOCK_R)
+    mask_r = rs < R
+    channels = Hk * R
+    total = tl.full([BLOCK_R], 0.0, tl.float64)
+    for t0 in range(start, chunk_end, BLOCK_T):
+        ts = t0 + tl.arange(0, BLOCK_T)
+        c = _increment_tile(x_ptr, down_ptr, up_ptr, conv_ptr, bias_ptr, gw_ptr, gb_ptr, state_ptr, b, n, hk, bos,
+                            ts, ts < real_end, Hk, R, Dc, RANK, sx_b, sx_t, CONV_K, SILU, HAS_BIAS, HAS_GATE,
+                            HAS_STATE, BLOCK_T, BLOCK_DC, BLOCK_R).to(tl.float32)  # rounded once
+        # (B, T, Hk, R) float32, contiguous
+        offsets = ((b * T + ts[:, None]) * Hk + hk) * R + rs[None, :]
+        tl.store(out_ptr + offsets, c, mask=(ts < chunk_end)[:, None] & mask_r[None, :])
+        if WRITE_TOTALS:
+            total += _sum0(c.to(tl.float64))  # (zero past the chunk: masked in _increment_tile)
+    if WRITE_TOTALS:
+        row = pid_nh.to(tl.int64) * (NC + 1)
+        tl.store(totals_ptr + (row + pid_c + 1) * R + rs, total, mask=mask_r)
+        if pid_c == 0:
+            first = tl.full([BLOCK_R], 0.0, tl.float64)
+            if HAS_INIT:
+                first = tl.load(init_ptr + pid_nh.to(tl.int64) * R + rs, mask=mask_r, other=0.0)
+            tl.store(totals_ptr + row * R + rs, first, mask=mask_r)
 
     if WRITE_STATE:  # the new history: the last K-1 inputs of the real tokens (continuing the cached one)
-        if pid_t == 0:
+        if pid_c == 0:
             slots = tl.arange(0, BLOCK_S)
             tokens = valid_end - (CONV_K - 1) + slots
             in_slots = slots < CONV_K - 1
@@ -175,6 +207,24 @@ def phase_increment_triton(
         each row's real tokens or each packed sequence, continuing ``conv_state`` where there are fewer (``None``
         without a convolution), as ``SelectiveRotaryEmbedding.phase_increment`` returns them.
     """
+    num_seqs, conv_k = _check_inputs(x, down, up, conv_weight, conv_activation, bias, gate_weight, gate_bias, lengths,
+                                     cu_seqlens, conv_state)
+    batch, seq_len = x.shape[:2]
+    num_key_heads, rotary_pairs = up.shape[:2]
+    out = torch.empty(batch, seq_len, num_key_heads, rotary_pairs, dtype=torch.float32, device=x.device)
+    new_state = None if conv_weight is None else x.new_empty(num_seqs, conv_k - 1, num_key_heads * rotary_pairs,
+                                                             dtype=torch.float64)
+    if num_seqs == 0 or rotary_pairs == 0:
+        return out.zero_(), new_state
+    _launch(x, down, up, conv_weight, conv_activation == "silu", bias, gate_weight, gate_bias, lengths, cu_seqlens,
+            conv_state, out, new_state, _BLOCK_T, max(_cdiv(seq_len, _BLOCK_T), 1))
+    return out, new_state
+
+
+def _check_inputs(x, down, up, conv_weight, conv_activation, bias, gate_weight, gate_bias, lengths, cu_seqlens,
+                  conv_state) -> tuple[int, int]:
+    """Refuses inputs that disagree (``phase_increment_triton``'s arguments); returns the number of sequences and of
+    taps (0 without a convolution)."""
     batch, seq_len, hidden = x.shape
     num_key_heads, rank, chunk_dim = down.shape
     rotary_pairs = up.shape[1]
@@ -196,29 +246,114 @@ def phase_increment_triton(
     if conv_state is not None and (conv_weight is None or conv_state.shape != (num_seqs, conv_k - 1, channels)):
         raise ValueError(f"conv_state {tuple(conv_state.shape)} disagrees with {num_seqs} sequences, "
                          f"{None if conv_weight is None else conv_k} taps and {channels} channels")
-    out = torch.empty(batch, seq_len, num_key_heads, rotary_pairs, dtype=torch.float32, device=x.device)
-    new_state = None if conv_weight is None else x.new_empty(num_seqs, conv_k - 1, channels, dtype=torch.float64)
-    if num_seqs == 0 or channels == 0:
-        return out.zero_(), new_state
+    return num_seqs, conv_k
+
+
+def _dense(tensor: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """``tensor`` contiguous (in ``dtype``), with no dispatched op where it already is (each costs host time)."""
+    if tensor is None:
+        return None
+    if dtype is not None and tensor.dtype != dtype:
+        tensor = tensor.to(dtype)
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+
+def _launch(x, down, up, conv_weight, silu: bool, bias, gate_weight, gate_bias, lengths, cu_seqlens, conv_state, out,
+            new_state, chunk: int, chunks: int, totals: torch.Tensor | None = None,
+            initial_phase: torch.Tensor | None = None) -> None:
+    """One launch of ``_phase_increment_kernel`` over ``chunks`` chunks of ``chunk`` tokens per (sequence, key head):
+    the increments into ``out`` and the new history into ``new_state``; with ``totals`` ``(N * Hk, chunks + 1, R)``
+    float64, also the rotary scan's pass 1 (the chunks' totals after ``initial_phase`` ``(N, Hk, R)`` float64)."""
+    seq_len = x.shape[1]
+    num_key_heads, rank, chunk_dim = down.shape
+    rotary_pairs = up.shape[1]
+    conv_k = 0 if conv_weight is None else conv_weight.shape[-1]
+    num_seqs = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     x = x if x.stride(-1) == 1 else x.contiguous()
-    if conv_state is not None:
-        conv_state = conv_state.to(torch.float64).contiguous()
     placeholder = out  # for pointers a disabled branch never reads
-    grid = (num_seqs * num_key_heads, max(_cdiv(seq_len, _BLOCK_T), 1))  # (tile 0 writes the new history)
-    _phase_increment_kernel[grid](
-        x, down.contiguous(), up.contiguous(),
-        placeholder if conv_weight is None else conv_weight.contiguous(),
-        placeholder if bias is None else bias.contiguous(),
-        placeholder if gate_weight is None else gate_weight.contiguous(),
-        placeholder if gate_bias is None else gate_bias.contiguous(),
-        placeholder if lengths is None else lengths.to(device=x.device, dtype=torch.int64).contiguous(),
-        placeholder if cu_seqlens is None else cu_seqlens.to(device=x.device, dtype=torch.int32).contiguous(),
-        placeholder if conv_state is None else conv_state, out, placeholder if new_state is None else new_state,
-        seq_len, num_key_heads, rotary_pairs, chunk_dim, rank, x.stride(0), x.stride(1),
-        CONV_K=conv_k, SILU=conv_activation == "silu",
+    _phase_increment_kernel[(num_seqs * num_key_heads, chunks)](  # (chunk 0 writes the new history)
+        x, _dense(down), _dense(up), _dense(conv_weight) if conv_weight is not None else placeholder,
+        _dense(bias) if bias is not None else placeholder,
+        _dense(gate_weight) if gate_weight is not None else placeholder,
+        _dense(gate_bias) if gate_bias is not None else placeholder,
+        _dense(lengths, torch.int64) if lengths is not None else placeholder,
+        _dense(cu_seqlens, torch.int32) if cu_seqlens is not None else placeholder,
+        _dense(conv_state, torch.float64) if conv_state is not None else placeholder,
+        initial_phase if initial_phase is not None else placeholder, out,
+        new_state if new_state is not None else placeholder, totals if totals is not None else placeholder,
+        seq_len, num_key_heads, rotary_pairs, chunk_dim, rank, chunks, chunk, x.stride(0), x.stride(1),
+        CONV_K=conv_k, SILU=silu,
         HAS_BIAS=bias is not None, HAS_GATE=gate_weight is not None, HAS_LENGTHS=lengths is not None,
         IS_VARLEN=cu_seqlens is not None, HAS_STATE=conv_state is not None, WRITE_STATE=conv_k > 1,
+        WRITE_TOTALS=totals is not None, HAS_INIT=initial_phase is not None,
         BLOCK_T=_BLOCK_T, BLOCK_DC=_next_power_of_2(chunk_dim), BLOCK_R=_next_power_of_2(rotary_pairs),
         BLOCK_S=_next_power_of_2(max(conv_k - 1, 1)), num_warps=4,
     )
-    return out, new_state
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# PROVISIONAL (issue 46): the phase path's backward as a float64 PyTorch recompute through torch.func.vjp, so that the
+# fused op (kernels/rotary_fused_triton.py) trains and is tested. To be replaced by the one-launch Triton backward with
+# the same name and signature; nothing else depends on how it computes.
+# --------------------------------------------------------------------------------------------------------------------
+def _increments_torch(x, down, up, conv_weight, conv_activation, bias, gate_weight, gate_bias, lengths, cu_seqlens,
+                      conv_state) -> torch.Tensor:
+    """What ``_phase_increment_kernel`` computes, as ``SelectiveRotaryEmbedding.phase_increment`` computes it for the
+    default phase path, in PyTorch: ``(B, T, Hk, R)`` float32 (computed in float64, rounded once)."""
+    from .conv_torch import causal_conv1d
+
+    batch, seq_len, _ = x.shape
+    num_key_heads, _, chunk_dim = down.shape
+    u = torch.nn.functional.normalize(x.to(torch.float64).view(batch, seq_len, num_key_heads, chunk_dim), dim=-1)
+    low = torch.einsum("bthd,hkd->bthk", u, down.to(torch.float64))  # (B, T, Hk, rank)
+    a = torch.einsum("bthk,hrk->bthr", low, up.to(torch.float64))  # (B, T, Hk, R)
+    valid = None
+    if lengths is not None:
+        valid = (torch.arange(seq_len, device=x.device) < lengths.view(-1, 1))[..., None, None]  # (B, T, 1, 1)
+        a = a * valid  # pads never enter the convolution history
+    if conv_weight is not None:
+        state = None if conv_state is None else conv_state.to(torch.float64)
+        flat, _ = causal_conv1d(a.flatten(2), conv_weight.to(torch.float64), state, lengths, conv_activation,
+                                cu_seqlens=cu_seqlens)
+        a = flat.view_as(a)
+    if bias is not None:
+        a = a + bias.to(torch.float64).exp()
+    if gate_weight is not None:
+        logits = torch.nn.functional.linear(u.flatten(2), gate_weight.to(torch.float64), gate_bias.to(torch.float64))
+        a = a * torch.sigmoid(logits)[..., None]  # (B, T, Hk, 1)
+    if valid is not None:
+        a = a * valid  # pads never advance the phase
+    return a.float()
+
+
+def phase_increment_backward_triton(
+    grad_increment: torch.Tensor,
+    x: torch.Tensor,
+    down: torch.Tensor,
+    up: torch.Tensor,
+    conv_weight: torch.Tensor | None,
+    conv_activation: str | None,
+    bias: torch.Tensor | None,
+    gate_weight: torch.Tensor | None,
+    gate_bias: torch.Tensor | None,
+    lengths: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    conv_state: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, ...]:
+    """PROVISIONAL: the gradients of ``phase_increment_triton``'s increments (arguments as its own, and
+    ``grad_increment`` ``(B, T, Hk, R)`` float32) with respect to ``(x, down, up, conv_weight, bias, gate_weight,
+    gate_bias)``, each in its input's dtype (``None`` for an absent input). Recomputed in float64 PyTorch ops from the
+    inputs (nothing of the forward is saved); the cached ``conv_state`` gets no gradient."""
+    names = ("x", "down", "up", "conv_weight", "bias", "gate_weight", "gate_bias")
+    given = dict(zip(names, (x, down, up, conv_weight, bias, gate_weight, gate_bias)))
+    present = [name for name in names if given[name] is not None]
+
+    def increments(*tensors):
+        inputs = {**given, **dict(zip(present, tensors))}
+        return _increments_torch(inputs["x"], inputs["down"], inputs["up"], inputs["conv_weight"], conv_activation,
+                                 inputs["bias"], inputs["gate_weight"], inputs["gate_bias"], lengths, cu_seqlens,
+                                 conv_state)
+
+    _, pullback = torch.func.vjp(increments, *(given[name] for name in present))
+    grads = dict(zip(present, pullback(grad_increment.to(torch.float32))))
+    return tuple(grads.get(name) for name in names)
