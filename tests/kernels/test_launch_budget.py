@@ -5,10 +5,14 @@ for in launches and ops, whatever the kernels compute (docs/gpu_performance.md, 
 
 - Decoding: every family's step with the default phase path is one launch of the kernel that computes the phase
   inputs itself (``selective_rotary_decode_from_input_triton``), GLA's as FoX's, and its outputs' allocations.
-- Training: one layer's Selective RoPE forward + backward is today the phase path in PyTorch (float64 chunk norms,
-  projection, convolution, bias, gate, and their autograd) around the op's 2 + 3 launches (1 + 2 where a sequence is
-  one chunk). Issue 46's target, with the phase path inside the kernels, is 4 launches and no other aten op: these
-  budgets are today's counts, to be cut towards it and never to grow unnoticed.
+- Training: one layer's Selective RoPE with the default phase path is the fused op from the input
+  (``rotary_fused_triton``): forward = 2 launches (the phase kernel, which also writes the scan's chunk totals, and
+  the rotation) and only its outputs' allocations; backward = the rotary walks (2 launches: no pass 1 again, the chunk
+  totals are saved) and the phase path's backward, ``phase_triton.phase_increment_backward_triton``: PROVISIONAL, a
+  float64 PyTorch recompute (~150 aten ops, no launch) until its Triton version (one launch) replaces it. Issue 46's
+  target is 4 launches and no other aten op: the forward reaches it (2 launches, 7 allocations and views); the
+  backward will be 3 launches (5 in all) and its buffers' allocations. These budgets are today's counts, never to
+  grow unnoticed.
 
 Counted on the CPU only (with a GPU the chunk plan is the device's); aten ops are counted where they are called
 (``host_time_cpu.top_level_ops``), with torch 2.13.
@@ -38,12 +42,20 @@ _spec.loader.exec_module(host_time_cpu)
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="counted on the CPU, with the interpreter's plan")
 
-# One layer's forward + backward, counted 28 Nov 2026 (issue 46, before the phase path moves into the kernels;
-# 158 / 162 and 23 / 27 before the op stopped casting tensors to the dtypes they have).
+# Counted 28 Nov 2026 (issue 46). Before the fused op: the layer 156 / 160 aten ops (one chunk / several) with 3 / 5
+# launches (the phase path in PyTorch, ~135 ops with its autograd, around the op); the op alone 21 / 25 ops.
 ONE_CHUNK = {"_selective_rotary_fwd_kernel": 1, "_selective_rotary_bwd_kernel": 1, "_suffix_sum_kernel": 1}
 CHUNKED = {**ONE_CHUNK, "_chunk_totals_kernel": 2}  # pass 1 of the two-pass scan, in the forward and the backward
-LAYER_OPS = {"one": 156, "several": 160}  # the phase path: ~135 of them, with its autograd
-OP_OPS = {"one": 21, "several": 25}  # the op alone: its outputs, casts, the carries' cumulative sums, the gradients
+# The fused op from the input: the same launches for one chunk or several (its phase kernel is the scan's pass 1)
+FUSED = {"_phase_increment_kernel": 1, "_selective_rotary_fwd_kernel": 1, "_selective_rotary_bwd_kernel": 1,
+         "_suffix_sum_kernel": 1}
+FUSED_FORWARD_OPS = 7  # q, k, final phase, new history, increments, chunk totals; the convolution taps' view
+# The walks' dq, dk, d increment, chunk sums, d initial phase, d temperature (and its sum), the taps view's backward
+# (8), the 6 gradients a one-launch phase backward allocates (the provisional PyTorch recompute: ~150 ops instead),
+# and autograd's own detach of each leaf's new .grad (8: x, q, k and 5 weights; any backward pays them).
+FUSED_BACKWARD_OPS = 22
+LAYER_OPS = {"one": 173, "several": 173}  # with the provisional phase backward
+OP_OPS = {"one": 18, "several": 20}  # the op alone: its outputs, casts, the gradients
 DECODE_OPS = 5  # the outputs (q, k, phase, history) and the taps as (C, K): no view of q, k or x, no phase-path op
 
 
@@ -54,11 +66,16 @@ def chunk_plan(monkeypatch, chunks: str) -> dict:
     return CHUNKED if chunks == "several" else ONE_CHUNK
 
 
-def count(step) -> tuple[dict, int]:
-    """Launches by kernel and the number of aten ops of one call of ``step`` (after a first, uncounted one)."""
+def count(step, setup=None) -> tuple[dict, int]:
+    """Launches by kernel and the number of aten ops of one call of ``step`` (after a first, uncounted one), each
+    after an uncounted ``setup()``."""
     with host_time_cpu.stubbed_launches() as launches:
-        step()
-        launches.clear()
+        for counted in (False, True):
+            if setup is not None:
+                setup()
+            launches.clear()
+            if not counted:
+                step()
         ops = host_time_cpu.top_level_ops(step)
     return dict(launches), sum(ops.values())
 
@@ -73,17 +90,55 @@ def training_inputs(seq_len: int = 96):
 
 @pytest.mark.parametrize("chunks", ["one", "several"])
 def test_a_training_layer_stays_within_its_launch_and_op_budget(chunks, monkeypatch):
-    expected = chunk_plan(monkeypatch, chunks)
+    chunk_plan(monkeypatch, chunks)
     module = make_rotary(dtype=torch.float32)
     x, q, k, grad_q, grad_k = training_inputs()
 
     def step():
+        x.grad = q.grad = k.grad = None  # (as a training step zeroes them: no accumulation counted)
+        module.zero_grad(set_to_none=True)
         out_q, out_k, _ = module(x, q, k, backend="triton")
         torch.autograd.backward([out_q, out_k], [grad_q, grad_k])
 
     launches, ops = count(step)
-    assert launches == expected
+    assert launches == FUSED
     assert ops <= LAYER_OPS[chunks], f"{ops} aten ops, budget {LAYER_OPS[chunks]}"
+
+
+@pytest.mark.parametrize("chunks", ["one", "several"])
+def test_the_fused_layer_is_two_launches_and_its_outputs_each_way(chunks, monkeypatch):
+    """Forward: the phase kernel and the rotation, and the outputs' allocations. Backward without the phase path's
+    own (stood in for by one that returns ready gradients): the rotary walks and their buffers. With a one-launch
+    Triton phase backward, the layer is 5 launches."""
+    from selective_rope.kernels import phase_triton
+
+    chunk_plan(monkeypatch, chunks)
+    module = make_rotary(dtype=torch.float32)
+    x, q, k, grad_q, grad_k = training_inputs()
+    gate = module.phase_gate_proj
+    shapes = [x, module.phase_proj.down, module.phase_proj.up, module.phase_conv.taps(x.device), None, gate.weight,
+              gate.bias]
+
+    def allocates_its_gradients(*args):  # what a one-launch phase backward must do on the host, and no more
+        return tuple(None if t is None else torch.empty(t.shape, dtype=t.dtype) for t in shapes)
+
+    monkeypatch.setattr(phase_triton, "phase_increment_backward_triton", allocates_its_gradients)
+    outputs = []
+
+    def forward():
+        outputs[:] = module(x, q, k, backend="triton")[:2]
+
+    def backward():
+        x.grad = q.grad = k.grad = None
+        module.zero_grad(set_to_none=True)
+        torch.autograd.backward(outputs, [grad_q, grad_k])
+
+    launches, ops = count(forward)
+    assert launches == {"_phase_increment_kernel": 1, "_selective_rotary_fwd_kernel": 1}
+    assert ops <= FUSED_FORWARD_OPS, f"{ops} aten ops, budget {FUSED_FORWARD_OPS}"
+    launches, ops = count(backward, setup=forward)
+    assert launches == {"_selective_rotary_bwd_kernel": 1, "_suffix_sum_kernel": 1}
+    assert ops <= FUSED_BACKWARD_OPS, f"{ops} aten ops, budget {FUSED_BACKWARD_OPS}"
 
 
 @pytest.mark.parametrize("chunks", ["one", "several"])
