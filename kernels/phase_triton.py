@@ -1,22 +1,25 @@
-"""Selective RoPE's phase increments in Triton, for the default phase path: a first building block of issue 46's item 1
-(the phase path inside the rotary op). Forward only, and no model calls it yet: the rotary module's Triton path still
-computes the increments with PyTorch ops (``SelectiveRotaryEmbedding.phase_increment``).
+"""Selective RoPE's phase increments in Triton, for the default phase path (issue 46, item 1): the first pass of the
+fused op from the input (``rotary_fused_triton``), which the rotary op takes on ``"triton"``, and a function of its
+own (``phase_increment_triton``).
 
-``phase_increment_triton`` computes, for every token and key head, what ``phase_increment`` computes for a
-``"low_rank"`` projection, the per-head gate (or none), a learned causal convolution (or none; its activation ``None``
-or ``"silu"``) and the optional bias, continuing a cached convolution history or from a sequence start:
+``_phase_increment_kernel`` computes, for every token and key head, what ``SelectiveRotaryEmbedding.phase_increment``
+computes for a ``"low_rank"`` projection, the per-head gate (or none), a learned causal convolution (or the fixed
+difference, or none; its activation ``None`` or ``"silu"``) and the optional bias, continuing a cached convolution
+history or from a sequence start:
 
     u = chunk / max(‖chunk‖, 1e-12),  a = up_h (down_h u),  c = (act(conv(a)) + exp(b)) · sigmoid(w_h·u_all + g_h)
 
 in float64, rounded once to float32, zero at padding (``lengths``, right-padded rows) and restarting at packed
 sequences' boundaries (``cu_seqlens``), with the convolution's new history (the last K - 1 real inputs). One launch,
-one program per (sequence x key head, time tile); each program recomputes the projection of the K - 1 tokens before
-its tile (the convolution's window) rather than reading another program's. The sums run in another order than the
-torch path's matrix products: equal within float64 rounding, which the rounding to float32 absorbs
+one program per (sequence x key head, time chunk), walking its chunk in 16-token tiles; each tile recomputes the
+projection of the K - 1 tokens before it (the convolution's window) rather than reading another program's. For the
+fused op the chunks are the rotary scan's (``rotary_triton._plan``) and the kernel also writes each chunk's total
+(the scan's pass 1), so the forward is this launch and the rotation's. The sums run in another order than the torch
+path's matrix products: equal within float64 rounding, which the rounding to float32 absorbs
 (``tests/kernels/test_phase_triton.py``).
 
-Not yet: the backward, the other projections and gates, and fusing it into the rotary scan's first pass (two
-launches for the whole forward).
+``phase_increment_backward_triton`` (the fused op's backward, at the end of the file) is PROVISIONAL: a float64
+PyTorch recompute through ``torch.func.vjp``, until its Triton version replaces it.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ try:  # (see rotary_triton: triton is optional, and this file may travel with sa
 except ImportError as error:
     raise ImportError("the Triton Selective RoPE kernels need `triton` (pip install triton)") from error
 
-__all__ = ["phase_increment_triton"]
+__all__ = ["phase_increment_backward_triton", "phase_increment_triton"]
 
 _BLOCK_T = 16
 

@@ -12,9 +12,11 @@ for the module and inputs it takes     a prefill or a decoding step; made by its
                                        where it can be built and takes the call, else through ctypes
 one token per row, no autograd         a decoding step: ``rotary_triton``'s fused step on ``"triton"`` (from the input
                                        where the phase path is the default one), else ``rotary_torch``'s
-anything else                          the module's phase increments, then the cumulative phase and the rotation:
-                                       ``rotary_triton.selective_rotary_triton`` on ``"triton"`` (packed sequences as
-                                       they are), else ``rotary_torch.selective_rotary``
+anything else                          on ``"triton"`` with the default phase path (``fusable_phase_weights``): one
+                                       fused op from the input, ``rotary_fused_triton`` (increments and rotation in two
+                                       launches, and their backward); otherwise the module's phase increments, then the
+                                       cumulative phase and the rotation: ``rotary_triton.selective_rotary_triton`` on
+                                       ``"triton"`` (packed sequences as they are), else ``rotary_torch``'s
 =====================================  ================================================================================
 
 Every path computes the same math in the same precisions (``modeling/rotary.py``'s docstring); the torch paths are

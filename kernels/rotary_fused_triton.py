@@ -148,8 +148,8 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(new_conv, increment, totals)
     ctx.set_materialize_grads(False)  # no zeros made for the outputs the loss does not reach (the final phase, ...)
     ctx.silu, ctx.has_initial_phase = silu, initial_phase is not None
-    ctx.save_for_backward(q, k, x, down, up, conv_weight, bias, gate_weight, gate_bias, temperature, conv_state, lengths,
-                          cu_seqlens, increment, totals)
+    ctx.save_for_backward(q, k, x, down, up, conv_weight, bias, gate_weight, gate_bias, temperature, conv_state,
+                          lengths, cu_seqlens, increment, totals)
 
 
 def _backward(ctx, grad_q, grad_k, grad_final, _new_conv, _increment, _totals, backward=_backward_op):

@@ -5,9 +5,9 @@ token with a cache, ``SelectiveRotaryEmbedding``'s torch path), plus packed sequ
 
 **Prefill / training** (``selective_rotary_triton``). A two-pass scan over time chunks. The grid is (sequence x key
 head, block of frequency pairs, time chunk); the chunks are as long as fills the GPU (``_plan``: one chunk per
-sequence when the sequences alone fill it). Pass 1 sums each chunk's increments (float64); one cumulative sum over
-the initial phase and those sums gives each chunk's starting phase. Pass 2 walks its chunk in tiles with a running
-carry of the phase:
+sequence when the sequences alone fill it). Pass 1 sums each chunk's increments (float64); pass 2 starts each chunk
+from the initial phase plus the totals of the chunks before it (summed in the kernel, ``_carry``) and walks its chunk
+in tiles with a running carry of the phase:
 
     θ_t = θ_0 + Σ_{s<=t} c_s,   angle_t = τ · θ_t,   (x_i, x_{i+R}) -> (x_i cos − x_{i+R} sin, x_i sin + x_{i+R} cos)
 
@@ -18,8 +18,8 @@ Backward, same grid, two kernels: a forward walk over each chunk (from pass 1's 
 writes ``dq``/``dk`` (the inverse rotation of the incoming gradients) and the per-position
 ``dθ_t = τ · Σ_heads (dy_2 · y_1 − dy_1 · y_2)`` (summed over the query heads of the group inside the program) and
 the chunk's Σ dθ; then a reverse walk over each chunk turns ``dθ`` into ``d(increment)_s = Σ_{t>=s} dθ_t
-(+ d final phase)``, starting from the later chunks' sums. ``d(initial_phase)`` is the total and ``d(temperature)``
-is reduced from per-chunk partials in PyTorch (no atomics).
+(+ d final phase)``, starting from the later chunks' sums (summed in the kernel). ``d(initial_phase)`` is the total
+(written by chunk 0's program) and ``d(temperature)`` is reduced from per-chunk partials in PyTorch (no atomics).
 
 **Decode** (``selective_rotary_decode_triton``): one token per row, one program per (row, key head). From the phase
 projection ``a`` it does SPEC §3 steps 3-8 in training order: the causal convolution over the cached history (then

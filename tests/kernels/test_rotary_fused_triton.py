@@ -119,7 +119,8 @@ def test_bf16_queries_and_keys_from_a_sequence_start(monkeypatch, fused_calls):
     results = run_both(module, x, q, k)
     (tq, tk, _, tgrads), (xq, xk, _, xgrads) = results["torch"], results["triton"]
     assert xq.dtype == torch.bfloat16 and xgrads["q"].dtype == torch.bfloat16
-    for name, a, e in (("q", xq, tq), ("k", xk, tk), ("dq", xgrads["q"], tgrads["q"]), ("dk", xgrads["k"], tgrads["k"])):
+    pairs = (("q", xq, tq), ("k", xk, tk), ("dq", xgrads["q"], tgrads["q"]), ("dk", xgrads["k"], tgrads["k"]))
+    for name, a, e in pairs:
         assert_close(a, e, name, 1e-2)
     for name in tgrads.keys() - {"q", "k"}:
         assert_close(xgrads[name], tgrads[name], f"d{name}", 2e-2)  # through bf16 rounding of the rotated outputs
