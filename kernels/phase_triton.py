@@ -357,6 +357,14 @@ def phase_increment_backward_triton(
                                  inputs["bias"], inputs["gate_weight"], inputs["gate_bias"], lengths, cu_seqlens,
                                  conv_state)
 
-    _, pullback = torch.func.vjp(increments, *(given[name] for name in present))
-    grads = dict(zip(present, pullback(grad_increment.to(torch.float32))))
-    return tuple(grads.get(name) for name in names)
+    primals = [given[name] for name in present]
+    grad_increment = grad_increment.to(torch.float32)
+    if torch._C._dispatch_tls_local_exclude_set().has(torch._C.DispatchKey.AutogradFunctionality):
+        # Inside a custom op's function autograd is dispatched below: functorch's vjp works there (and costs more)
+        _, pullback = torch.func.vjp(increments, *primals)
+        grads = pullback(grad_increment)
+    else:
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in primals]
+            grads = torch.autograd.grad(increments(*leaves), leaves, grad_increment)
+    return tuple(dict(zip(present, grads)).get(name) for name in names)
