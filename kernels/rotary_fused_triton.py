@@ -214,7 +214,8 @@ def selective_rotary_from_input_triton(
         down, up, gate_weight, gate_bias, conv_weight, conv_activation, bias: the phase path's weights, as
             ``phase_triton.phase_increment_triton`` takes them (``conv_weight`` ``(Hk * R, K)``).
         temperature: ``(R,)``, ``2R <= D``.
-        initial_phase: ``(N, Hk, R)`` the cached phase (float64), or ``None`` (a sequence start).
+        initial_phase: ``(N, Hk, R)`` (or broadcastable to it) the cached phase (float64), or ``None`` (a sequence
+            start).
         conv_state: ``(N, K-1, Hk * R)`` the convolution's cached history (float64), or ``None``.
         lengths: ``(B,)`` real tokens per right-padded row, or ``None``.
         cu_seqlens: ``(N + 1,)`` packed sequences' offsets (``B == 1``), or ``None``.
@@ -231,9 +232,13 @@ def selective_rotary_from_input_triton(
     if x.shape[:2] != q.shape[:2] or down.shape[0] != num_key_heads or up.shape[1] != rotary_pairs:
         raise ValueError(f"x {tuple(x.shape)}, down {tuple(down.shape)} and up {tuple(up.shape)} disagree with "
                          f"q {tuple(q.shape)}, k {tuple(k.shape)} and R={rotary_pairs}")
-    if initial_phase is not None and initial_phase.shape != (num_seqs, num_key_heads, rotary_pairs):
-        raise ValueError(f"initial_phase {tuple(initial_phase.shape)} disagrees with {num_seqs} sequences, "
-                         f"{num_key_heads} key heads and R={rotary_pairs}")
+    phase_shape = (num_seqs, num_key_heads, rotary_pairs)
+    if initial_phase is not None and initial_phase.shape != phase_shape:
+        try:  # broadcastable, as selective_rotary_triton takes it (autograd sums the gradient back)
+            initial_phase = initial_phase.expand(phase_shape)
+        except RuntimeError:
+            raise ValueError(f"initial_phase {tuple(initial_phase.shape)} disagrees with {num_seqs} sequences, "
+                             f"{num_key_heads} key heads and R={rotary_pairs}") from None
     if q.shape[1] == 0 or num_seqs == 0 or rotary_pairs == 0:
         return None
     if cu_seqlens is not None:

@@ -200,6 +200,12 @@ def test_bad_arguments_are_refused_by_name():
                                               initial_phase=torch.zeros(2, 2, 3, dtype=torch.float64))
     with pytest.raises(ValueError, match="disagree"):
         op.selective_rotary_from_input_triton(q, k, x[:, :4], *weights, module.temperature)
+    with torch.no_grad():  # a broadcastable initial phase is taken, as the rotary op takes it
+        shared = torch.randn(1, 2, 4, dtype=torch.float64)
+        broadcast, expanded = (op.selective_rotary_from_input_triton(q, k, x, *weights, module.temperature,
+                                                                     initial_phase=phase)
+                               for phase in (shared, shared.expand(2, 2, 4).clone()))
+    assert all(torch.equal(a, b) for a, b in zip(broadcast[:3], expanded[:3]))
     with pytest.raises(ValueError, match="activation"):
         op.selective_rotary_from_input_triton(q, k, x, *weights, module.temperature,
                                               conv_weight=module.phase_conv.taps(None), conv_activation="gelu")
