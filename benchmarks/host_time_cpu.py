@@ -9,9 +9,11 @@ Measures, interleaved round by round (medians, microseconds):
   heads of 64 against 4 of 128), RoPE and Selective RoPE (the default phase path: one launch);
 - ``train``: the rotary op's forward + backward in eager training (B=1, T=256, 16 heads of 64), through the eager
   autograd path the models take and through the custom op (what compiled and traced calls take);
-- ``layer``: one 370M FoX layer's whole Selective RoPE in training, forward + backward: the phase path (PyTorch ops
-  today) and the op, what a training step pays per layer on the host. At B=1, T=16: the phase path's float64 ops
-  really run here (on a GPU they are queued), so a short sequence keeps their arithmetic out of the host time.
+- ``layer``: one 370M FoX layer's whole Selective RoPE in training, forward + backward, what a training step pays per
+  layer on the host: through the fused op from the input (``rotary_fused_triton``: 4 launches), and unfused (the
+  phase path in PyTorch, then the rotary op: the path before issue 46, and still other phase paths'). At B=1, T=16:
+  the PyTorch phase ops really run here (on a GPU they are queued), so a short sequence keeps their arithmetic out of
+  the host time.
 
 ``--count`` prints, instead of times, each case's Triton launches (by kernel) and its top-level aten ops (by name,
 from ``torch.profiler``; an op called inside another op is not counted again): the budget
@@ -59,20 +61,21 @@ class _CountingLaunch:
 
 @contextlib.contextmanager
 def stubbed_launches():
-    """Replaces every kernel of ``rotary_triton`` (the module-level names ending in ``_kernel``, looked up at each
-    call) by a no-op launcher for the duration; yields the ``Counter`` of launches by kernel name."""
-    from selective_rope.kernels import dispatch
+    """Replaces every kernel of ``rotary_triton`` and ``phase_triton`` (the module-level names ending in ``_kernel``,
+    looked up at each call) by a no-op launcher for the duration; yields the ``Counter`` of launches by kernel name."""
+    from selective_rope.kernels import dispatch, phase_triton
 
-    rotary_triton = dispatch.triton_rotary()
-    kernels = {name: kernel for name, kernel in vars(rotary_triton).items() if name.endswith("_kernel")}
+    modules = (dispatch.triton_rotary(), phase_triton)
+    kernels = [(module, name, kernel) for module in modules for name, kernel in vars(module).items()
+               if name.endswith("_kernel")]
     launches = Counter()
-    for name in kernels:
-        setattr(rotary_triton, name, _CountingLaunch(name, launches))
+    for module, name, _ in kernels:
+        setattr(module, name, _CountingLaunch(name, launches))
     try:
         yield launches
     finally:
-        for name, kernel in kernels.items():
-            setattr(rotary_triton, name, kernel)
+        for module, name, kernel in kernels:
+            setattr(module, name, kernel)
 
 
 def top_level_ops(fn) -> Counter:
@@ -154,13 +157,23 @@ def layer_calls(seq_len: int = 16) -> dict:
     k = torch.randn(1, seq_len, module.num_key_heads, module.rotary_dim, dtype=torch.bfloat16, requires_grad=True)
     grad_q, grad_k = torch.randn_like(q), torch.randn_like(k)
 
+    from selective_rope.kernels import rotary
+
     def call():
         module.zero_grad(set_to_none=True)
         x.grad = q.grad = k.grad = None
         out_q, out_k, _ = module(x, q, k, backend="triton")
         torch.autograd.backward([out_q, out_k], [grad_q, grad_k])
 
-    return {"layer fox selective_rope": call}
+    def unfused():
+        saved = rotary.sequence_from_input_triton
+        rotary.sequence_from_input_triton = lambda *args: None  # (declines: the module's increments, the rotary op)
+        try:
+            call()
+        finally:
+            rotary.sequence_from_input_triton = saved
+
+    return {"layer fox selective_rope": call, "layer unfused (torch phase)": unfused}
 
 
 def main(argv: list[str] | None = None) -> int:

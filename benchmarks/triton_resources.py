@@ -132,6 +132,16 @@ def run_every_wrapper(rotary_triton) -> None:
     phase_increment_backward_triton(randn(2, 64, heads, pairs), randn(2, 64, hidden, dtype=torch.bfloat16), **phase,
                                     **padded)
     phase_increment_backward_triton(randn(1, seq_len, heads, pairs), randn(1, seq_len, hidden), **phase, **packed)
+    # the fused op from the input (kernels/rotary_fused_triton.py): the phase kernel writing the scan's chunk totals
+    # after an initial phase, then pass 2 from them; padded rows of one chunk, a packed row of several
+    from selective_rope.kernels.rotary_fused_triton import _forward_impl
+
+    gate = dict(bias=randn(heads, pairs), gate_weight=randn(heads, hidden), gate_bias=randn(heads))
+    _forward_impl(*rows[:2], randn(40, 64, hidden), phase["down"], phase["up"], phase["conv_weight"], gate["bias"],
+                  gate["gate_weight"], gate["gate_bias"], temperature, randn(40, heads, pairs, dtype=torch.float64),
+                  randn(40, 3, heads * pairs, dtype=torch.float64), torch.full((40,), 50), None, True)
+    _forward_impl(q, k, randn(1, seq_len, hidden), phase["down"], phase["up"], phase["conv_weight"], None, None, None,
+                  temperature, None, None, None, offsets, False)
 
 
 def jit_inputs(kernel, args: tuple, kwargs: dict, backend) -> tuple[dict, dict, dict, object]:

@@ -93,7 +93,8 @@ def resolve_backend(config_value: str | None, device: torch.device | str) -> str
     return "torch+c" if compiled_kernel else "torch"
 
 
-# Imports tried once per process: {"triton": module or None, "fla": namespace or None}. A plain dict rather than
+# Imports tried once per process: {"triton": module or None, "triton_from_input": module or None, "fla": namespace
+# or None}. A plain dict rather than
 # functools.lru_cache, which torch.compile warns about.
 _imported: dict[str, object] = {}
 
@@ -110,6 +111,18 @@ def triton_rotary():
         else:  # the module itself: its functions are looked up at each call
             _imported["triton"] = sys.modules[selective_rotary_triton.__module__]
     return _imported["triton"]
+
+
+def triton_rotary_from_input():
+    """Our fused Triton rotary op from the layer input (``rotary_fused_triton``), or ``None`` without triton."""
+    if "triton_from_input" not in _imported:
+        try:
+            from .rotary_fused_triton import selective_rotary_from_input_triton
+        except ImportError:
+            _imported["triton_from_input"] = None
+        else:
+            _imported["triton_from_input"] = sys.modules[selective_rotary_from_input_triton.__module__]
+    return _imported["triton_from_input"]
 
 
 def _import_fla() -> SimpleNamespace | None:

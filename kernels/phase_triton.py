@@ -1,18 +1,21 @@
-"""Selective RoPE's phase increments in Triton, for the default phase path: a first building block of issue 46's item 1
-(the phase path inside the rotary op), forward and backward. No model calls them yet: the rotary module's Triton path
-still computes the increments with PyTorch ops (``SelectiveRotaryEmbedding.phase_increment``).
+"""Selective RoPE's phase increments in Triton, for the default phase path (issue 46, item 1): the first pass of the
+fused op from the input (``rotary_fused_triton``), which the rotary op takes on ``"triton"``, and a function of its
+own (``phase_increment_triton``).
 
-``phase_increment_triton`` computes, for every token and key head, what ``phase_increment`` computes for a
-``"low_rank"`` projection, the per-head gate (or none), a learned causal convolution (or none; its activation ``None``
-or ``"silu"``) and the optional bias, continuing a cached convolution history or from a sequence start:
+``_phase_increment_kernel`` computes, for every token and key head, what ``SelectiveRotaryEmbedding.phase_increment``
+computes for a ``"low_rank"`` projection, the per-head gate (or none), a learned causal convolution (or the fixed
+difference, or none; its activation ``None`` or ``"silu"``) and the optional bias, continuing a cached convolution
+history or from a sequence start:
 
     u = chunk / max(‖chunk‖, 1e-12),  a = up_h (down_h u),  c = (act(conv(a)) + exp(b)) · sigmoid(w_h·u_all + g_h)
 
 in float64, rounded once to float32, zero at padding (``lengths``, right-padded rows) and restarting at packed
 sequences' boundaries (``cu_seqlens``), with the convolution's new history (the last K - 1 real inputs). One launch,
-one program per (sequence x key head, time tile); each program recomputes the projection of the K - 1 tokens before
-its tile (the convolution's window) rather than reading another program's. The sums run in another order than the
-torch path's matrix products: equal within float64 rounding, which the rounding to float32 absorbs
+one program per (sequence x key head, time chunk), walking its chunk in 16-token tiles; each tile recomputes the
+projection of the K - 1 tokens before it (the convolution's window) rather than reading another program's. For the
+fused op the chunks are the rotary scan's (``rotary_triton._plan``) and the kernel also writes each chunk's total
+(the scan's pass 1), so the forward is this launch and the rotation's. The sums run in another order than the torch
+path's matrix products: equal within float64 rounding, which the rounding to float32 absorbs
 (``tests/kernels/test_phase_triton.py``).
 
 ``phase_increment_backward_triton`` gives the gradients of those increments with respect to the input and every
@@ -29,15 +32,14 @@ that one launch and its outputs' allocations. Float64 atomics add in no fixed or
 their last bits from run to run on a GPU (the interpreter runs the programs in order), which the rounding to float32
 weights almost always absorbs. The cached history ``conv_state`` is a constant (no gradient).
 
-Not yet: the other projections and gates, and fusing the forward into the rotary scan's first pass (two launches for
-the whole forward).
+Not yet: the other projections and gates (they keep the PyTorch phase path).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .rotary_triton import _add, _cdiv, _next_power_of_2, _sigmoid, _span
+from .rotary_triton import _add, _cdiv, _next_power_of_2, _sigmoid, _span, _sum0
 
 try:  # (see rotary_triton: triton is optional, and this file may travel with saved models)
     import triton
@@ -84,29 +86,15 @@ def _projection(x_ptr, down_ptr, up_ptr, b, hk, ts, mask_t, sx_b, sx_t, Dc, RANK
 
 
 @triton.jit
-def _phase_increment_kernel(
-    x_ptr, down_ptr, up_ptr, conv_ptr, bias_ptr, gw_ptr, gb_ptr, lengths_ptr, cu_ptr, state_ptr, out_ptr,
-    new_state_ptr,
-    T, Hk, R, Dc, RANK,
-    sx_b, sx_t,
-    CONV_K: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GATE: tl.constexpr,
-    HAS_LENGTHS: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_STATE: tl.constexpr, WRITE_STATE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    pid_nh, pid_t = tl.program_id(0), tl.program_id(1)
-    hk = pid_nh % Hk
-    n = (pid_nh // Hk).to(tl.int64)
-    b, bos, end = _span(pid_nh // Hk, cu_ptr, T, IS_VARLEN)
-    ts = bos + pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    valid_end = end
-    if HAS_LENGTHS:  # right-padded rows: tokens from the row's length on are padding
-        valid_end = bos + tl.load(lengths_ptr + b).to(tl.int64)
-    mask_t = ts < valid_end
-    written = ts < end  # the tokens this program writes (zeros at padding)
+def _increment_tile(x_ptr, down_ptr, up_ptr, conv_ptr, bias_ptr, gw_ptr, gb_ptr, state_ptr, b, n, hk, bos, ts,
+                    mask_t, Hk, R, Dc, RANK, sx_b, sx_t, CONV_K: tl.constexpr, SILU: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, HAS_GATE: tl.constexpr, HAS_STATE: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The increments of tokens ``ts`` (key head ``hk`` of sequence ``n``, batch row ``b``, first token ``bos``):
+    ``(BLOCK_T, BLOCK_R)`` float64, not yet rounded, zero where ``mask_t`` is False (padding, or past the tile)."""
     rs = tl.arange(0, BLOCK_R)
     mask_r = rs < R
     channels = Hk * R
-
     if CONV_K > 0:  # taps oldest first
         c = tl.full([BLOCK_T, BLOCK_R], 0.0, tl.float64)
         for j in tl.static_range(CONV_K):
@@ -135,13 +123,59 @@ def _phase_increment_kernel(
             w = tl.load(gw_ptr + hk * Hk * Dc + chunk * Dc + ds, mask=ds < Dc, other=0.0).to(tl.float64)
             logit += _sum1(u * w[None, :])
         c *= _sigmoid(logit + tl.load(gb_ptr + hk).to(tl.float64))[:, None]
-    c = tl.where(mask_t[:, None], c, 0.0)  # padding advances no phase
-    # (B, T, Hk, R) float32, contiguous: rounded once
-    offsets = ((b * T + ts[:, None]) * Hk + hk) * R + rs[None, :]
-    tl.store(out_ptr + offsets, c.to(tl.float32), mask=written[:, None] & mask_r[None, :])
+    return tl.where(mask_t[:, None], c, 0.0)  # padding advances no phase
+
+
+@triton.jit
+def _phase_increment_kernel(
+    x_ptr, down_ptr, up_ptr, conv_ptr, bias_ptr, gw_ptr, gb_ptr, lengths_ptr, cu_ptr, state_ptr, init_ptr, out_ptr,
+    new_state_ptr, totals_ptr,
+    T, Hk, R, Dc, RANK, NC, CHUNK,
+    sx_b, sx_t,
+    CONV_K: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GATE: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_STATE: tl.constexpr, WRITE_STATE: tl.constexpr,
+    WRITE_TOTALS: tl.constexpr, HAS_INIT: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """One program per (sequence x key head, time chunk of ``CHUNK`` tokens), walking its chunk in tiles of
+    ``BLOCK_T``. ``WRITE_TOTALS``: also pass 1 of the rotary scan (``rotary_triton._chunk_totals_kernel``'s output):
+    the float64 sum of the chunk's rounded increments into slot ``chunk + 1`` of a ``(N * Hk, NC + 1, R)`` buffer,
+    the initial phase (or zeros) into slot 0."""
+    pid_nh, pid_c = tl.program_id(0), tl.program_id(1)
+    hk = pid_nh % Hk
+    n = (pid_nh // Hk).to(tl.int64)
+    b, bos, end = _span(pid_nh // Hk, cu_ptr, T, IS_VARLEN)
+    valid_end = end
+    if HAS_LENGTHS:  # right-padded rows: tokens from the row's length on are padding
+        valid_end = bos + tl.load(lengths_ptr + b).to(tl.int64)
+    start = bos + pid_c.to(tl.int64) * CHUNK
+    chunk_end = tl.minimum(start + CHUNK, end)  # the tokens this program writes (zeros at padding)
+    real_end = tl.minimum(chunk_end, valid_end)
+    rs = tl.arange(0, BLOCK_R)
+    mask_r = rs < R
+    channels = Hk * R
+    total = tl.full([BLOCK_R], 0.0, tl.float64)
+    for t0 in range(start, chunk_end, BLOCK_T):
+        ts = t0 + tl.arange(0, BLOCK_T)
+        c = _increment_tile(x_ptr, down_ptr, up_ptr, conv_ptr, bias_ptr, gw_ptr, gb_ptr, state_ptr, b, n, hk, bos,
+                            ts, ts < real_end, Hk, R, Dc, RANK, sx_b, sx_t, CONV_K, SILU, HAS_BIAS, HAS_GATE,
+                            HAS_STATE, BLOCK_T, BLOCK_DC, BLOCK_R).to(tl.float32)  # rounded once
+        # (B, T, Hk, R) float32, contiguous
+        offsets = ((b * T + ts[:, None]) * Hk + hk) * R + rs[None, :]
+        tl.store(out_ptr + offsets, c, mask=(ts < chunk_end)[:, None] & mask_r[None, :])
+        if WRITE_TOTALS:
+            total += _sum0(c.to(tl.float64))  # (zero past the chunk: masked in _increment_tile)
+    if WRITE_TOTALS:
+        row = pid_nh.to(tl.int64) * (NC + 1)
+        tl.store(totals_ptr + (row + pid_c + 1) * R + rs, total, mask=mask_r)
+        if pid_c == 0:
+            first = tl.full([BLOCK_R], 0.0, tl.float64)
+            if HAS_INIT:
+                first = tl.load(init_ptr + pid_nh.to(tl.int64) * R + rs, mask=mask_r, other=0.0)
+            tl.store(totals_ptr + row * R + rs, first, mask=mask_r)
 
     if WRITE_STATE:  # the new history: the last K-1 inputs of the real tokens (continuing the cached one)
-        if pid_t == 0:
+        if pid_c == 0:
             slots = tl.arange(0, BLOCK_S)
             tokens = valid_end - (CONV_K - 1) + slots
             in_slots = slots < CONV_K - 1
@@ -189,53 +223,61 @@ def phase_increment_triton(
         each row's real tokens or each packed sequence, continuing ``conv_state`` where there are fewer (``None``
         without a convolution), as ``SelectiveRotaryEmbedding.phase_increment`` returns them.
     """
-    batch, seq_len, hidden = x.shape
+    num_seqs, conv_k = _check_phase_inputs(None, x, down, up, conv_weight, conv_activation, bias, gate_weight,
+                                           gate_bias, lengths, cu_seqlens, conv_state)
+    batch, seq_len = x.shape[:2]
+    num_key_heads, rotary_pairs = up.shape[:2]
+    out = torch.empty(batch, seq_len, num_key_heads, rotary_pairs, dtype=torch.float32, device=x.device)
+    new_state = None if conv_weight is None else x.new_empty(num_seqs, conv_k - 1, num_key_heads * rotary_pairs,
+                                                             dtype=torch.float64)
+    if num_seqs == 0 or rotary_pairs == 0:
+        return out.zero_(), new_state
+    _launch(x, down, up, conv_weight, conv_activation == "silu", bias, gate_weight, gate_bias, lengths, cu_seqlens,
+            conv_state, out, new_state, _BLOCK_T, max(_cdiv(seq_len, _BLOCK_T), 1))
+    return out, new_state
+
+
+
+def _dense(tensor: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """``tensor`` contiguous (in ``dtype``), with no dispatched op where it already is (each costs host time)."""
+    if tensor is None:
+        return None
+    if dtype is not None and tensor.dtype != dtype:
+        tensor = tensor.to(dtype)
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+
+def _launch(x, down, up, conv_weight, silu: bool, bias, gate_weight, gate_bias, lengths, cu_seqlens, conv_state, out,
+            new_state, chunk: int, chunks: int, totals: torch.Tensor | None = None,
+            initial_phase: torch.Tensor | None = None) -> None:
+    """One launch of ``_phase_increment_kernel`` over ``chunks`` chunks of ``chunk`` tokens per (sequence, key head):
+    the increments into ``out`` and the new history into ``new_state``; with ``totals`` ``(N * Hk, chunks + 1, R)``
+    float64, also the rotary scan's pass 1 (the chunks' totals after ``initial_phase`` ``(N, Hk, R)`` float64)."""
+    seq_len = x.shape[1]
     num_key_heads, rank, chunk_dim = down.shape
     rotary_pairs = up.shape[1]
-    if (hidden != num_key_heads * chunk_dim or up.shape != (num_key_heads, rotary_pairs, rank)
-            or (conv_weight is not None and conv_weight.shape[0] != num_key_heads * rotary_pairs)
-            or (bias is not None and bias.shape != (num_key_heads, rotary_pairs))
-            or (gate_weight is not None and (gate_weight.shape != (num_key_heads, hidden) or gate_bias is None))):
-        raise ValueError(f"x {tuple(x.shape)}, down {tuple(down.shape)}, up {tuple(up.shape)}, conv_weight "
-                         f"{None if conv_weight is None else tuple(conv_weight.shape)}, bias "
-                         f"{None if bias is None else tuple(bias.shape)} and gate weight "
-                         f"{None if gate_weight is None else tuple(gate_weight.shape)} disagree")
-    if conv_activation not in (None, "silu"):
-        raise ValueError(f"unsupported activation {conv_activation!r}; expected None or 'silu'")
-    if cu_seqlens is not None and (batch != 1 or lengths is not None):
-        raise ValueError("cu_seqlens needs batch 1 and no lengths (packed sequences have no padding)")
-    num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
     conv_k = 0 if conv_weight is None else conv_weight.shape[-1]
-    channels = num_key_heads * rotary_pairs
-    if conv_state is not None and (conv_weight is None or conv_state.shape != (num_seqs, conv_k - 1, channels)):
-        raise ValueError(f"conv_state {tuple(conv_state.shape)} disagrees with {num_seqs} sequences, "
-                         f"{None if conv_weight is None else conv_k} taps and {channels} channels")
-    out = torch.empty(batch, seq_len, num_key_heads, rotary_pairs, dtype=torch.float32, device=x.device)
-    new_state = None if conv_weight is None else x.new_empty(num_seqs, conv_k - 1, channels, dtype=torch.float64)
-    if num_seqs == 0 or channels == 0:
-        return out.zero_(), new_state
+    num_seqs = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     x = x if x.stride(-1) == 1 else x.contiguous()
-    if conv_state is not None:
-        conv_state = conv_state.to(torch.float64).contiguous()
     placeholder = out  # for pointers a disabled branch never reads
-    grid = (num_seqs * num_key_heads, max(_cdiv(seq_len, _BLOCK_T), 1))  # (tile 0 writes the new history)
-    _phase_increment_kernel[grid](
-        x, down.contiguous(), up.contiguous(),
-        placeholder if conv_weight is None else conv_weight.contiguous(),
-        placeholder if bias is None else bias.contiguous(),
-        placeholder if gate_weight is None else gate_weight.contiguous(),
-        placeholder if gate_bias is None else gate_bias.contiguous(),
-        placeholder if lengths is None else lengths.to(device=x.device, dtype=torch.int64).contiguous(),
-        placeholder if cu_seqlens is None else cu_seqlens.to(device=x.device, dtype=torch.int32).contiguous(),
-        placeholder if conv_state is None else conv_state, out, placeholder if new_state is None else new_state,
-        seq_len, num_key_heads, rotary_pairs, chunk_dim, rank, x.stride(0), x.stride(1),
-        CONV_K=conv_k, SILU=conv_activation == "silu",
+    _phase_increment_kernel[(num_seqs * num_key_heads, chunks)](  # (chunk 0 writes the new history)
+        x, _dense(down), _dense(up), _dense(conv_weight) if conv_weight is not None else placeholder,
+        _dense(bias) if bias is not None else placeholder,
+        _dense(gate_weight) if gate_weight is not None else placeholder,
+        _dense(gate_bias) if gate_bias is not None else placeholder,
+        _dense(lengths, torch.int64) if lengths is not None else placeholder,
+        _dense(cu_seqlens, torch.int32) if cu_seqlens is not None else placeholder,
+        _dense(conv_state, torch.float64) if conv_state is not None else placeholder,
+        initial_phase if initial_phase is not None else placeholder, out,
+        new_state if new_state is not None else placeholder, totals if totals is not None else placeholder,
+        seq_len, num_key_heads, rotary_pairs, chunk_dim, rank, chunks, chunk, x.stride(0), x.stride(1),
+        CONV_K=conv_k, SILU=silu,
         HAS_BIAS=bias is not None, HAS_GATE=gate_weight is not None, HAS_LENGTHS=lengths is not None,
         IS_VARLEN=cu_seqlens is not None, HAS_STATE=conv_state is not None, WRITE_STATE=conv_k > 1,
+        WRITE_TOTALS=totals is not None, HAS_INIT=initial_phase is not None,
         BLOCK_T=_BLOCK_T, BLOCK_DC=_next_power_of_2(chunk_dim), BLOCK_R=_next_power_of_2(rotary_pairs),
         BLOCK_S=_next_power_of_2(max(conv_k - 1, 1)), num_warps=4,
     )
-    return out, new_state
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -243,11 +285,6 @@ def phase_increment_triton(
 # --------------------------------------------------------------------------------------------------------------------
 _BACKWARD_BLOCK_T = 32  # tokens per backward program, its halos included: a power of 2, >= 16 (tl.dot's minimum)
 _COPY_BLOCK = 1024  # elements per step of the last program's copy of the weight gradients
-
-
-@triton.jit
-def _sum0(x):
-    return tl.reduce(x, 0, _add)
 
 
 @triton.jit
@@ -480,7 +517,7 @@ def _phase_increment_bwd_kernel(
 def _check_phase_inputs(grad_increment, x, down, up, conv_weight, conv_activation, bias, gate_weight, gate_bias,
                         lengths, cu_seqlens, conv_state) -> tuple[int, int]:
     """The number of sequences and of taps (0: no convolution), after refusing inputs that disagree by name
-    (``grad_increment``: ``None`` for the forward's inputs alone; the forward's wrapper checks the same inline)."""
+    (``grad_increment``: ``None`` for the forward's inputs alone)."""
     batch, seq_len, hidden = x.shape
     num_key_heads, rank, chunk_dim = down.shape
     rotary_pairs = up.shape[1]
@@ -508,12 +545,6 @@ def _check_phase_inputs(grad_increment, x, down, up, conv_weight, conv_activatio
                          f"{None if conv_weight is None else conv_k} taps and {channels} channels")
     return num_seqs, conv_k
 
-
-def _kernel_input(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    """``tensor`` as the kernel reads it, row-major on ``device``: copied only where it is not (no op otherwise)."""
-    if tensor is not None and tensor.device != device:
-        tensor = tensor.to(device)
-    return tensor if tensor is None or tensor.is_contiguous() else tensor.contiguous()
 
 
 def phase_increment_backward_triton(
@@ -567,8 +598,8 @@ def phase_increment_backward_triton(
         lengths = lengths.long()
     grid = (num_seqs * (1 if has_gate else num_key_heads), max(_cdiv(seq_len, block_e - 2 * halo), 1))
     _phase_increment_bwd_kernel[grid](
-        _kernel_input(grad_increment, x.device), x, _kernel_input(down, x.device), _kernel_input(up, x.device),
-        *(placeholder if t is None else _kernel_input(t, x.device)
+        _dense(grad_increment), x, _dense(down), _dense(up),
+        *(placeholder if t is None else _dense(t)
           for t in (conv_weight, bias, gate_weight, gate_bias, lengths, cu_seqlens, conv_state)),
         dx, *(placeholder if g is None else g for g in grads), workspace,
         seq_len, num_key_heads, rotary_pairs, chunk_dim, rank, x.stride(0), x.stride(1),

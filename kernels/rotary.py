@@ -12,9 +12,11 @@ for the module and inputs it takes     a prefill or a decoding step; made by its
                                        where it can be built and takes the call, else through ctypes
 one token per row, no autograd         a decoding step: ``rotary_triton``'s fused step on ``"triton"`` (from the input
                                        where the phase path is the default one), else ``rotary_torch``'s
-anything else                          the module's phase increments, then the cumulative phase and the rotation:
-                                       ``rotary_triton.selective_rotary_triton`` on ``"triton"`` (packed sequences as
-                                       they are), else ``rotary_torch.selective_rotary``
+anything else                          on ``"triton"`` with the default phase path (``fusable_phase_weights``): one
+                                       fused op from the input, ``rotary_fused_triton`` (increments and rotation in two
+                                       launches, and their backward); otherwise the module's phase increments, then the
+                                       cumulative phase and the rotation: ``rotary_triton.selective_rotary_triton`` on
+                                       ``"triton"`` (packed sequences as they are), else ``rotary_torch``'s
 =====================================  ================================================================================
 
 Every path computes the same math in the same precisions (``modeling/rotary.py``'s docstring); the torch paths are
@@ -30,7 +32,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from .dispatch import triton_rotary
+from .dispatch import triton_rotary, triton_rotary_from_input
 from .rotary_cpu import RotaryPlan
 from .rotary_cpu import available as cpu_kernel_available
 from .rotary_cpu_entry import entry_for
@@ -89,6 +91,10 @@ def rotary_embedding(module: PhasePath, x: torch.Tensor, q: torch.Tensor, k: tor
     if seq_len == 1 and cu_seqlens is None and inference:  # a decoding step (the steps have no backward)
         step = decode_step_triton if backend == "triton" else decode_step_torch
         return step(module, x, q, k, state, lengths, in_place)
+    if backend == "triton" and module.position_embedding == "selective_rope":
+        fused = sequence_from_input_triton(module, x, q, k, state, lengths, cu_seqlens)
+        if fused is not None:
+            return fused
     increment, conv_state = module.sequence_increment(x, lengths, state.get("phase_conv"), cu_seqlens)
     q, k, phase = selective_rotary(q, k, increment, module.temperature, state.get("phase"), cu_seqlens=cu_seqlens,
                                    backend=backend)
@@ -114,6 +120,27 @@ def selective_rotary(q, k, increment, temperature, initial_phase=None, *, cu_seq
     if cu_seqlens is not None:
         raise ValueError("cu_seqlens needs the Triton rotary kernel; the torch op takes dense right-padded rows")
     return selective_rotary_torch(q, k, increment, temperature, initial_phase)
+
+
+def sequence_from_input_triton(module: PhasePath, x, q, k, state, lengths, cu_seqlens):
+    """A sequence (training or a prefill) with the default phase path (``fusable_phase_weights``) as one fused op
+    from the input: ``rotary_fused_triton.selective_rotary_from_input_triton`` (the phase increments and the rotation
+    in two launches, and their backward). ``None`` where it does not serve the call (another phase path, or an empty
+    one): then the module's increments and ``selective_rotary``."""
+    weights = module.fusable_phase_weights()
+    if weights is None:
+        return None
+    conv = module.phase_conv
+    result = triton_rotary_from_input().selective_rotary_from_input_triton(
+        q, k, x, *weights, module.temperature, initial_phase=state.get("phase"),
+        conv_state=None if conv is None else state.get("phase_conv"),
+        conv_weight=None if conv is None else conv.taps(x.device, k.shape[2] * module.rotary_pairs),
+        conv_activation=None if conv is None else conv.activation, bias=module.phase_bias, lengths=lengths,
+        cu_seqlens=cu_seqlens)
+    if result is None:
+        return None
+    q_out, k_out, phase, conv_state = result
+    return q_out, k_out, rotary_state(phase, conv_state)
 
 
 def decode_step_torch(module: PhasePath, x, q, k, state, lengths, in_place=False):

@@ -5,9 +5,9 @@ token with a cache, ``SelectiveRotaryEmbedding``'s torch path), plus packed sequ
 
 **Prefill / training** (``selective_rotary_triton``). A two-pass scan over time chunks. The grid is (sequence x key
 head, block of frequency pairs, time chunk); the chunks are as long as fills the GPU (``_plan``: one chunk per
-sequence when the sequences alone fill it). Pass 1 sums each chunk's increments (float64); one cumulative sum over
-the initial phase and those sums gives each chunk's starting phase. Pass 2 walks its chunk in tiles with a running
-carry of the phase:
+sequence when the sequences alone fill it). Pass 1 sums each chunk's increments (float64); pass 2 starts each chunk
+from the initial phase plus the totals of the chunks before it (summed in the kernel, ``_carry``) and walks its chunk
+in tiles with a running carry of the phase:
 
     θ_t = θ_0 + Σ_{s<=t} c_s,   angle_t = τ · θ_t,   (x_i, x_{i+R}) -> (x_i cos − x_{i+R} sin, x_i sin + x_{i+R} cos)
 
@@ -19,8 +19,9 @@ the phase, writes ``dq``/``dk`` (the inverse rotation of the incoming gradients)
 ``dθ_t = τ · Σ_heads (dy_2 · y_1 − dy_1 · y_2)`` (summed over the query heads of the group inside the program) and
 the chunk's Σ dθ; then a reverse walk over each chunk turns ``dθ`` into ``d(increment)_s = Σ_{t>=s} dθ_t
 (+ d final phase)``, starting from the later chunks' sums: in the same program, after a barrier, where each
-sequence is one chunk (one launch), else in a second kernel. ``d(initial_phase)`` is the total and
-``d(temperature)`` is reduced from per-chunk partials in PyTorch (no atomics).
+sequence is one chunk (one launch), else in a second kernel that sums the later chunks' slots itself.
+``d(initial_phase)`` is the total (written by chunk 0's program) and ``d(temperature)`` is reduced from per-chunk
+partials in PyTorch (no atomics).
 
 **Decode** (``selective_rotary_decode_triton``): one token per row, one program per (row, key head). From the phase
 projection ``a`` it does SPEC §3 steps 3-8 in training order: the causal convolution over the cached history (then
@@ -197,6 +198,20 @@ def _chunk_program(cu_ptr, T, Hk, R, CHUNK, IS_VARLEN: tl.constexpr, BLOCK_R: tl
 
 
 @triton.jit
+def _carry(carry_ptr, pid_nh, pid_c, CR, R, rs, mask_r, HAS_CARRY: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The phase before chunk ``pid_c``, float64: the sum of slots ``0..pid_c`` of a ``(N * Hk, CR, R)`` buffer whose
+    slot 0 holds the initial phase and slot ``c + 1`` chunk ``c``'s total (pass 1's; ``CR == 1``: the initial phase
+    alone). Summed here, in slot order, rather than by a cumulative sum in PyTorch between the passes: one torch op
+    less per pass (the chunks are few, and so are the loads)."""
+    carry = tl.full([BLOCK_R], 0.0, tl.float64)
+    if HAS_CARRY:
+        base = carry_ptr + pid_nh.to(tl.int64) * CR * R + rs
+        for slot in range(0, tl.minimum(pid_c + 1, CR)):
+            carry += tl.load(base + slot * R, mask=mask_r, other=0.0)
+    return carry
+
+
+@triton.jit
 def _chunk_totals_kernel(
     inc_ptr, init_ptr, cu_ptr, sums_ptr,
     T, Hk, R, NC, CHUNK,
@@ -205,7 +220,7 @@ def _chunk_totals_kernel(
 ):
     """Pass 1 of the chunked scan: the float64 sum of the increments of every (sequence, key head, chunk), summed
     tile by tile as pass 2 carries it, into slot ``chunk + 1`` of a ``(N * Hk, NC + 1, R)`` buffer whose slot 0 gets
-    the initial phase: one cumulative sum over the slots then gives every chunk its starting phase. A chunk past its
+    the initial phase: pass 2 sums the slots up to its chunk's (``_carry``) for its starting phase. A chunk past its
     sequence's end sums to 0."""
     pid_nh, pid_r, pid_c, hk, b, start, end, rs, mask_r = _chunk_program(cu_ptr, T, Hk, R, CHUNK, IS_VARLEN, BLOCK_R)
     total = tl.full([BLOCK_R], 0.0, tl.float64)
@@ -257,10 +272,7 @@ def _selective_rotary_fwd_kernel(
 ):
     pid_nh, pid_r, pid_c, hk, b, start, end, rs, mask_r = _chunk_program(cu_ptr, T, Hk, R, CHUNK, IS_VARLEN, BLOCK_R)
     turns = _turns_per_phase(temp_ptr, rs, mask_r)
-    if HAS_CARRY:  # the phase before this chunk: initial phase + the totals of the chunks before it
-        carry = tl.load(carry_ptr + (pid_nh.to(tl.int64) * CR + pid_c) * R + rs, mask=mask_r, other=0.0)
-    else:
-        carry = tl.full([BLOCK_R], 0.0, tl.float64)
+    carry = _carry(carry_ptr, pid_nh, pid_c, CR, R, rs, mask_r, HAS_CARRY, BLOCK_R)
 
     inc_base = inc_ptr + b * si_b + hk * si_h
     k_base = k_ptr + b * sk_b + hk * sk_h
@@ -305,7 +317,7 @@ def _selective_rotary_fwd_kernel(
 @triton.jit
 def _selective_rotary_bwd_kernel(
     q_ptr, k_ptr, dyq_ptr, dyk_ptr, inc_ptr, temp_ptr, carry_ptr, dfinal_ptr, cu_ptr,
-    dq_ptr, dk_ptr, dinc_ptr, dsums_ptr, dtemp_ptr,
+    dq_ptr, dk_ptr, dinc_ptr, dsums_ptr, dinit_ptr, dtemp_ptr,
     T, Hk, G, R, D, NC, CR, CHUNK,
     sq_b, sq_t, sq_h, sq_d,
     sk_b, sk_t, sk_h, sk_d,
@@ -322,15 +334,12 @@ def _selective_rotary_bwd_kernel(
     """Backward walk 1, forward in time over one chunk: recompute the phase exactly as the forward did, rotate the
     gradients back, and write dθ_t (summed over the key head and its query heads) into the d(increment) buffer. The
     chunk's Σ dθ goes to slot ``NC - chunk`` of a ``(N * Hk, NC + 1, R)`` buffer whose slot 0 gets the final phase's
-    gradient, so that one cumulative sum over the slots gives what reaches each chunk from later in time; its
+    gradient, so that summing slots gives what reaches each chunk from later in time; its
     Σ θ dangle (for d temperature) to a per-chunk partial. With one chunk a sequence it also does walk 2."""
     pid_nh, pid_r, pid_c, hk, b, start, end, rs, mask_r = _chunk_program(cu_ptr, T, Hk, R, CHUNK, IS_VARLEN, BLOCK_R)
     temp = tl.load(temp_ptr + rs, mask=mask_r, other=0.0).to(tl.float32)
     turns = _turns_per_phase(temp_ptr, rs, mask_r)
-    if HAS_CARRY:
-        carry = tl.load(carry_ptr + (pid_nh.to(tl.int64) * CR + pid_c) * R + rs, mask=mask_r, other=0.0)
-    else:
-        carry = tl.full([BLOCK_R], 0.0, tl.float64)
+    carry = _carry(carry_ptr, pid_nh, pid_c, CR, R, rs, mask_r, HAS_CARRY, BLOCK_R)
     dphase_total = tl.full([BLOCK_R], 0.0, tl.float32)
     dtemp_acc = tl.full([BLOCK_R], 0.0, tl.float64)  # Σ θ_t dangle_t: θ is large, keep its bits
 
@@ -390,9 +399,9 @@ def _selective_rotary_bwd_kernel(
     else:
         last = tl.full([BLOCK_R], 0.0, tl.float32)
     if NC == 1:
-        # One chunk a sequence (a plan whose programs fill the device): walk 2 here, not in a second launch. Slot 1
-        # gets d initial phase, what the cumulative sum of the slots would give (d final phase + the chunk's Σ dθ).
-        tl.store(dsums_ptr + (row + 1) * R + rs, last + dphase_total, mask=mask_r)
+        # One chunk a sequence (a plan whose programs fill the device): walk 2 here, not in a second launch, and
+        # d initial phase (d final phase + the chunk's Σ dθ, summed as the suffix kernel sums the slots).
+        tl.store(dinit_ptr + pid_nh.to(tl.int64) * R + rs, (last + dphase_total).to(tl.float64), mask=mask_r)
         tl.debug_barrier()  # this program's dθ stores, seen by all its threads
         _suffix_walk(dinc_base, last, start, end, sdi_t, rs, mask_r, BLOCK_T)
     else:
@@ -403,16 +412,23 @@ def _selective_rotary_bwd_kernel(
 
 @triton.jit
 def _suffix_sum_kernel(
-    dinc_ptr, suffix_ptr, cu_ptr,
+    dinc_ptr, dsums_ptr, cu_ptr, dinit_ptr,
     T, Hk, R, NC, CHUNK,
     sdi_b, sdi_t, sdi_h,
     IS_VARLEN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """Backward walk 2 over one chunk of several (with one, the backward kernel walks it): ``_suffix_walk`` from
-    what reaches the chunk from later in time."""
+    """Backward walk 2 over one chunk of several (with one, the backward kernel walks it): ``_suffix_walk`` from what
+    reaches the chunk from later in time, summed here from walk 1's slots (no cumulative sum in PyTorch between the
+    walks); chunk 0's program writes the initial phase's gradient, the sum of every slot (float64 ``(N * Hk, R)``)."""
     pid_nh, pid_r, pid_c, hk, b, start, end, rs, mask_r = _chunk_program(cu_ptr, T, Hk, R, CHUNK, IS_VARLEN, BLOCK_R)
-    # slot NC - 1 - chunk of the cumulative sums: d final phase + Σ dθ of the chunks after this one
-    suffix = tl.load(suffix_ptr + (pid_nh.to(tl.int64) * (NC + 1) + NC - 1 - pid_c) * R + rs, mask=mask_r, other=0.0)
+    # slots 0 .. NC - 1 - chunk, in slot order: d final phase + Σ dθ of the chunks after this one
+    slots = dsums_ptr + pid_nh.to(tl.int64) * (NC + 1) * R + rs
+    suffix = tl.full([BLOCK_R], 0.0, tl.float32)
+    for slot in range(0, NC - pid_c):
+        suffix += tl.load(slots + slot * R, mask=mask_r, other=0.0)
+    if pid_c == 0:
+        total = suffix + tl.load(slots + NC * R, mask=mask_r, other=0.0)
+        tl.store(dinit_ptr + pid_nh.to(tl.int64) * R + rs, total.to(tl.float64), mask=mask_r)
     _suffix_walk(dinc_ptr + b * sdi_b + hk * sdi_h, suffix, start, end, sdi_t, rs, mask_r, BLOCK_T)
 
 
@@ -692,9 +708,9 @@ def _plan(q: torch.Tensor, num_seqs: int, num_key_heads: int, rotary_pairs: int)
 
 def _chunk_carries(plan: _Plan, increment: torch.Tensor, init: torch.Tensor | None,
                    cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:
-    """The phase before every chunk, ``(N * Hk, chunks [+ 1], R)`` float64 (slot ``c`` for chunk ``c``): the initial
-    phase plus the totals of the chunks before it (pass 1 of the scan, then one cumulative sum). ``None`` for one
-    chunk without an initial phase (zeros)."""
+    """What pass 2 sums for the phase before every chunk (``_carry``): ``(N * Hk, chunks + 1, R)`` float64, the
+    initial phase in slot 0 and chunk ``c``'s total in slot ``c + 1`` (pass 1 of the scan); for one chunk, the initial
+    phase alone ``(N * Hk, 1, R)``, or ``None`` without one (zeros)."""
     rows, _, chunks = plan.grid
     rotary_pairs = increment.shape[3]
     if chunks == 1:
@@ -706,7 +722,7 @@ def _chunk_carries(plan: _Plan, increment: torch.Tensor, init: torch.Tensor | No
         HAS_INIT=init is not None, IS_VARLEN=cu_seqlens is not None, BLOCK_T=plan.cfg["BLOCK_T"],
         BLOCK_R=plan.cfg["BLOCK_R"], num_warps=plan.cfg["num_warps"],
     )
-    return sums.cumsum_(dim=1)
+    return sums
 
 
 def _rotary_forward_impl(
@@ -733,7 +749,17 @@ def _rotary_forward_impl(
         final.copy_(init if init is not None else torch.zeros_like(final))
         return out_q, out_k, final
     plan = _plan(q, num_seqs, num_key_heads, rotary_pairs)
-    carries = _chunk_carries(plan, increment, init, cu_seqlens)
+    _forward_walk(plan, _chunk_carries(plan, increment, init, cu_seqlens), q, k, increment, temperature, cu_seqlens,
+                  out_q, out_k, final)
+    return out_q, out_k, final
+
+
+def _forward_walk(plan: _Plan, carries: torch.Tensor | None, q, k, increment, temperature, cu_seqlens, out_q, out_k,
+                  final) -> None:
+    """Pass 2 of the scan (``_selective_rotary_fwd_kernel``) from the carries it sums (``_chunk_carries``'s): the
+    rotated q and k into ``out_q`` and ``out_k``, the final phase into ``final``."""
+    seq_len, num_query_heads, head_dim = q.shape[1:]
+    num_key_heads, rotary_pairs = k.shape[2], temperature.shape[0]
     _selective_rotary_fwd_kernel[plan.grid](
         q, k, increment, temperature.contiguous(), carries if carries is not None else final,
         out_q, out_k, final, cu_seqlens if cu_seqlens is not None else final,
@@ -744,7 +770,6 @@ def _rotary_forward_impl(
         BLOCK_T=plan.cfg["BLOCK_T"], BLOCK_R=plan.cfg["BLOCK_R"], BLOCK_P=plan.cfg["BLOCK_P"],
         NUM_STAGES=plan.cfg["NUM_STAGES"], num_warps=plan.cfg["num_warps"],
     )
-    return out_q, out_k, final
 
 
 # The custom op wraps the plain function, which eager inference calls directly (``selective_rotary_triton``): the
@@ -776,29 +801,41 @@ def _rotary_backward_impl(
     num_key_heads, rotary_pairs = k.shape[2], temperature.shape[0]
     num_seqs = _num_seqs(q, cu_seqlens)
     init = None if initial_phase is None else _as(initial_phase, torch.float64).contiguous()
-    dq, dk = torch.empty_like(q), torch.empty_like(k)
     dinc = torch.zeros(batch, seq_len, num_key_heads, rotary_pairs, dtype=torch.float32, device=q.device)
     dfinal = None if grad_final is None else _as(grad_final, torch.float32).reshape(-1, rotary_pairs)
     if seq_len == 0 or num_seqs == 0 or rotary_pairs == 0:
-        dq.copy_(grad_q)
-        dk.copy_(grad_k)
+        dq, dk = grad_q.clone(), grad_k.clone()
         dinit = torch.zeros(num_seqs, num_key_heads, rotary_pairs, dtype=torch.float64, device=q.device)
         if dfinal is not None:
             dinit += dfinal.view_as(dinit)
         return dq, dk, dinc, q.new_zeros(rotary_pairs, dtype=torch.float32), dinit
     plan = _plan(q, num_seqs, num_key_heads, rotary_pairs)
-    rows, _, chunks = plan.grid
     carries = _chunk_carries(plan, increment, init, cu_seqlens)
-    # Slot 0: d final phase; slot NC - c: chunk c's Σ dθ. Their cumulative sum over the slots is, at NC - 1 - c, what
-    # reaches chunk c from later in time, and at NC the gradient of the initial phase.
+    return _backward_walks(plan, carries, q, k, grad_q, grad_k, dfinal, increment, temperature, cu_seqlens,
+                           need_temperature_grad, dinc)
+
+
+def _backward_walks(plan: _Plan, carries: torch.Tensor | None, q, k, grad_q, grad_k, dfinal, increment, temperature,
+                    cu_seqlens, need_temperature_grad: bool, dinc: torch.Tensor):
+    """The backward's two walks over every chunk (``_selective_rotary_bwd_kernel`` then ``_suffix_sum_kernel``) from
+    the carries pass 2 sums (``_chunk_carries``'s): ``(dq, dk, d_increment, d_temperature, d_initial_phase)`` as
+    ``_rotary_backward_impl`` returns them, ``d_increment`` written into ``dinc``."""
+    batch, seq_len, num_query_heads, head_dim = q.shape
+    num_key_heads, rotary_pairs = k.shape[2], temperature.shape[0]
+    rows, _, chunks = plan.grid
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    # Slot 0: d final phase; slot NC - c: chunk c's Σ dθ. Their sum over slots 0 .. NC - 1 - c is what reaches chunk c
+    # from later in time, over every slot the gradient of the initial phase (both summed by _suffix_sum_kernel; with
+    # one chunk the backward kernel writes d initial phase itself and no slot is used).
     dsums = torch.empty(rows, chunks + 1, rotary_pairs, dtype=torch.float32, device=q.device)
+    dinit = torch.empty(rows // num_key_heads, num_key_heads, rotary_pairs, dtype=torch.float64, device=q.device)
     dtemp_partial = torch.empty(rows, chunks, rotary_pairs, dtype=torch.float32, device=q.device)
     placeholder = dsums  # for pointers a disabled branch never reads
     cu = cu_seqlens if cu_seqlens is not None else placeholder
     _selective_rotary_bwd_kernel[plan.grid](
         q, k, grad_q, grad_k, increment, temperature.contiguous(),
         carries if carries is not None else placeholder, dfinal if dfinal is not None else placeholder, cu,
-        dq, dk, dinc, dsums, dtemp_partial,
+        dq, dk, dinc, dsums, dinit, dtemp_partial,
         seq_len, num_key_heads, num_query_heads // num_key_heads, rotary_pairs, head_dim, chunks,
         carries.shape[1] if carries is not None else 0, plan.chunk,
         *q.stride(), *k.stride(), *grad_q.stride(), *grad_k.stride(), *dq.stride(), *dk.stride(),
@@ -808,14 +845,12 @@ def _rotary_backward_impl(
         BLOCK_T=plan.cfg["BLOCK_T"], BLOCK_R=plan.cfg["BLOCK_R"], BLOCK_P=plan.cfg["BLOCK_P"],
         NUM_STAGES=plan.cfg["NUM_STAGES"], num_warps=plan.cfg["num_warps"],
     )
-    if chunks > 1:  # (with one chunk the kernel walked it back and wrote d initial phase into slot 1)
-        dsums.cumsum_(dim=1)
+    if chunks > 1:  # (with one chunk the kernel walked it back and wrote d initial phase)
         _suffix_sum_kernel[plan.grid](
-            dinc, dsums, cu, seq_len, num_key_heads, rotary_pairs, chunks, plan.chunk, *dinc.stride()[:3],
+            dinc, dsums, cu, dinit, seq_len, num_key_heads, rotary_pairs, chunks, plan.chunk, *dinc.stride()[:3],
             IS_VARLEN=cu_seqlens is not None,
             BLOCK_T=plan.cfg["BLOCK_T"], BLOCK_R=plan.cfg["BLOCK_R"], num_warps=plan.cfg["num_warps"],
         )
-    dinit = dsums[:, chunks].double().view(num_seqs, num_key_heads, rotary_pairs)
     return dq, dk, dinc, dtemp_partial.sum(dim=(0, 1)), dinit
 
 

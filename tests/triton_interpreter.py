@@ -63,8 +63,9 @@ def counting(ops: SimpleNamespace, calls: Counter) -> SimpleNamespace:
 @contextlib.contextmanager
 def fla_kernels_on_cpu():
     """While active, ``backend="triton"`` on CPU tensors runs fla's mixer kernels (in the interpreter) where it would
-    on CUDA. Yields a ``Counter`` of the calls of each fla op and of our Triton rotary op (``selective_rotary_triton``),
-    packed calls counted again under ``"<name>[packed]"``. Everything is restored on exit."""
+    on CUDA. Yields a ``Counter`` of the calls of each fla op and of our Triton rotary ops (``selective_rotary_triton``,
+    and ``selective_rotary_from_input_triton`` for the default phase path), packed calls counted again under
+    ``"<name>[packed]"``. Everything is restored on exit."""
     if not dispatch.interpreting():
         raise RuntimeError("fla's kernels run on CPU only under TRITON_INTERPRET=1, set before triton is imported")
     fla = dispatch._import_fla()
@@ -72,7 +73,7 @@ def fla_kernels_on_cpu():
         pytest.skip("flash-linear-attention is not installed")
     calls: Counter = Counter()
     ops = counting(fla, calls)
-    rotary = dispatch.triton_rotary()
+    rotary, fused = dispatch.triton_rotary(), dispatch.triton_rotary_from_input()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(autotuner.Autotuner, "_bench", _equal_timings)
         patch.setattr(interpreter.FunctionRewriter, "ast_transformer", _TensorLoopVariables())
@@ -84,4 +85,7 @@ def fla_kernels_on_cpu():
         patch.setattr(rotary, "selective_rotary_triton",
                       counting(SimpleNamespace(selective_rotary_triton=rotary.selective_rotary_triton),
                                calls).selective_rotary_triton)
+        from_input = SimpleNamespace(selective_rotary_from_input_triton=fused.selective_rotary_from_input_triton)
+        patch.setattr(fused, "selective_rotary_from_input_triton",
+                      counting(from_input, calls).selective_rotary_from_input_triton)
         yield calls

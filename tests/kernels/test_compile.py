@@ -141,3 +141,28 @@ def test_a_training_forward_traces_without_graph_breaks(family):
     ids = torch.randint(0, model.config.vocab_size, (2, 8))
     explanation = torch._dynamo.explain(model)(ids, labels=ids)
     assert explanation.graph_break_count == 0, [reason.reason.splitlines()[0] for reason in explanation.break_reasons]
+
+
+@pytest.mark.parametrize("name", ["fox", pytest.param("gla", marks=pytest.mark.slow),
+                                  pytest.param("gated_deltanet", marks=pytest.mark.slow),
+                                  pytest.param("hybrid", marks=pytest.mark.slow)])
+def test_the_fused_rotary_op_traces_without_graph_breaks(name):
+    """On ``"triton"`` (under the interpreter here) the default phase path is the fused op from the input
+    (``rotary_fused_triton``): one custom op per layer in the traced graph, no graph break. Mixers stay on PyTorch
+    on the CPU (fla serves CUDA tensors only)."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from selective_rope.kernels import dispatch
+
+    from families import FAMILIES
+
+    if not dispatch.interpreting():
+        pytest.skip("checked on CPU tensors: the Triton kernels run there under TRITON_INTERPRET=1")
+    family = FAMILIES[name]
+    model = family.lm_class(family.config_class(**family.tiny, position_embedding="selective_rope",
+                                                backend="triton")).train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    explanation = torch._dynamo.explain(model)(ids, labels=ids)
+    assert explanation.graph_break_count == 0, [reason.reason.splitlines()[0] for reason in explanation.break_reasons]
+    targets = [str(node.target) for graph in explanation.graphs for node in graph.graph.nodes]
+    assert sum("rotary_from_input" in target for target in targets) == model.config.num_hidden_layers
+

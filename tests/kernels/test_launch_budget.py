@@ -5,10 +5,13 @@ for in launches and ops, whatever the kernels compute (docs/gpu_performance.md, 
 
 - Decoding: every family's step with the default phase path is one launch of the kernel that computes the phase
   inputs itself (``selective_rotary_decode_from_input_triton``), GLA's as FoX's, and its outputs' allocations.
-- Training: one layer's Selective RoPE forward + backward is today the phase path in PyTorch (float64 chunk norms,
-  projection, convolution, bias, gate, and their autograd) around the op's 2 + 3 launches (1 + 1 where a sequence is
-  one chunk). Issue 46's target, with the phase path inside the kernels, is 4 launches and no other aten op: these
-  budgets are today's counts, to be cut towards it and never to grow unnoticed.
+- Training: one layer's Selective RoPE with the default phase path is the fused op from the input
+  (``rotary_fused_triton``): forward = 2 launches (the phase kernel, which also writes the scan's chunk totals, and
+  the rotation) and only its outputs' allocations; backward = the rotary walks (1 launch where each sequence is one
+  chunk, else 2: the chunk totals are saved, no pass 1 again) and the phase path's backward
+  (``phase_triton.phase_increment_backward_triton``, 1 launch), and their buffers' allocations. Issue 46's target, 4
+  launches and no other aten op, is met in launches where each sequence is one chunk (5 with several). These budgets
+  are today's counts, never to grow unnoticed.
 
 Counted on the CPU only (with a GPU the chunk plan is the device's); aten ops are counted where they are called
 (``host_time_cpu.top_level_ops``), with torch 2.13.
@@ -38,14 +41,23 @@ _spec.loader.exec_module(host_time_cpu)
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="counted on the CPU, with the interpreter's plan")
 
-# One layer's forward + backward, counted 28 Nov 2026 (issue 46, before the phase path moves into the kernels;
-# 158 / 162 and 23 / 27 before the op stopped casting tensors to the dtypes they have; one chunk: 156 and 21, and a
-# third launch, before the backward kernel walked its chunk back itself).
+# Counted 28 Nov 2026 (issue 46). Before the fused op: the layer 156 / 160 aten ops (one chunk / several) with 3 / 5
+# launches (the phase path in PyTorch, ~135 ops with its autograd, around the op); the op alone 21 / 25 ops.
 ONE_CHUNK = {"_selective_rotary_fwd_kernel": 1, "_selective_rotary_bwd_kernel": 1}  # (the backward walks back itself)
 CHUNKED = {**ONE_CHUNK, "_suffix_sum_kernel": 1,
            "_chunk_totals_kernel": 2}  # pass 1 of the two-pass scan, in the forward and the backward
-LAYER_OPS = {"one": 155, "several": 160}  # the phase path: ~135 of them, with its autograd
-OP_OPS = {"one": 20, "several": 25}  # the op alone: its outputs, casts, the carries' cumulative sums, the gradients
+# The fused op from the input (its phase kernel is the scan's pass 1), forward and backward
+FUSED_FORWARD = {"_phase_increment_kernel": 1, "_selective_rotary_fwd_kernel": 1}
+FUSED_BACKWARD = {"one": {"_selective_rotary_bwd_kernel": 1, "_phase_increment_bwd_kernel": 1},
+                  "several": {"_selective_rotary_bwd_kernel": 1, "_suffix_sum_kernel": 1,
+                              "_phase_increment_bwd_kernel": 1}}
+FUSED_FORWARD_OPS = 7  # q, k, final phase, new history, increments, chunk totals; the convolution taps' view
+# The walks' dq, dk, d increment, chunk sums, d initial phase, d temperature (and its sum); the phase backward's dx,
+# 5 weight gradients and its zeroed float64 workspace; the taps view's backward; autograd's own detach of each leaf's
+# new .grad (8: x, q, k and 5 weights; any backward pays them)
+FUSED_BACKWARD_OPS = {"one": 23, "several": 23}
+LAYER_OPS = {"one": 30, "several": 30}  # (before the fused op: 156 / 160)
+OP_OPS = {"one": 18, "several": 20}  # the op alone: its outputs, casts, the gradients
 DECODE_OPS = 5  # the outputs (q, k, phase, history) and the taps as (C, K): no view of q, k or x, no phase-path op
 
 
@@ -56,11 +68,16 @@ def chunk_plan(monkeypatch, chunks: str) -> dict:
     return CHUNKED if chunks == "several" else ONE_CHUNK
 
 
-def count(step) -> tuple[dict, int]:
-    """Launches by kernel and the number of aten ops of one call of ``step`` (after a first, uncounted one)."""
+def count(step, setup=None) -> tuple[dict, int]:
+    """Launches by kernel and the number of aten ops of one call of ``step`` (after a first, uncounted one), each
+    after an uncounted ``setup()``."""
     with host_time_cpu.stubbed_launches() as launches:
-        step()
-        launches.clear()
+        for counted in (False, True):
+            if setup is not None:
+                setup()
+            launches.clear()
+            if not counted:
+                step()
         ops = host_time_cpu.top_level_ops(step)
     return dict(launches), sum(ops.values())
 
@@ -75,17 +92,44 @@ def training_inputs(seq_len: int = 96):
 
 @pytest.mark.parametrize("chunks", ["one", "several"])
 def test_a_training_layer_stays_within_its_launch_and_op_budget(chunks, monkeypatch):
-    expected = chunk_plan(monkeypatch, chunks)
+    chunk_plan(monkeypatch, chunks)
     module = make_rotary(dtype=torch.float32)
     x, q, k, grad_q, grad_k = training_inputs()
 
     def step():
+        x.grad = q.grad = k.grad = None  # (as a training step zeroes them: no accumulation counted)
+        module.zero_grad(set_to_none=True)
         out_q, out_k, _ = module(x, q, k, backend="triton")
         torch.autograd.backward([out_q, out_k], [grad_q, grad_k])
 
     launches, ops = count(step)
-    assert launches == expected
+    assert launches == {**FUSED_FORWARD, **FUSED_BACKWARD[chunks]}
     assert ops <= LAYER_OPS[chunks], f"{ops} aten ops, budget {LAYER_OPS[chunks]}"
+
+
+@pytest.mark.parametrize("chunks", ["one", "several"])
+def test_the_fused_layer_launches_each_way_and_allocates_only_its_buffers(chunks, monkeypatch):
+    """Forward: the phase kernel and the rotation, and the outputs' allocations. Backward: the rotary walks and the
+    phase path's backward, their buffers, and autograd's own detach of each leaf's new ``.grad``."""
+    chunk_plan(monkeypatch, chunks)
+    module = make_rotary(dtype=torch.float32)
+    x, q, k, grad_q, grad_k = training_inputs()
+    outputs = []
+
+    def forward():
+        outputs[:] = module(x, q, k, backend="triton")[:2]
+
+    def backward():
+        x.grad = q.grad = k.grad = None
+        module.zero_grad(set_to_none=True)
+        torch.autograd.backward(outputs, [grad_q, grad_k])
+
+    launches, ops = count(forward)
+    assert launches == FUSED_FORWARD
+    assert ops <= FUSED_FORWARD_OPS, f"{ops} aten ops, budget {FUSED_FORWARD_OPS}"
+    launches, ops = count(backward, setup=forward)
+    assert launches == FUSED_BACKWARD[chunks]
+    assert ops <= FUSED_BACKWARD_OPS[chunks], f"{ops} aten ops, budget {FUSED_BACKWARD_OPS[chunks]}"
 
 
 @pytest.mark.parametrize("chunks", ["one", "several"])

@@ -21,7 +21,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None and not torch.cuda.i
 @pytest.fixture
 def paths(monkeypatch):
     """The paths taken, in order: ``"c"``, ``"c_entry"``, ``"step_torch"``, ``"step_triton"``, ``"sequence_torch"``,
-    ``"sequence_triton"``."""
+    ``"sequence_triton"``, ``"sequence_from_input_triton"`` (the fused op from the input)."""
     taken = []
     monkeypatch.setenv(rotary_cpu.ENV_SWITCH, "1")
 
@@ -56,6 +56,7 @@ def paths(monkeypatch):
     monkeypatch.setattr(rotary.CachedPlan, "make", classmethod(make_counted))
     wrap("decode_step_torch", "step_torch")
     wrap("decode_step_triton", "step_triton")
+    wrap("sequence_from_input_triton", "sequence_from_input_triton")
     wrap("selective_rotary", lambda kwargs: f"sequence_{kwargs['backend'].replace('+c', '')}")
     return taken
 
@@ -167,8 +168,9 @@ def test_packed_sequences_become_rows_off_triton(paths, backend, expected):
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("seq_len, expected", [(4, "sequence_triton"), (1, "step_triton")])
 def test_triton_paths(paths, monkeypatch, variant, seq_len, expected):
-    """On ``"triton"``: the Triton op for sequences, the fused step for one token per row, which computes the phase
-    inputs itself for the default phase path only (``fusable_phase_weights``)."""
+    """On ``"triton"``: the Triton op for sequences, the fused step for one token per row; both compute the phase
+    inputs themselves for the default phase path only (``fusable_phase_weights``): the sequence through the fused op
+    from the input."""
     from selective_rope.kernels import rotary_triton
 
     fused = []
@@ -182,6 +184,8 @@ def test_triton_paths(paths, monkeypatch, variant, seq_len, expected):
     module = make_rotary(4, 2, dtype=torch.float32, **VARIANTS[variant])
     actual, reference = run(module, paths, "triton", seq_len)
     torch_path = "step_torch" if seq_len == 1 else "sequence_torch"
+    if seq_len > 1 and variant == "selective_rope":
+        expected = "sequence_from_input_triton"
     assert paths == [expected, torch_path]
     assert len(fused) == (seq_len == 1 and variant == "selective_rope")
     for a, e in zip(actual[:2], reference[:2]):

@@ -721,11 +721,14 @@ def test_module_packed_sequences_stay_packed(options, monkeypatch):
     parameter gradients."""
     from selective_rope.kernels import dispatch
 
-    dispatch.triton_rotary()  # imported before the patch below (it finds the module from the function it imports)
+    # imported before the patches below (each finds its module from the function it imports)
+    dispatch.triton_rotary()
+    fused_op = dispatch.triton_rotary_from_input()
     packed_calls = []
-    prefill = rotary_triton.selective_rotary_triton
-    monkeypatch.setattr(rotary_triton, "selective_rotary_triton",
-                        lambda *a, **kw: packed_calls.append(kw.get("cu_seqlens") is not None) or prefill(*a, **kw))
+    for op, name in ((rotary_triton, "selective_rotary_triton"), (fused_op, "selective_rotary_from_input_triton")):
+        prefill = getattr(op, name)  # (the default phase path takes the fused op from the input)
+        monkeypatch.setattr(op, name, lambda *a, prefill=prefill, **kw: packed_calls.append(
+            kw.get("cu_seqlens") is not None) or prefill(*a, **kw))
     module = make_rotary(dtype=torch.float32, device=DEVICE, **options)
     offsets = torch.tensor([0, 3, 3, 4, 9], dtype=torch.int32)  # an empty sequence, a one-token one
     x, q, k = torch.randn(1, 9, HIDDEN), torch.randn(1, 9, 4, 8), torch.randn(1, 9, 2, 8)
