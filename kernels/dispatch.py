@@ -94,8 +94,7 @@ def resolve_backend(config_value: str | None, device: torch.device | str) -> str
 
 
 # Imports tried once per process: {"triton": module or None, "triton_from_input": module or None, "fla": namespace
-# or None}. A plain dict rather than
-# functools.lru_cache, which torch.compile warns about.
+# or None}. A plain dict rather than functools.lru_cache, which torch.compile warns about.
 _imported: dict[str, object] = {}
 
 
