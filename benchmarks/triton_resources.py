@@ -132,6 +132,16 @@ def run_every_wrapper(rotary_triton) -> None:
     phase_increment_backward_triton(randn(2, 64, heads, pairs), randn(2, 64, hidden, dtype=torch.bfloat16), **phase,
                                     **padded)
     phase_increment_backward_triton(randn(1, seq_len, heads, pairs), randn(1, seq_len, hidden), **phase, **packed)
+    # the backward at the 370M models' shapes (bench_models_gpu.py, the default phase path: rank 32, per-head gate,
+    # 4 taps), with and without the gate: FoX (16 key heads, Dc = 64, R = 32) and GLA (4 key heads, Dc = 256, R = 64)
+    for key_heads, pairs_370m in ((16, 32), (4, 64)):
+        chunk_370m = hidden // key_heads
+        weights = dict(down=randn(key_heads, 32, chunk_370m), up=randn(key_heads, pairs_370m, 32),
+                       conv_weight=randn(key_heads * pairs_370m, 4))
+        grad, x = randn(4, 512, key_heads, pairs_370m), randn(4, 512, hidden, dtype=torch.bfloat16)
+        phase_increment_backward_triton(grad, x, **weights, gate_weight=randn(key_heads, hidden),
+                                        gate_bias=randn(key_heads))
+        phase_increment_backward_triton(grad, x, **weights)
 
 
 def jit_inputs(kernel, args: tuple, kwargs: dict, backend) -> tuple[dict, dict, dict, object]:
