@@ -242,7 +242,7 @@ def phase_increment_triton(
 # backward: recomputes the forward over each tile and its halos, one launch
 # --------------------------------------------------------------------------------------------------------------------
 _BACKWARD_BLOCK_T = 32  # tokens per backward program, its halos included: a power of 2, >= 16 (tl.dot's minimum)
-_BACKWARD_BLOCK_R = 32  # channels (rotary pairs) per step of the backward's walk over a head's: a power of 2, >= 16
+_BACKWARD_BLOCK_R = 16  # channels (rotary pairs) per step of the backward's walk over a head's: a power of 2, >= 16
 _BACKWARD_BLOCK_D = 64  # chunk dims per step of the backward's walk over a chunk: a power of 2, >= 16
 _COPY_BLOCK = 1024  # elements per step of the last program's copy of the weight gradients
 
@@ -661,6 +661,6 @@ def phase_increment_backward_triton(
         HALO=halo, BLOCK_E=block_e, BLOCK_D=min(max(_next_power_of_2(chunk_dim), 16), _BACKWARD_BLOCK_D),
         BLOCK_RANK=max(_next_power_of_2(rank), 16),
         BLOCK_R=min(max(_next_power_of_2(rotary_pairs), 16), _BACKWARD_BLOCK_R),
-        BLOCK_H=max(_next_power_of_2(num_key_heads), 16), BLOCK_COPY=_COPY_BLOCK, num_warps=8,
+        BLOCK_H=max(_next_power_of_2(num_key_heads), 16), BLOCK_COPY=_COPY_BLOCK, num_warps=8, num_stages=2,
     )
     return dx, *grads
