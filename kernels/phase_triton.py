@@ -276,30 +276,30 @@ def _shift(v, m: tl.constexpr, BLOCK_E: tl.constexpr):
 
 
 @triton.jit
-def _x_block(x_ptr, b, ts, real, chunk, d0, sx_b, sx_t, Dc, BLOCK_D: tl.constexpr):
-    """Dims ``d0 .. d0 + BLOCK_D`` of input chunk ``chunk`` over tokens ``ts``: ``(BLOCK_E, BLOCK_D)`` float64, zero
-    where not ``real`` and past the chunk."""
+def _x_block(x_rows, es, real, chunk, d0, sx_t, Dc, BLOCK_D: tl.constexpr):
+    """Dims ``d0 .. d0 + BLOCK_D`` of input chunk ``chunk`` over the block's tokens (rows ``es`` from ``x_rows``, the
+    first token's row): ``(BLOCK_E, BLOCK_D)`` float64, zero where not ``real`` and past the chunk."""
     ds = d0 + tl.arange(0, BLOCK_D)
-    return tl.load(x_ptr + b * sx_b + ts[:, None] * sx_t + chunk * Dc + ds[None, :],
+    return tl.load(x_rows + es[:, None] * sx_t + chunk * Dc + ds[None, :],
                    mask=real[:, None] & (ds < Dc)[None, :], other=0.0).to(tl.float64)
 
 
 @triton.jit
-def _chunk_norms(x_ptr, b, ts, real, chunk, sx_b, sx_t, Dc, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The clamped L2 norms of input chunk ``chunk`` over tokens ``ts`` ``(BLOCK_E,)`` float64 and where the norm is
-    not clamped (``L2NormalizeChunks``' backward reads both), walking the chunk BLOCK_D dims at a time."""
+def _chunk_norms(x_rows, es, real, chunk, sx_t, Dc, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The clamped L2 norms of input chunk ``chunk`` over the block's tokens ``(BLOCK_E,)`` float64 and where the norm
+    is not clamped (``L2NormalizeChunks``' backward reads both), walking the chunk BLOCK_D dims at a time."""
     squares = tl.full([BLOCK_E], 0.0, tl.float64)
     for d0 in range(0, Dc, BLOCK_D):
-        x = _x_block(x_ptr, b, ts, real, chunk, d0, sx_b, sx_t, Dc, BLOCK_D)
+        x = _x_block(x_rows, es, real, chunk, d0, sx_t, Dc, BLOCK_D)
         squares += _sum1(x * x)
     norm = tl.sqrt(squares)
     return tl.maximum(norm, 1e-12), norm >= 1e-12
 
 
 @triton.jit
-def _unit_block(x_ptr, b, ts, real, chunk, d0, denom, sx_b, sx_t, Dc, BLOCK_D: tl.constexpr):
+def _unit_block(x_rows, es, real, chunk, d0, denom, sx_t, Dc, BLOCK_D: tl.constexpr):
     """``u`` on dims ``d0 .. d0 + BLOCK_D`` of chunk ``chunk``: its inputs over their chunk's norms ``denom``."""
-    u = _x_block(x_ptr, b, ts, real, chunk, d0, sx_b, sx_t, Dc, BLOCK_D) / denom[:, None]
+    u = _x_block(x_rows, es, real, chunk, d0, sx_t, Dc, BLOCK_D) / denom[:, None]
     # Through an identity gather: Triton 3.6 fails to compile a float64 tl.dot whose operand it traces back, through
     # elementwise ops, to a 16-bit load ("Currently fp64 don't support largeK MMA", bf16 x); the gather ends the trace.
     return tl.gather(u, tl.broadcast_to(tl.arange(0, u.shape[0])[:, None], u.shape), 0)
@@ -331,7 +331,7 @@ def _up_tile(up_ptr, h, r0, R, RANK, BLOCK_R: tl.constexpr, BLOCK_RANK: tl.const
 
 
 @triton.jit
-def _low_projection(x_ptr, down_ptr, gw_ptr, b, h, ts, real, denom, sx_b, sx_t, Hk, Dc, RANK,
+def _low_projection(x_rows, down_ptr, gw_ptr, h, es, real, denom, sx_t, Hk, Dc, RANK,
                     GATE_LOGITS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_RANK: tl.constexpr, BLOCK_H: tl.constexpr):
     """``low = down_h u`` of key head ``h`` ``(BLOCK_E, BLOCK_RANK)`` and, with ``GATE_LOGITS``, chunk ``h``'s share
@@ -340,7 +340,7 @@ def _low_projection(x_ptr, down_ptr, gw_ptr, b, h, ts, real, denom, sx_b, sx_t, 
     low = tl.full([BLOCK_E, BLOCK_RANK], 0.0, tl.float64)
     logits = tl.full([BLOCK_E, BLOCK_H], 0.0, tl.float64)
     for d0 in range(0, Dc, BLOCK_D):
-        u = _unit_block(x_ptr, b, ts, real, h, d0, denom, sx_b, sx_t, Dc, BLOCK_D)
+        u = _unit_block(x_rows, es, real, h, d0, denom, sx_t, Dc, BLOCK_D)
         low += _dot(u, tl.trans(_down_block(down_ptr, h, d0, Dc, RANK, BLOCK_RANK, BLOCK_D)))
         if GATE_LOGITS:
             logits += _dot(u, tl.trans(_gate_block(gw_ptr, h, d0, Hk, Dc, BLOCK_H, BLOCK_D)))
@@ -348,7 +348,7 @@ def _low_projection(x_ptr, down_ptr, gw_ptr, b, h, ts, real, denom, sx_b, sx_t, 
 
 
 @triton.jit
-def _up_projection(low, up_ptr, conv_ptr, state_ptr, n, h, r0, ts, bos, R, RANK, channels, CONV_K: tl.constexpr,
+def _up_projection(low, up_ptr, conv_ptr, state_ptr, n, h, r0, es, start, R, RANK, channels, CONV_K: tl.constexpr,
                    HAS_STATE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_R: tl.constexpr):
     """Channels ``r0 .. r0 + BLOCK_R`` of ``a = up_h low`` (the cached history before the sequence start, zero at
     padding) and of the convolution ``z`` of ``a`` (meaningful from row K - 1 on; ``a`` itself without a
@@ -359,8 +359,8 @@ def _up_projection(low, up_ptr, conv_ptr, state_ptr, n, h, r0, ts, bos, R, RANK,
     z = a
     if CONV_K > 0:
         if HAS_STATE:  # before the sequence start: the cached history, slot K-1 - (bos - token)
-            slot = ts - bos + (CONV_K - 1)
-            before = (ts < bos) & (slot >= 0)
+            slot = es - start + (CONV_K - 1)
+            before = (es < start) & (slot >= 0)
             a += tl.load(state_ptr + (n * (CONV_K - 1) + slot[:, None]) * channels + h * R + rs[None, :],
                          mask=before[:, None] & mask_r[None, :], other=0.0).to(tl.float64)
         z = tl.full([BLOCK_E, BLOCK_R], 0.0, tl.float64)
@@ -441,6 +441,13 @@ def _phase_increment_bwd_kernel(
     mask_k, mask_h = ks < RANK, hs < Hk
     channels = Hk * R
     hidden = Hk * Dc
+    # Tokens as rows es of the block from its first token (int32 offsets from scalar pointers: int64 token indices
+    # in every tile's addresses cost registers)
+    t_base = t0 - HALO
+    start = (bos - t_base).to(tl.int32)  # the sequence's first token's row (<= 0 past the first tile)
+    x_rows = x_ptr + b * sx_b + t_base * sx_t
+    grad_rows = grad_ptr + (b * T + t_base) * Hk * R
+    dx_rows = dx_ptr + (b * T + t_base) * hidden
     # float64 accumulators of the weight gradients, one after another (the launcher sizes it alike), then a count
     o_up = Hk * RANK * Dc
     o_conv = o_up + Hk * R * RANK
@@ -450,7 +457,6 @@ def _phase_increment_bwd_kernel(
     o_count = o_gb + (Hk if HAS_GATE else 0)
 
     if t0 < end:
-        grad_rows = (b * T + ts) * Hk
         gate = tl.full([BLOCK_E, BLOCK_H], 0.0, tl.float64)
         d_logit = tl.full([BLOCK_E, BLOCK_H], 0.0, tl.float64)  # (stays zero without a gate)
         if HAS_GATE:
@@ -458,21 +464,21 @@ def _phase_increment_bwd_kernel(
             logits = tl.full([BLOCK_E, BLOCK_H], 0.0, tl.float64)
             dot_grad = tl.full([BLOCK_E, BLOCK_H], 0.0, tl.float64)
             for h in range(0, Hk):
-                denom, unclamped = _chunk_norms(x_ptr, b, ts, real, h, sx_b, sx_t, Dc, BLOCK_E, BLOCK_D)
-                low, logit_share = _low_projection(x_ptr, down_ptr, gw_ptr, b, h, ts, real, denom, sx_b, sx_t, Hk,
-                                                   Dc, RANK, True, BLOCK_E, BLOCK_D, BLOCK_RANK, BLOCK_H)
+                denom, unclamped = _chunk_norms(x_rows, es, real, h, sx_t, Dc, BLOCK_E, BLOCK_D)
+                low, logit_share = _low_projection(x_rows, down_ptr, gw_ptr, h, es, real, denom, sx_t, Hk, Dc, RANK,
+                                                   True, BLOCK_E, BLOCK_D, BLOCK_RANK, BLOCK_H)
                 logits += logit_share
                 head_dot = tl.full([BLOCK_E], 0.0, tl.float64)
                 for r0 in range(0, R, BLOCK_R):  # the channels BLOCK_R at a time
                     rs = r0 + tl.arange(0, BLOCK_R)
                     mask_r = rs < R
-                    a, y = _up_projection(low, up_ptr, conv_ptr, state_ptr, n, h, r0, ts, bos, R, RANK, channels,
+                    a, y = _up_projection(low, up_ptr, conv_ptr, state_ptr, n, h, r0, es, start, R, RANK, channels,
                                           CONV_K, HAS_STATE, BLOCK_E, BLOCK_RANK, BLOCK_R)
                     if SILU:
                         y = y * _sigmoid(y)
                     if HAS_BIAS:
                         y += tl.exp(tl.load(bias_ptr + h * R + rs, mask=mask_r, other=0.0).to(tl.float64))[None, :]
-                    g = tl.load(grad_ptr + (grad_rows[:, None] + h) * R + rs[None, :],
+                    g = tl.load(grad_rows + (es[:, None] * Hk + h) * R + rs[None, :],
                                 mask=real[:, None] & mask_r[None, :], other=0.0)
                     head_dot += _sum1(g.to(tl.float64) * y)
                 dot_grad = tl.where(hs[None, :] == h, head_dot[:, None], dot_grad)
@@ -482,8 +488,8 @@ def _phase_increment_bwd_kernel(
 
         # Pass 2, head by head: the chain back from dc to every input
         for h in range(h_lo, h_hi):
-            denom, unclamped = _chunk_norms(x_ptr, b, ts, real, h, sx_b, sx_t, Dc, BLOCK_E, BLOCK_D)
-            low, _ = _low_projection(x_ptr, down_ptr, gw_ptr, b, h, ts, real, denom, sx_b, sx_t, Hk, Dc, RANK, False,
+            denom, unclamped = _chunk_norms(x_rows, es, real, h, sx_t, Dc, BLOCK_E, BLOCK_D)
+            low, _ = _low_projection(x_rows, down_ptr, gw_ptr, h, es, real, denom, sx_t, Hk, Dc, RANK, False,
                                      BLOCK_E, BLOCK_D, BLOCK_RANK, BLOCK_H)
             if HAS_GATE:
                 gate_h = _column(gate, hs, h)
@@ -491,9 +497,9 @@ def _phase_increment_bwd_kernel(
             for r0 in range(0, R, BLOCK_R):  # the channels BLOCK_R at a time, back to d low
                 rs = r0 + tl.arange(0, BLOCK_R)
                 mask_r = rs < R
-                a, z = _up_projection(low, up_ptr, conv_ptr, state_ptr, n, h, r0, ts, bos, R, RANK, channels, CONV_K,
+                a, z = _up_projection(low, up_ptr, conv_ptr, state_ptr, n, h, r0, es, start, R, RANK, channels, CONV_K,
                                       HAS_STATE, BLOCK_E, BLOCK_RANK, BLOCK_R)
-                dy = tl.load(grad_ptr + (grad_rows[:, None] + h) * R + rs[None, :],
+                dy = tl.load(grad_rows + (es[:, None] * Hk + h) * R + rs[None, :],
                              mask=real[:, None] & mask_r[None, :], other=0.0)
                 dy = dy.to(tl.float64)  # (BLOCK_E, BLOCK_R), zero where not real
                 if HAS_GATE:
@@ -525,7 +531,7 @@ def _phase_increment_bwd_kernel(
             # A first walk over the chunk sums u·du and adds the projection's and the gates' weight gradients...
             along = tl.full([BLOCK_E], 0.0, tl.float64)
             for d0 in range(0, Dc, BLOCK_D):
-                u = _unit_block(x_ptr, b, ts, real, h, d0, denom, sx_b, sx_t, Dc, BLOCK_D)
+                u = _unit_block(x_rows, es, real, h, d0, denom, sx_t, Dc, BLOCK_D)
                 du = _chunk_gradient_block(d_low, d_logit, down_ptr, gw_ptr, h, d0, Hk, Dc, RANK, HAS_GATE, BLOCK_D,
                                            BLOCK_RANK, BLOCK_H)
                 along += _sum1(u * du)
@@ -538,11 +544,11 @@ def _phase_increment_bwd_kernel(
             along = tl.where(unclamped, along, 0.0)
             # ... and a second, recomputing u and du (two small products) rather than keeping them, writes dx
             for d0 in range(0, Dc, BLOCK_D):
-                u = _unit_block(x_ptr, b, ts, real, h, d0, denom, sx_b, sx_t, Dc, BLOCK_D)
+                u = _unit_block(x_rows, es, real, h, d0, denom, sx_t, Dc, BLOCK_D)
                 du = _chunk_gradient_block(d_low, d_logit, down_ptr, gw_ptr, h, d0, Hk, Dc, RANK, HAS_GATE, BLOCK_D,
                                            BLOCK_RANK, BLOCK_H)
                 dx = (du - u * along[:, None]) / denom[:, None]
-                tl.store(dx_ptr + (b * T + ts[:, None]) * hidden + h * Dc + d0 + ds[None, :],
+                tl.store(dx_rows + es[:, None] * hidden + h * Dc + d0 + ds[None, :],
                          _rounded(dx, dx_ptr.dtype.element_ty), mask=owned[:, None] & (d0 + ds < Dc)[None, :])
 
     # The last program to finish rounds the weight gradients once into their own dtypes (no launch or op after this
