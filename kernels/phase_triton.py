@@ -528,21 +528,16 @@ def _phase_increment_bwd_kernel(
                               mask=mask_r[:, None] & mask_k[None, :], sem="relaxed")
                 d_low += _dot(da, _up_tile(up_ptr, h, r0, R, RANK, BLOCK_R, BLOCK_RANK))  # (BLOCK_E, BLOCK_RANK)
             # The chunk norm's backward, as L2NormalizeChunks': dx = (du - u (u·du)) / ‖x‖, no u·du where clamped.
-            # A first walk over the chunk sums u·du and adds the projection's and the gates' weight gradients...
+            # A first walk over the chunk sums u·du...
             along = tl.full([BLOCK_E], 0.0, tl.float64)
             for d0 in range(0, Dc, BLOCK_D):
                 u = _unit_block(x_rows, es, real, h, d0, denom, sx_t, Dc, BLOCK_D)
                 du = _chunk_gradient_block(d_low, d_logit, down_ptr, gw_ptr, h, d0, Hk, Dc, RANK, HAS_GATE, BLOCK_D,
                                            BLOCK_RANK, BLOCK_H)
                 along += _sum1(u * du)
-                tl.atomic_add(ws_ptr + (h * RANK + ks[:, None]) * Dc + d0 + ds[None, :], _dot(tl.trans(d_low), u),
-                              mask=mask_k[:, None] & (d0 + ds < Dc)[None, :], sem="relaxed")
-                if HAS_GATE:  # every gate's weights on chunk h
-                    tl.atomic_add(ws_ptr + o_gw + hs[:, None] * hidden + h * Dc + d0 + ds[None, :],
-                                  _dot(tl.trans(d_logit), u), mask=mask_h[:, None] & (d0 + ds < Dc)[None, :],
-                                  sem="relaxed")
             along = tl.where(unclamped, along, 0.0)
-            # ... and a second, recomputing u and du (two small products) rather than keeping them, writes dx
+            # ... and a second, recomputing u and du (two small products) rather than keeping them, writes dx and adds
+            # the projection's and the gates' weight gradients (here rather than in the first: fewer spills)
             for d0 in range(0, Dc, BLOCK_D):
                 u = _unit_block(x_rows, es, real, h, d0, denom, sx_t, Dc, BLOCK_D)
                 du = _chunk_gradient_block(d_low, d_logit, down_ptr, gw_ptr, h, d0, Hk, Dc, RANK, HAS_GATE, BLOCK_D,
@@ -550,6 +545,12 @@ def _phase_increment_bwd_kernel(
                 dx = (du - u * along[:, None]) / denom[:, None]
                 tl.store(dx_rows + es[:, None] * hidden + h * Dc + d0 + ds[None, :],
                          _rounded(dx, dx_ptr.dtype.element_ty), mask=owned[:, None] & (d0 + ds < Dc)[None, :])
+                tl.atomic_add(ws_ptr + (h * RANK + ks[:, None]) * Dc + d0 + ds[None, :], _dot(tl.trans(d_low), u),
+                              mask=mask_k[:, None] & (d0 + ds < Dc)[None, :], sem="relaxed")
+                if HAS_GATE:  # every gate's weights on chunk h
+                    tl.atomic_add(ws_ptr + o_gw + hs[:, None] * hidden + h * Dc + d0 + ds[None, :],
+                                  _dot(tl.trans(d_logit), u), mask=mask_h[:, None] & (d0 + ds < Dc)[None, :],
+                                  sem="relaxed")
 
     # The last program to finish rounds the weight gradients once into their own dtypes (no launch or op after this
     # one). Each program's atomics come before its count (the barrier, then an acq_rel atomic).
