@@ -435,7 +435,8 @@ def _phase_increment_bwd_kernel(
     if HAS_LENGTHS:  # right-padded rows: tokens from the row's length on are padding
         valid_end = bos + tl.load(lengths_ptr + b).to(tl.int64)
     real = (ts >= bos) & (ts < valid_end)  # the increments there depend on the inputs
-    owned = (es >= HALO) & (es < HALO + TILE) & (ts < end)  # the tokens whose gradients this program writes
+    owned_end = tl.minimum(end - (t0 - HALO), HALO + TILE)  # (rows es from HALO to this own the gradients)
+    owned = (es >= HALO) & (es < owned_end)  # the tokens whose gradients this program writes
     counted = owned & real
     ks, ds, hs = tl.arange(0, BLOCK_RANK), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_H)
     mask_k, mask_h = ks < RANK, hs < Hk
@@ -513,14 +514,16 @@ def _phase_increment_bwd_kernel(
                     if SILU:
                         sig = _sigmoid(z)
                         dz = dy * sig * (1.0 + z * (1.0 - sig))
-                    dz_owned = tl.where(owned[:, None], dz, 0.0)
                     da = tl.full([BLOCK_E, BLOCK_R], 0.0, tl.float64)
                     for j in tl.static_range(CONV_K):  # tap j: z_t += w_j a_{t-(K-1-j)}, so da_s += w_j dz_{s+K-1-j}
-                        tap_ptrs = ws_ptr + o_conv + (h * R + rs) * CONV_K + j
-                        tl.atomic_add(tap_ptrs, _sum0(dz_owned * _shift(a, CONV_K - 1 - j, BLOCK_E)), mask=mask_r,
-                                      sem="relaxed")
+                        # and d w_j = Σ_t owned dz_t a_{t-(K-1-j)} = Σ_s a_s dz_{s+K-1-j} where s+K-1-j is owned: one
+                        # shift of dz for both, and no shifted copies of a kept from the convolution (registers)
+                        later = es + (CONV_K - 1 - j)
+                        dz_later = _shift(dz, j + 1 - CONV_K, BLOCK_E)
+                        d_tap = _sum0(tl.where(((later >= HALO) & (later < owned_end))[:, None], a * dz_later, 0.0))
+                        tl.atomic_add(ws_ptr + o_conv + (h * R + rs) * CONV_K + j, d_tap, mask=mask_r, sem="relaxed")
                         tap = tl.load(conv_ptr + (h * R + rs) * CONV_K + j, mask=mask_r, other=0.0).to(tl.float64)
-                        da += _shift(dz, j + 1 - CONV_K, BLOCK_E) * tap[None, :]
+                        da += dz_later * tap[None, :]
                 else:
                     da = dy
                 da = tl.where(counted[:, None], da, 0.0)  # (the history before the start and padding are constants)
