@@ -13,7 +13,8 @@ the same shapes would pass, with the chunk plan of a 132-multiprocessor GPU; eac
 would compile it on the GPU (``jit_inputs``: unit strides become constants, aligned pointers and integers divisible
 by 16 are marked so). Shapes: ``bench_rotary_gpu.py``'s (bf16, 16 heads of 128, R = 64), B=1, T=2048 (several
 chunks a row) and B=40, T=64 (one), with an initial phase in float64 or float32 (as ``torch.library.opcheck``
-passes it), and two packed sequences rotating half the head.
+passes it), and two packed sequences rotating half the head; the phase increments' kernels at those shapes, and
+their backward also at the 370M FoX's and GLA's (``bench_models_gpu.py``), with and without the gate.
 
 Usage (not under ``TRITON_INTERPRET=1``: the kernels must be Triton's compiled functions)::
 

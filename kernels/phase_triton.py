@@ -22,7 +22,8 @@ head's gate gradient: the program does every head, in two passes, the first for 
 per (sequence x key head, tile) without one. The program recomputes the convolution's window K - 1 tokens before
 its tile (its first tokens' z) and K - 1 after it (the later tokens whose windows reach back into the tile give its
 ``d a``), so no program reads another's results; the convolution's shifts are gathers over the tile, and the
-projections, the gate and their gradients float64 ``tl.dot`` products (the float64 MMA on sm_80 and later). The
+projections, the gate and their gradients float64 ``tl.dot`` products (the float64 MMA on sm_80 and later), over
+each chunk 64 dims and each head's channels 16 at a time (whole float64 tiles per head spill on a GPU). The
 weight gradients are sums over tokens: each program adds its share with float64 atomics into one zeroed buffer, and
 the last program to finish (a count in the same buffer) rounds them once into the weights' dtypes, so the backward is
 that one launch and its outputs' allocations. Float64 atomics add in no fixed order: the float64 sums may differ in
