@@ -13,7 +13,8 @@ the same shapes would pass, with the chunk plan of a 132-multiprocessor GPU; eac
 would compile it on the GPU (``jit_inputs``: unit strides become constants, aligned pointers and integers divisible
 by 16 are marked so). Shapes: ``bench_rotary_gpu.py``'s (bf16, 16 heads of 128, R = 64), B=1, T=2048 (several
 chunks a row) and B=40, T=64 (one), with an initial phase in float64 or float32 (as ``torch.library.opcheck``
-passes it), and two packed sequences rotating half the head.
+passes it), and two packed sequences rotating half the head; the phase increments' kernels at those shapes, and
+their backward also at the 370M FoX's and GLA's (``bench_models_gpu.py``), with and without the gate.
 
 Usage (not under ``TRITON_INTERPRET=1``: the kernels must be Triton's compiled functions)::
 
@@ -132,6 +133,16 @@ def run_every_wrapper(rotary_triton) -> None:
     phase_increment_backward_triton(randn(2, 64, heads, pairs), randn(2, 64, hidden, dtype=torch.bfloat16), **phase,
                                     **padded)
     phase_increment_backward_triton(randn(1, seq_len, heads, pairs), randn(1, seq_len, hidden), **phase, **packed)
+    # the backward at the 370M models' shapes (bench_models_gpu.py, the default phase path: rank 32, per-head gate,
+    # 4 taps), with and without the gate: FoX (16 key heads, Dc = 64, R = 32) and GLA (4 key heads, Dc = 256, R = 64)
+    for key_heads, pairs_370m in ((16, 32), (4, 64)):
+        chunk_370m = hidden // key_heads
+        weights = dict(down=randn(key_heads, 32, chunk_370m), up=randn(key_heads, pairs_370m, 32),
+                       conv_weight=randn(key_heads * pairs_370m, 4))
+        grad, x = randn(4, 512, key_heads, pairs_370m), randn(4, 512, hidden, dtype=torch.bfloat16)
+        phase_increment_backward_triton(grad, x, **weights, gate_weight=randn(key_heads, hidden),
+                                        gate_bias=randn(key_heads))
+        phase_increment_backward_triton(grad, x, **weights)
     # the fused op from the input (kernels/rotary_fused_triton.py): the phase kernel writing the scan's chunk totals
     # after an initial phase, then pass 2 from them; padded rows of one chunk, a packed row of several
     from selective_rope.kernels.rotary_fused_triton import _forward_impl

@@ -25,7 +25,8 @@ head's gate gradient: the program does every head, in two passes, the first for 
 per (sequence x key head, tile) without one. The program recomputes the convolution's window K - 1 tokens before
 its tile (its first tokens' z) and K - 1 after it (the later tokens whose windows reach back into the tile give its
 ``d a``), so no program reads another's results; the convolution's shifts are gathers over the tile, and the
-projections, the gate and their gradients float64 ``tl.dot`` products (the float64 MMA on sm_80 and later). The
+projections, the gate and their gradients float64 ``tl.dot`` products (the float64 MMA on sm_80 and later), over
+each chunk 64 dims and each head's channels 16 at a time (whole float64 tiles per head spill on a GPU). The
 weight gradients are sums over tokens: each program adds its share with float64 atomics into one zeroed buffer, and
 the last program to finish (a count in the same buffer) rounds them once into the weights' dtypes, so the backward is
 that one launch and its outputs' allocations. Float64 atomics add in no fixed order: the float64 sums may differ in
@@ -284,6 +285,8 @@ def _launch(x, down, up, conv_weight, silu: bool, bias, gate_weight, gate_bias, 
 # backward: recomputes the forward over each tile and its halos, one launch
 # --------------------------------------------------------------------------------------------------------------------
 _BACKWARD_BLOCK_T = 32  # tokens per backward program, its halos included: a power of 2, >= 16 (tl.dot's minimum)
+_BACKWARD_BLOCK_R = 16  # channels (rotary pairs) per step of the backward's walk over a head's: a power of 2, >= 16
+_BACKWARD_BLOCK_D = 64  # chunk dims per step of the backward's walk over a chunk: a power of 2, >= 16
 _COPY_BLOCK = 1024  # elements per step of the last program's copy of the weight gradients
 
 
@@ -311,56 +314,109 @@ def _shift(v, m: tl.constexpr, BLOCK_E: tl.constexpr):
 
 
 @triton.jit
-def _chunk_and_norm(x_ptr, b, ts, mask_t, chunk, sx_b, sx_t, Dc, BLOCK_DC: tl.constexpr):
-    """Input chunk ``chunk`` of tokens ``ts`` L2-normalised, ``(BLOCK_E, BLOCK_DC)`` float64, with its clamped norms and
-    where the norm is not clamped (``L2NormalizeChunks``'s backward reads both)."""
-    ds = tl.arange(0, BLOCK_DC)
-    x = tl.load(x_ptr + b * sx_b + ts[:, None] * sx_t + chunk * Dc + ds[None, :],
-                mask=mask_t[:, None] & (ds < Dc)[None, :], other=0.0).to(tl.float64)
-    norm = tl.sqrt(_sum1(x * x))
-    denom = tl.maximum(norm, 1e-12)
-    # Through an identity gather: Triton 3.6 fails to compile a float64 tl.dot whose operand it traces back, through
-    # elementwise ops, to a 16-bit load ("Currently fp64 don't support largeK MMA", bf16 x); the gather ends the trace.
-    u = x / denom[:, None]
-    return tl.gather(u, tl.broadcast_to(tl.arange(0, u.shape[0])[:, None], u.shape), 0), denom, norm >= 1e-12
+def _x_block(x_rows, es, real, chunk, d0, sx_t, Dc, BLOCK_D: tl.constexpr):
+    """Dims ``d0 .. d0 + BLOCK_D`` of input chunk ``chunk`` over the block's tokens (rows ``es`` from ``x_rows``, the
+    first token's row): ``(BLOCK_E, BLOCK_D)`` float64, zero where not ``real`` and past the chunk."""
+    ds = d0 + tl.arange(0, BLOCK_D)
+    return tl.load(x_rows + es[:, None] * sx_t + chunk * Dc + ds[None, :],
+                   mask=real[:, None] & (ds < Dc)[None, :], other=0.0).to(tl.float64)
 
 
 @triton.jit
-def _recompute_head(x_ptr, down_ptr, up_ptr, conv_ptr, state_ptr, b, n, h, ts, real, bos, sx_b, sx_t, Dc, RANK, R,
-                    channels, CONV_K: tl.constexpr, HAS_STATE: tl.constexpr, BLOCK_E: tl.constexpr,
-                    BLOCK_DC: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Key head ``h``'s forward over the block's tokens ``ts``: ``u`` (with its norms), ``low = down_h u``,
-    ``a = up_h low`` (the cached history before the sequence start, zero at padding) and the convolution ``z`` of
-    ``a`` (meaningful from row K - 1 on; ``a`` itself without a convolution). Float64."""
-    u, denom, unclamped = _chunk_and_norm(x_ptr, b, ts, real, h, sx_b, sx_t, Dc, BLOCK_DC)
-    ds, ks, rs = tl.arange(0, BLOCK_DC), tl.arange(0, BLOCK_RANK), tl.arange(0, BLOCK_R)
-    mask_k, mask_r = ks < RANK, rs < R
-    down = tl.load(down_ptr + (h * RANK + ks[:, None]) * Dc + ds[None, :], mask=mask_k[:, None] & (ds < Dc)[None, :],
-                   other=0.0).to(tl.float64)  # (BLOCK_RANK, BLOCK_DC)
-    up = tl.load(up_ptr + (h * R + rs[:, None]) * RANK + ks[None, :], mask=mask_r[:, None] & mask_k[None, :],
-                 other=0.0).to(tl.float64)  # (BLOCK_R, BLOCK_RANK)
-    low = _dot(u, tl.trans(down))  # (BLOCK_E, BLOCK_RANK)
-    a = _dot(low, tl.trans(up))  # (BLOCK_E, BLOCK_R), zero where not real (u is)
+def _chunk_norms(x_rows, es, real, chunk, sx_t, Dc, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The clamped L2 norms of input chunk ``chunk`` over the block's tokens ``(BLOCK_E,)`` float64 and where the norm
+    is not clamped (``L2NormalizeChunks``' backward reads both), walking the chunk BLOCK_D dims at a time."""
+    squares = tl.full([BLOCK_E], 0.0, tl.float64)
+    for d0 in range(0, Dc, BLOCK_D):
+        x = _x_block(x_rows, es, real, chunk, d0, sx_t, Dc, BLOCK_D)
+        squares += _sum1(x * x)
+    norm = tl.sqrt(squares)
+    return tl.maximum(norm, 1e-12), norm >= 1e-12
+
+
+@triton.jit
+def _unit_block(x_rows, es, real, chunk, d0, denom, sx_t, Dc, BLOCK_D: tl.constexpr):
+    """``u`` on dims ``d0 .. d0 + BLOCK_D`` of chunk ``chunk``: its inputs over their chunk's norms ``denom``."""
+    u = _x_block(x_rows, es, real, chunk, d0, sx_t, Dc, BLOCK_D) / denom[:, None]
+    # Through an identity gather: Triton 3.6 fails to compile a float64 tl.dot whose operand it traces back, through
+    # elementwise ops, to a 16-bit load ("Currently fp64 don't support largeK MMA", bf16 x); the gather ends the trace.
+    return tl.gather(u, tl.broadcast_to(tl.arange(0, u.shape[0])[:, None], u.shape), 0)
+
+
+@triton.jit
+def _down_block(down_ptr, h, d0, Dc, RANK, BLOCK_RANK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``down_h`` on dims ``d0 .. d0 + BLOCK_D``: ``(BLOCK_RANK, BLOCK_D)`` float64."""
+    ks, ds = tl.arange(0, BLOCK_RANK), d0 + tl.arange(0, BLOCK_D)
+    return tl.load(down_ptr + (h * RANK + ks[:, None]) * Dc + ds[None, :],
+                   mask=(ks < RANK)[:, None] & (ds < Dc)[None, :], other=0.0).to(tl.float64)
+
+
+@triton.jit
+def _gate_block(gw_ptr, chunk, d0, Hk, Dc, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Every per-head gate's weights on dims ``d0 .. d0 + BLOCK_D`` of input chunk ``chunk``: ``(BLOCK_H, BLOCK_D)``
+    float64."""
+    hs, ds = tl.arange(0, BLOCK_H), d0 + tl.arange(0, BLOCK_D)
+    return tl.load(gw_ptr + hs[:, None] * (Hk * Dc) + chunk * Dc + ds[None, :],
+                   mask=(hs < Hk)[:, None] & (ds < Dc)[None, :], other=0.0).to(tl.float64)
+
+
+@triton.jit
+def _up_tile(up_ptr, h, r0, R, RANK, BLOCK_R: tl.constexpr, BLOCK_RANK: tl.constexpr):
+    """Rows ``r0 .. r0 + BLOCK_R`` of ``up_h``: ``(BLOCK_R, BLOCK_RANK)`` float64."""
+    rs, ks = r0 + tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_RANK)
+    return tl.load(up_ptr + (h * R + rs[:, None]) * RANK + ks[None, :], mask=(rs < R)[:, None] & (ks < RANK)[None, :],
+                   other=0.0).to(tl.float64)
+
+
+@triton.jit
+def _low_projection(x_rows, down_ptr, gw_ptr, h, es, real, denom, sx_t, Hk, Dc, RANK,
+                    GATE_LOGITS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_RANK: tl.constexpr, BLOCK_H: tl.constexpr):
+    """``low = down_h u`` of key head ``h`` ``(BLOCK_E, BLOCK_RANK)`` and, with ``GATE_LOGITS``, chunk ``h``'s share
+    of every gate's logit ``(BLOCK_E, BLOCK_H)`` (zeros without), float64: the chunk walked BLOCK_D dims at a time,
+    so no ``(BLOCK_E, Dc)`` tile is held."""
+    low = tl.full([BLOCK_E, BLOCK_RANK], 0.0, tl.float64)
+    logits = tl.full([BLOCK_E, BLOCK_H], 0.0, tl.float64)
+    for d0 in range(0, Dc, BLOCK_D):
+        u = _unit_block(x_rows, es, real, h, d0, denom, sx_t, Dc, BLOCK_D)
+        low += _dot(u, tl.trans(_down_block(down_ptr, h, d0, Dc, RANK, BLOCK_RANK, BLOCK_D)))
+        if GATE_LOGITS:
+            logits += _dot(u, tl.trans(_gate_block(gw_ptr, h, d0, Hk, Dc, BLOCK_H, BLOCK_D)))
+    return low, logits
+
+
+@triton.jit
+def _up_projection(low, up_ptr, conv_ptr, state_ptr, n, h, r0, es, start, R, RANK, channels, CONV_K: tl.constexpr,
+                   HAS_STATE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Channels ``r0 .. r0 + BLOCK_R`` of ``a = up_h low`` (the cached history before the sequence start, zero at
+    padding) and of the convolution ``z`` of ``a`` (meaningful from row K - 1 on; ``a`` itself without a
+    convolution): ``(BLOCK_E, BLOCK_R)`` float64."""
+    rs = r0 + tl.arange(0, BLOCK_R)
+    mask_r = rs < R
+    a = _dot(low, tl.trans(_up_tile(up_ptr, h, r0, R, RANK, BLOCK_R, BLOCK_RANK)))  # zero where not real (low is)
     z = a
     if CONV_K > 0:
         if HAS_STATE:  # before the sequence start: the cached history, slot K-1 - (bos - token)
-            slot = ts - bos + (CONV_K - 1)
-            before = (ts < bos) & (slot >= 0)
+            slot = es - start + (CONV_K - 1)
+            before = (es < start) & (slot >= 0)
             a += tl.load(state_ptr + (n * (CONV_K - 1) + slot[:, None]) * channels + h * R + rs[None, :],
                          mask=before[:, None] & mask_r[None, :], other=0.0).to(tl.float64)
         z = tl.full([BLOCK_E, BLOCK_R], 0.0, tl.float64)
         for j in tl.static_range(CONV_K):  # taps oldest first: tap j reads K-1-j tokens back
             tap = tl.load(conv_ptr + (h * R + rs) * CONV_K + j, mask=mask_r, other=0.0).to(tl.float64)
             z += _shift(a, CONV_K - 1 - j, BLOCK_E) * tap[None, :]
-    return u, denom, unclamped, down, up, low, a, z
+    return a, z
 
 
 @triton.jit
-def _gate_weights_on(gw_ptr, chunk, Hk, Dc, BLOCK_H: tl.constexpr, BLOCK_DC: tl.constexpr):
-    """Every per-head gate's weights on input chunk ``chunk``: ``(BLOCK_H, BLOCK_DC)`` float64."""
-    hs, ds = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_DC)
-    return tl.load(gw_ptr + hs[:, None] * (Hk * Dc) + chunk * Dc + ds[None, :],
-                   mask=(hs < Hk)[:, None] & (ds < Dc)[None, :], other=0.0).to(tl.float64)
+def _chunk_gradient_block(d_low, d_logit, down_ptr, gw_ptr, h, d0, Hk, Dc, RANK, HAS_GATE: tl.constexpr,
+                          BLOCK_D: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_H: tl.constexpr):
+    """``du`` on dims ``d0 .. d0 + BLOCK_D`` of chunk ``h``: from the projection (``d_low``) and every gate
+    (``d_logit``), ``(BLOCK_E, BLOCK_D)`` float64."""
+    du = _dot(d_low, _down_block(down_ptr, h, d0, Dc, RANK, BLOCK_RANK, BLOCK_D))
+    if HAS_GATE:
+        du += _dot(d_logit, _gate_block(gw_ptr, h, d0, Hk, Dc, BLOCK_H, BLOCK_D))
+    return du
 
 
 @triton.jit
@@ -390,13 +446,14 @@ def _phase_increment_bwd_kernel(
     sx_b, sx_t,
     CONV_K: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GATE: tl.constexpr,
     HAS_LENGTHS: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_STATE: tl.constexpr, HALO: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_COPY: tl.constexpr,
 ):
     # A program owns TILE tokens of one sequence and recomputes the forward over them and HALO = K-1 tokens either
     # side: the convolution's window before (z of its first tokens) and after (dz of the tokens whose windows reach
     # back into the tile). With a gate, every head (each gate reads every chunk, so dx of a chunk needs every head's
-    # gate gradient); without one, a single head.
+    # gate gradient); without one, a single head. Each chunk is walked BLOCK_D dims at a time (a whole
+    # (BLOCK_E, Dc) float64 tile per chunk would spill), recomputing its inputs at each walk rather than holding them.
     TILE: tl.constexpr = BLOCK_E - 2 * HALO
     pid_nh, pid_t = tl.program_id(0), tl.program_id(1)
     if HAS_GATE:
@@ -416,12 +473,20 @@ def _phase_increment_bwd_kernel(
     if HAS_LENGTHS:  # right-padded rows: tokens from the row's length on are padding
         valid_end = bos + tl.load(lengths_ptr + b).to(tl.int64)
     real = (ts >= bos) & (ts < valid_end)  # the increments there depend on the inputs
-    owned = (es >= HALO) & (es < HALO + TILE) & (ts < end)  # the tokens whose gradients this program writes
+    owned_end = tl.minimum(end - (t0 - HALO), HALO + TILE)  # (rows es from HALO to this own the gradients)
+    owned = (es >= HALO) & (es < owned_end)  # the tokens whose gradients this program writes
     counted = owned & real
-    rs, ks, ds, hs = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_RANK), tl.arange(0, BLOCK_DC), tl.arange(0, BLOCK_H)
-    mask_r, mask_k, mask_d, mask_h = rs < R, ks < RANK, ds < Dc, hs < Hk
+    ks, ds, hs = tl.arange(0, BLOCK_RANK), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_H)
+    mask_k, mask_h = ks < RANK, hs < Hk
     channels = Hk * R
     hidden = Hk * Dc
+    # Tokens as rows es of the block from its first token (int32 offsets from scalar pointers: int64 token indices
+    # in every tile's addresses cost registers)
+    t_base = t0 - HALO
+    start = (bos - t_base).to(tl.int32)  # the sequence's first token's row (<= 0 past the first tile)
+    x_rows = x_ptr + b * sx_b + t_base * sx_t
+    grad_rows = grad_ptr + (b * T + t_base) * Hk * R
+    dx_rows = dx_ptr + (b * T + t_base) * hidden
     # float64 accumulators of the weight gradients, one after another (the launcher sizes it alike), then a count
     o_up = Hk * RANK * Dc
     o_conv = o_up + Hk * R * RANK
@@ -431,72 +496,102 @@ def _phase_increment_bwd_kernel(
     o_count = o_gb + (Hk if HAS_GATE else 0)
 
     if t0 < end:
-        grad_rows = (b * T + ts) * Hk
-        grad_mask = real[:, None] & mask_r[None, :]
+        gate = tl.full([BLOCK_E, BLOCK_H], 0.0, tl.float64)
+        d_logit = tl.full([BLOCK_E, BLOCK_H], 0.0, tl.float64)  # (stays zero without a gate)
         if HAS_GATE:
             # Pass 1: every head's gate logit and Σ_r dc·y, for d logit = σ'(logit) Σ_r dc·y (y: c before the gate)
             logits = tl.full([BLOCK_E, BLOCK_H], 0.0, tl.float64)
             dot_grad = tl.full([BLOCK_E, BLOCK_H], 0.0, tl.float64)
             for h in range(0, Hk):
-                u, denom, unclamped, down, up, low, a, z = _recompute_head(
-                    x_ptr, down_ptr, up_ptr, conv_ptr, state_ptr, b, n, h, ts, real, bos, sx_b, sx_t, Dc, RANK, R,
-                    channels, CONV_K, HAS_STATE, BLOCK_E, BLOCK_DC, BLOCK_RANK, BLOCK_R)
-                logits += _dot(u, tl.trans(_gate_weights_on(gw_ptr, h, Hk, Dc, BLOCK_H, BLOCK_DC)))
-                y = z
-                if SILU:
-                    y = z * _sigmoid(z)
-                if HAS_BIAS:
-                    y += tl.exp(tl.load(bias_ptr + h * R + rs, mask=mask_r, other=0.0).to(tl.float64))[None, :]
-                g = tl.load(grad_ptr + (grad_rows[:, None] + h) * R + rs[None, :], mask=grad_mask, other=0.0)
-                dot_grad = tl.where(hs[None, :] == h, _sum1(g.to(tl.float64) * y)[:, None], dot_grad)
+                denom, unclamped = _chunk_norms(x_rows, es, real, h, sx_t, Dc, BLOCK_E, BLOCK_D)
+                low, logit_share = _low_projection(x_rows, down_ptr, gw_ptr, h, es, real, denom, sx_t, Hk, Dc, RANK,
+                                                   True, BLOCK_E, BLOCK_D, BLOCK_RANK, BLOCK_H)
+                logits += logit_share
+                head_dot = tl.full([BLOCK_E], 0.0, tl.float64)
+                for r0 in range(0, R, BLOCK_R):  # the channels BLOCK_R at a time
+                    rs = r0 + tl.arange(0, BLOCK_R)
+                    mask_r = rs < R
+                    a, y = _up_projection(low, up_ptr, conv_ptr, state_ptr, n, h, r0, es, start, R, RANK, channels,
+                                          CONV_K, HAS_STATE, BLOCK_E, BLOCK_RANK, BLOCK_R)
+                    if SILU:
+                        y = y * _sigmoid(y)
+                    if HAS_BIAS:
+                        y += tl.exp(tl.load(bias_ptr + h * R + rs, mask=mask_r, other=0.0).to(tl.float64))[None, :]
+                    g = tl.load(grad_rows + (es[:, None] * Hk + h) * R + rs[None, :],
+                                mask=real[:, None] & mask_r[None, :], other=0.0)
+                    head_dot += _sum1(g.to(tl.float64) * y)
+                dot_grad = tl.where(hs[None, :] == h, head_dot[:, None], dot_grad)
             gate = _sigmoid(logits + tl.load(gb_ptr + hs, mask=mask_h, other=0.0).to(tl.float64)[None, :])
             d_logit = tl.where(counted[:, None] & mask_h[None, :], gate * (1.0 - gate) * dot_grad, 0.0)
             tl.atomic_add(ws_ptr + o_gb + hs, _sum0(d_logit), mask=mask_h, sem="relaxed")
 
         # Pass 2, head by head: the chain back from dc to every input
         for h in range(h_lo, h_hi):
-            u, denom, unclamped, down, up, low, a, z = _recompute_head(
-                x_ptr, down_ptr, up_ptr, conv_ptr, state_ptr, b, n, h, ts, real, bos, sx_b, sx_t, Dc, RANK, R,
-                channels, CONV_K, HAS_STATE, BLOCK_E, BLOCK_DC, BLOCK_RANK, BLOCK_R)
-            dy = tl.load(grad_ptr + (grad_rows[:, None] + h) * R + rs[None, :], mask=grad_mask, other=0.0)
-            dy = dy.to(tl.float64)  # (BLOCK_E, BLOCK_R), zero where not real
+            denom, unclamped = _chunk_norms(x_rows, es, real, h, sx_t, Dc, BLOCK_E, BLOCK_D)
+            low, _ = _low_projection(x_rows, down_ptr, gw_ptr, h, es, real, denom, sx_t, Hk, Dc, RANK, False,
+                                     BLOCK_E, BLOCK_D, BLOCK_RANK, BLOCK_H)
             if HAS_GATE:
-                dy *= _column(gate, hs, h)[:, None]
-            if HAS_BIAS:
-                exp_b = tl.exp(tl.load(bias_ptr + h * R + rs, mask=mask_r, other=0.0).to(tl.float64))
-                tl.atomic_add(ws_ptr + o_bias + h * R + rs, _sum0(tl.where(owned[:, None], dy, 0.0)) * exp_b,
-                              mask=mask_r, sem="relaxed")
-            if CONV_K > 0:
-                dz = dy
-                if SILU:
-                    sig = _sigmoid(z)
-                    dz = dy * sig * (1.0 + z * (1.0 - sig))
-                dz_owned = tl.where(owned[:, None], dz, 0.0)
-                da = tl.full([BLOCK_E, BLOCK_R], 0.0, tl.float64)
-                for j in tl.static_range(CONV_K):  # tap j: z_t += w_j a_{t-(K-1-j)}, so da_s += w_j dz_{s+K-1-j}
-                    tap_ptrs = ws_ptr + o_conv + (h * R + rs) * CONV_K + j
-                    tl.atomic_add(tap_ptrs, _sum0(dz_owned * _shift(a, CONV_K - 1 - j, BLOCK_E)), mask=mask_r,
+                gate_h = _column(gate, hs, h)
+            d_low = tl.full([BLOCK_E, BLOCK_RANK], 0.0, tl.float64)
+            for r0 in range(0, R, BLOCK_R):  # the channels BLOCK_R at a time, back to d low
+                rs = r0 + tl.arange(0, BLOCK_R)
+                mask_r = rs < R
+                a, z = _up_projection(low, up_ptr, conv_ptr, state_ptr, n, h, r0, es, start, R, RANK, channels, CONV_K,
+                                      HAS_STATE, BLOCK_E, BLOCK_RANK, BLOCK_R)
+                dy = tl.load(grad_rows + (es[:, None] * Hk + h) * R + rs[None, :],
+                             mask=real[:, None] & mask_r[None, :], other=0.0)
+                dy = dy.to(tl.float64)  # (BLOCK_E, BLOCK_R), zero where not real
+                if HAS_GATE:
+                    dy *= gate_h[:, None]
+                if HAS_BIAS:
+                    exp_b = tl.exp(tl.load(bias_ptr + h * R + rs, mask=mask_r, other=0.0).to(tl.float64))
+                    tl.atomic_add(ws_ptr + o_bias + h * R + rs, _sum0(tl.where(owned[:, None], dy, 0.0)) * exp_b,
+                                  mask=mask_r, sem="relaxed")
+                if CONV_K > 0:
+                    dz = dy
+                    if SILU:
+                        sig = _sigmoid(z)
+                        dz = dy * sig * (1.0 + z * (1.0 - sig))
+                    da = tl.full([BLOCK_E, BLOCK_R], 0.0, tl.float64)
+                    for j in tl.static_range(CONV_K):  # tap j: z_t += w_j a_{t-(K-1-j)}, so da_s += w_j dz_{s+K-1-j}
+                        # and d w_j = Σ_t owned dz_t a_{t-(K-1-j)} = Σ_s a_s dz_{s+K-1-j} where s+K-1-j is owned: one
+                        # shift of dz for both, and no shifted copies of a kept from the convolution (registers)
+                        later = es + (CONV_K - 1 - j)
+                        dz_later = _shift(dz, j + 1 - CONV_K, BLOCK_E)
+                        d_tap = _sum0(tl.where(((later >= HALO) & (later < owned_end))[:, None], a * dz_later, 0.0))
+                        tl.atomic_add(ws_ptr + o_conv + (h * R + rs) * CONV_K + j, d_tap, mask=mask_r, sem="relaxed")
+                        tap = tl.load(conv_ptr + (h * R + rs) * CONV_K + j, mask=mask_r, other=0.0).to(tl.float64)
+                        da += dz_later * tap[None, :]
+                else:
+                    da = dy
+                da = tl.where(counted[:, None], da, 0.0)  # (the history before the start and padding are constants)
+                tl.atomic_add(ws_ptr + o_up + (h * R + rs[:, None]) * RANK + ks[None, :], _dot(tl.trans(da), low),
+                              mask=mask_r[:, None] & mask_k[None, :], sem="relaxed")
+                d_low += _dot(da, _up_tile(up_ptr, h, r0, R, RANK, BLOCK_R, BLOCK_RANK))  # (BLOCK_E, BLOCK_RANK)
+            # The chunk norm's backward, as L2NormalizeChunks': dx = (du - u (u·du)) / ‖x‖, no u·du where clamped.
+            # A first walk over the chunk sums u·du...
+            along = tl.full([BLOCK_E], 0.0, tl.float64)
+            for d0 in range(0, Dc, BLOCK_D):
+                u = _unit_block(x_rows, es, real, h, d0, denom, sx_t, Dc, BLOCK_D)
+                du = _chunk_gradient_block(d_low, d_logit, down_ptr, gw_ptr, h, d0, Hk, Dc, RANK, HAS_GATE, BLOCK_D,
+                                           BLOCK_RANK, BLOCK_H)
+                along += _sum1(u * du)
+            along = tl.where(unclamped, along, 0.0)
+            # ... and a second, recomputing u and du (two small products) rather than keeping them, writes dx and adds
+            # the projection's and the gates' weight gradients (here rather than in the first: fewer spills)
+            for d0 in range(0, Dc, BLOCK_D):
+                u = _unit_block(x_rows, es, real, h, d0, denom, sx_t, Dc, BLOCK_D)
+                du = _chunk_gradient_block(d_low, d_logit, down_ptr, gw_ptr, h, d0, Hk, Dc, RANK, HAS_GATE, BLOCK_D,
+                                           BLOCK_RANK, BLOCK_H)
+                dx = (du - u * along[:, None]) / denom[:, None]
+                tl.store(dx_rows + es[:, None] * hidden + h * Dc + d0 + ds[None, :],
+                         _rounded(dx, dx_ptr.dtype.element_ty), mask=owned[:, None] & (d0 + ds < Dc)[None, :])
+                tl.atomic_add(ws_ptr + (h * RANK + ks[:, None]) * Dc + d0 + ds[None, :], _dot(tl.trans(d_low), u),
+                              mask=mask_k[:, None] & (d0 + ds < Dc)[None, :], sem="relaxed")
+                if HAS_GATE:  # every gate's weights on chunk h
+                    tl.atomic_add(ws_ptr + o_gw + hs[:, None] * hidden + h * Dc + d0 + ds[None, :],
+                                  _dot(tl.trans(d_logit), u), mask=mask_h[:, None] & (d0 + ds < Dc)[None, :],
                                   sem="relaxed")
-                    tap = tl.load(conv_ptr + (h * R + rs) * CONV_K + j, mask=mask_r, other=0.0).to(tl.float64)
-                    da += _shift(dz, j + 1 - CONV_K, BLOCK_E) * tap[None, :]
-            else:
-                da = dy
-            da = tl.where(counted[:, None], da, 0.0)  # (the history before the start and padding are constants)
-            tl.atomic_add(ws_ptr + o_up + (h * R + rs[:, None]) * RANK + ks[None, :], _dot(tl.trans(da), low),
-                          mask=mask_r[:, None] & mask_k[None, :], sem="relaxed")
-            d_low = _dot(da, up)  # (BLOCK_E, BLOCK_RANK)
-            tl.atomic_add(ws_ptr + (h * RANK + ks[:, None]) * Dc + ds[None, :], _dot(tl.trans(d_low), u),
-                          mask=mask_k[:, None] & mask_d[None, :], sem="relaxed")
-            du = _dot(d_low, down)  # (BLOCK_E, BLOCK_DC)
-            if HAS_GATE:  # every gate's share in chunk h
-                du += _dot(d_logit, _gate_weights_on(gw_ptr, h, Hk, Dc, BLOCK_H, BLOCK_DC))
-                tl.atomic_add(ws_ptr + o_gw + hs[:, None] * hidden + h * Dc + ds[None, :], _dot(tl.trans(d_logit), u),
-                              mask=mask_h[:, None] & mask_d[None, :], sem="relaxed")
-            # the chunk norm's backward, as L2NormalizeChunks': (du - u (u·du)) / ‖x‖, no u·du where clamped
-            along = tl.where(unclamped, _sum1(u * du), 0.0)
-            dx = (du - u * along[:, None]) / denom[:, None]
-            tl.store(dx_ptr + (b * T + ts[:, None]) * hidden + h * Dc + ds[None, :],
-                     _rounded(dx, dx_ptr.dtype.element_ty), mask=owned[:, None] & mask_d[None, :])
 
     # The last program to finish rounds the weight gradients once into their own dtypes (no launch or op after this
     # one). Each program's atomics come before its count (the barrier, then an acq_rel atomic).
@@ -605,8 +700,9 @@ def phase_increment_backward_triton(
         seq_len, num_key_heads, rotary_pairs, chunk_dim, rank, x.stride(0), x.stride(1),
         CONV_K=conv_k, SILU=conv_k > 0 and conv_activation == "silu", HAS_BIAS=has_bias, HAS_GATE=has_gate,
         HAS_LENGTHS=lengths is not None, IS_VARLEN=cu_seqlens is not None, HAS_STATE=conv_state is not None,
-        HALO=halo, BLOCK_E=block_e, BLOCK_DC=max(_next_power_of_2(chunk_dim), 16),
-        BLOCK_RANK=max(_next_power_of_2(rank), 16), BLOCK_R=max(_next_power_of_2(rotary_pairs), 16),
-        BLOCK_H=max(_next_power_of_2(num_key_heads), 16), BLOCK_COPY=_COPY_BLOCK, num_warps=8,
+        HALO=halo, BLOCK_E=block_e, BLOCK_D=min(max(_next_power_of_2(chunk_dim), 16), _BACKWARD_BLOCK_D),
+        BLOCK_RANK=max(_next_power_of_2(rank), 16),
+        BLOCK_R=min(max(_next_power_of_2(rotary_pairs), 16), _BACKWARD_BLOCK_R),
+        BLOCK_H=max(_next_power_of_2(num_key_heads), 16), BLOCK_COPY=_COPY_BLOCK, num_warps=8, num_stages=2,
     )
     return dx, *grads

@@ -287,6 +287,28 @@ def test_the_backward_agrees_with_finite_differences():
     assert torch.autograd.gradcheck(KernelBackward.apply, inputs, fast_mode=True, nondet_tol=1e-12)
 
 
+def test_the_backward_walks_wide_chunks_and_many_channels_in_blocks(monkeypatch):
+    """The backward walks each input chunk ``_BACKWARD_BLOCK_D`` dims and each head's channels ``_BACKWARD_BLOCK_R``
+    at a time (a whole (32, Dc) float64 tile per chunk spills on a GPU). With both at 16, Dc = 40 and R = 20, the walks
+    take three and two steps, the last ones partly past the chunk: every gradient equals autograd's through
+    ``unrounded_increment`` (float64, within rounding of sums in another order). A norm or u·du summed over one step,
+    a step skipped or a masked tail read fails it."""
+    monkeypatch.setattr(phase_triton, "_BACKWARD_BLOCK_D", 16)
+    monkeypatch.setattr(phase_triton, "_BACKWARD_BLOCK_R", 16)
+    heads, rank, chunk, pairs, taps = 2, 3, 40, 20, 3
+    lengths = torch.tensor([30, 17], device=DEVICE)  # 30 tokens: two tiles of the backward
+    shapes = [(2, 30, heads * chunk), (heads, rank, chunk), (heads, pairs, rank), (heads * pairs, taps), (heads, pairs),
+              (heads, heads * chunk), (heads,)]
+    inputs = [torch.randn(shape, dtype=torch.float64, device=DEVICE, requires_grad=True) for shape in shapes]
+    grad = torch.randn(2, 30, heads, pairs, dtype=torch.float64, device=DEVICE)
+    expected = torch.autograd.grad(unrounded_increment(*inputs, lengths), inputs, grad)
+    x, down, up, conv_weight, bias, gate_weight, gate_bias = (t.detach() for t in inputs)
+    actual = phase_increment_backward_triton(grad, x, down, up, conv_weight, "silu", bias, gate_weight, gate_bias,
+                                             lengths)
+    for name, got, want in zip(GRADIENTS, actual, expected):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-13, msg=f"{name} differs")
+
+
 def test_the_backward_refuses_bad_arguments_by_name():
     module = make_rotary(dtype=torch.float32, device=DEVICE)
     x = torch.randn(2, 4, HIDDEN, device=DEVICE)
