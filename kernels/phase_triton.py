@@ -72,25 +72,21 @@ def _normalized_chunk(x_ptr, b, ts, mask_t, chunk, sx_b, sx_t, Dc, BLOCK_DC: tl.
 
 @triton.jit
 def _projection(x_ptr, down_ptr, up_ptr, b, hk, ts, mask_t, sx_b, sx_t, Dc, RANK, R,
-                BLOCK_T: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_R: tl.constexpr):
-    """``a = up_h (down_h u)`` of tokens ``ts``: ``(BLOCK_T, BLOCK_R)`` float64, zero where ``mask_t`` is False."""
+                BLOCK_T: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RANK: tl.constexpr):
+    """``a = up_h (down_h u)`` of tokens ``ts``: ``(BLOCK_T, BLOCK_R)`` float64, zero where ``mask_t`` is False. Two
+    float64 ``tl.dot`` products (every block >= 16), as the backward computes them: a loop over the rank cost the
+    interpreter (the CPU tests' Triton) ~10x the model's whole training step."""
     u = _normalized_chunk(x_ptr, b, ts, mask_t, hk, sx_b, sx_t, Dc, BLOCK_DC)
-    ds = tl.arange(0, BLOCK_DC)
-    rs = tl.arange(0, BLOCK_R)
-    a = tl.full([BLOCK_T, BLOCK_R], 0.0, tl.float64)
-    for k in range(RANK):  # one rank at a time: a (BLOCK_T, BLOCK_DC) tile, never a 3-D product
-        down = tl.load(down_ptr + (hk * RANK + k) * Dc + ds, mask=ds < Dc, other=0.0).to(tl.float64)
-        low = _sum1(u * down[None, :])
-        up = tl.load(up_ptr + (hk * R + rs) * RANK + k, mask=rs < R, other=0.0).to(tl.float64)
-        a += low[:, None] * up[None, :]
-    return a
+    u = tl.gather(u, tl.broadcast_to(tl.arange(0, BLOCK_T)[:, None], u.shape), 0)  # (see _unit_block: Triton 3.6)
+    low = _dot(u, tl.trans(_down_block(down_ptr, hk, 0, Dc, RANK, BLOCK_RANK, BLOCK_DC)))  # (BLOCK_T, BLOCK_RANK)
+    return _dot(low, tl.trans(_up_tile(up_ptr, hk, 0, R, RANK, BLOCK_R, BLOCK_RANK)))
 
 
 @triton.jit
 def _increment_tile(x_ptr, down_ptr, up_ptr, conv_ptr, bias_ptr, gw_ptr, gb_ptr, state_ptr, b, n, hk, bos, ts,
                     mask_t, Hk, R, Dc, RANK, sx_b, sx_t, CONV_K: tl.constexpr, SILU: tl.constexpr,
                     HAS_BIAS: tl.constexpr, HAS_GATE: tl.constexpr, HAS_STATE: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_R: tl.constexpr):
+                    BLOCK_T: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RANK: tl.constexpr):
     """The increments of tokens ``ts`` (key head ``hk`` of sequence ``n``, batch row ``b``, first token ``bos``):
     ``(BLOCK_T, BLOCK_R)`` float64, not yet rounded, zero where ``mask_t`` is False (padding, or past the tile)."""
     rs = tl.arange(0, BLOCK_R)
@@ -101,7 +97,7 @@ def _increment_tile(x_ptr, down_ptr, up_ptr, conv_ptr, bias_ptr, gw_ptr, gb_ptr,
         for j in tl.static_range(CONV_K):
             shifted = ts - (CONV_K - 1 - j)
             a = _projection(x_ptr, down_ptr, up_ptr, b, hk, shifted, (shifted >= bos) & mask_t, sx_b, sx_t, Dc,
-                            RANK, R, BLOCK_T, BLOCK_DC, BLOCK_R)
+                            RANK, R, BLOCK_T, BLOCK_DC, BLOCK_R, BLOCK_RANK)
             if HAS_STATE:  # before the sequence start: the cached history, slot K-1 - (bos - token)
                 slot = shifted - bos + (CONV_K - 1)
                 mask = (mask_t & (shifted < bos) & (slot >= 0))[:, None] & mask_r[None, :]
@@ -113,7 +109,7 @@ def _increment_tile(x_ptr, down_ptr, up_ptr, conv_ptr, bias_ptr, gw_ptr, gb_ptr,
             c = c * _sigmoid(c)
     else:
         c = _projection(x_ptr, down_ptr, up_ptr, b, hk, ts, mask_t, sx_b, sx_t, Dc, RANK, R, BLOCK_T, BLOCK_DC,
-                        BLOCK_R)
+                        BLOCK_R, BLOCK_RANK)
     if HAS_BIAS:
         c += tl.exp(tl.load(bias_ptr + hk * R + rs, mask=mask_r, other=0.0).to(tl.float64))[None, :]
     if HAS_GATE:  # the per-head gate reads every chunk, each normalised by its own norm
@@ -136,7 +132,8 @@ def _phase_increment_kernel(
     CONV_K: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GATE: tl.constexpr,
     HAS_LENGTHS: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_STATE: tl.constexpr, WRITE_STATE: tl.constexpr,
     WRITE_TOTALS: tl.constexpr, HAS_INIT: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RANK: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     """One program per (sequence x key head, time chunk of ``CHUNK`` tokens), walking its chunk in tiles of
     ``BLOCK_T``. ``WRITE_TOTALS``: also pass 1 of the rotary scan (``rotary_triton._chunk_totals_kernel``'s output):
@@ -160,7 +157,7 @@ def _phase_increment_kernel(
         ts = t0 + tl.arange(0, BLOCK_T)
         c = _increment_tile(x_ptr, down_ptr, up_ptr, conv_ptr, bias_ptr, gw_ptr, gb_ptr, state_ptr, b, n, hk, bos,
                             ts, ts < real_end, Hk, R, Dc, RANK, sx_b, sx_t, CONV_K, SILU, HAS_BIAS, HAS_GATE,
-                            HAS_STATE, BLOCK_T, BLOCK_DC, BLOCK_R).to(tl.float32)  # rounded once
+                            HAS_STATE, BLOCK_T, BLOCK_DC, BLOCK_R, BLOCK_RANK).to(tl.float32)  # rounded once
         # (B, T, Hk, R) float32, contiguous
         offsets = ((b * T + ts[:, None]) * Hk + hk) * R + rs[None, :]
         tl.store(out_ptr + offsets, c, mask=(ts < chunk_end)[:, None] & mask_r[None, :])
@@ -182,7 +179,7 @@ def _phase_increment_kernel(
             in_slots = slots < CONV_K - 1
             # (names of their own: Triton keeps a variable's shape across branches, and these are (BLOCK_S, ...))
             last = _projection(x_ptr, down_ptr, up_ptr, b, hk, tokens, (tokens >= bos) & in_slots, sx_b, sx_t, Dc,
-                               RANK, R, BLOCK_S, BLOCK_DC, BLOCK_R)
+                               RANK, R, BLOCK_S, BLOCK_DC, BLOCK_R, BLOCK_RANK)
             if HAS_STATE:
                 old_slot = tokens - bos + (CONV_K - 1)
                 old_mask = (in_slots & (tokens < bos) & (old_slot >= 0))[:, None] & mask_r[None, :]
@@ -276,8 +273,10 @@ def _launch(x, down, up, conv_weight, silu: bool, bias, gate_weight, gate_bias, 
         HAS_BIAS=bias is not None, HAS_GATE=gate_weight is not None, HAS_LENGTHS=lengths is not None,
         IS_VARLEN=cu_seqlens is not None, HAS_STATE=conv_state is not None, WRITE_STATE=conv_k > 1,
         WRITE_TOTALS=totals is not None, HAS_INIT=initial_phase is not None,
-        BLOCK_T=_BLOCK_T, BLOCK_DC=_next_power_of_2(chunk_dim), BLOCK_R=_next_power_of_2(rotary_pairs),
-        BLOCK_S=_next_power_of_2(max(conv_k - 1, 1)), num_warps=4,
+        # (every block >= 16: tl.dot's minimum; the history's K - 1 slots too)
+        BLOCK_T=_BLOCK_T, BLOCK_DC=max(_next_power_of_2(chunk_dim), 16),
+        BLOCK_R=max(_next_power_of_2(rotary_pairs), 16), BLOCK_RANK=max(_next_power_of_2(rank), 16),
+        BLOCK_S=max(_next_power_of_2(conv_k - 1), 16), num_warps=8,
     )
 
 
