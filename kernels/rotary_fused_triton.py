@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from . import phase_triton, rotary_triton
-from .rotary_triton import _as, _check_shapes, _num_seqs, _plain_eager_call, _plan
+from .phase_triton import _check_phase_inputs, _dense, _launch, phase_increment_backward_triton
+from .rotary_triton import _as, _backward_walks, _check_shapes, _forward_walk, _num_seqs, _plain_eager_call, _plan
 
 __all__ = ["selective_rotary_from_input_triton"]
 
@@ -66,9 +66,9 @@ def _forward_impl(
     new_conv = q.new_empty(num_seqs, max(conv_k - 1, 0), num_key_heads * rotary_pairs, dtype=torch.float64)
     increment = q.new_empty(batch, seq_len, num_key_heads, rotary_pairs, dtype=torch.float32)
     totals = q.new_empty(rows, chunks + 1, rotary_pairs, dtype=torch.float64)  # slot 0: the initial phase
-    phase_triton._launch(x, down, up, conv_weight, silu, bias, gate_weight, gate_bias, lengths, cu_seqlens, conv_state,
-                         increment, new_conv if conv_k > 1 else None, plan.chunk, chunks, totals, initial_phase)
-    rotary_triton._forward_walk(plan, totals, q, k, increment, temperature, cu_seqlens, out_q, out_k, final)
+    _launch(x, down, up, conv_weight, silu, bias, gate_weight, gate_bias, lengths, cu_seqlens, conv_state,
+            increment, new_conv if conv_k > 1 else None, plan.chunk, chunks, totals, initial_phase)
+    _forward_walk(plan, totals, q, k, increment, temperature, cu_seqlens, out_q, out_k, final)
     return out_q, out_k, final, new_conv, increment, totals
 
 
@@ -118,10 +118,10 @@ def _backward_impl(
     make = torch.empty if cu_seqlens is None else torch.zeros
     dinc = make(increment.shape, dtype=torch.float32, device=q.device)
     dfinal = None if grad_final is None else _as(grad_final, torch.float32).view(-1, rotary_pairs)
-    dq, dk, dinc, dtemp, dinit = rotary_triton._backward_walks(plan, totals, q, k, grad_q, grad_k, dfinal, increment,
-                                                               temperature, cu_seqlens, need_temperature_grad, dinc)
-    grads = phase_triton.phase_increment_backward_triton(dinc, x, down, up, conv_weight, "silu" if silu else None,
-                                                         bias, gate_weight, gate_bias, lengths, cu_seqlens, conv_state)
+    dq, dk, dinc, dtemp, dinit = _backward_walks(plan, totals, q, k, grad_q, grad_k, dfinal, increment, temperature,
+                                                 cu_seqlens, need_temperature_grad, dinc)
+    grads = phase_increment_backward_triton(dinc, x, down, up, conv_weight, "silu" if silu else None, bias,
+                                            gate_weight, gate_bias, lengths, cu_seqlens, conv_state)
     inputs = (x, down, up, conv_weight, bias, gate_weight, gate_bias)
     phase_grads = [torch.zeros_like(given) if grad is None else grad
                    for given, grad in zip(inputs, grads) if given is not None]
@@ -226,8 +226,8 @@ def selective_rotary_from_input_triton(
         phase; or ``None`` for an empty call (no token, sequence or frequency), which the caller runs unfused.
     """
     _check_shapes(q, k, temperature, cu_seqlens)
-    num_seqs, conv_k = phase_triton._check_phase_inputs(None, x, down, up, conv_weight, conv_activation, bias,
-                                                        gate_weight, gate_bias, lengths, cu_seqlens, conv_state)
+    num_seqs, conv_k = _check_phase_inputs(None, x, down, up, conv_weight, conv_activation, bias, gate_weight,
+                                           gate_bias, lengths, cu_seqlens, conv_state)
     num_key_heads, rotary_pairs = k.shape[2], temperature.shape[-1]
     if x.shape[:2] != q.shape[:2] or down.shape[0] != num_key_heads or up.shape[1] != rotary_pairs:
         raise ValueError(f"x {tuple(x.shape)}, down {tuple(down.shape)} and up {tuple(up.shape)} disagree with "
@@ -242,11 +242,11 @@ def selective_rotary_from_input_triton(
     if q.shape[1] == 0 or num_seqs == 0 or rotary_pairs == 0:
         return None
     if cu_seqlens is not None:
-        cu_seqlens = phase_triton._dense(cu_seqlens, torch.int32)
+        cu_seqlens = _dense(cu_seqlens, torch.int32)
     if lengths is not None:
-        lengths = phase_triton._dense(lengths, torch.int64)
+        lengths = _dense(lengths, torch.int64)
     inputs = (q, k, x, down, up, conv_weight, bias, gate_weight, gate_bias, _as(temperature, torch.float32),
-              phase_triton._dense(initial_phase, torch.float64), phase_triton._dense(conv_state, torch.float64),
+              _dense(initial_phase, torch.float64), _dense(conv_state, torch.float64),
               lengths, cu_seqlens, conv_activation == "silu")
     if not _plain_eager_call(inputs):
         outputs = _forward_op(*inputs)
