@@ -144,15 +144,22 @@ def run_every_wrapper(rotary_triton) -> None:
                                         gate_bias=randn(key_heads))
         phase_increment_backward_triton(grad, x, **weights)
     # the fused op from the input (kernels/rotary_fused_triton.py): the phase kernel writing the scan's chunk totals
-    # after an initial phase, then pass 2 from them; padded rows of one chunk, a packed row of several
-    from selective_rope.kernels.rotary_fused_triton import _forward_impl
+    # after an initial phase, then pass 2 from them; padded rows of one chunk, a packed row of several; and their
+    # backward (with several chunks the rotary walk leaves the later chunks' sums to the phase backward)
+    from selective_rope.kernels.rotary_fused_triton import _backward_impl, _forward_impl
 
     gate = dict(bias=randn(heads, pairs), gate_weight=randn(heads, hidden), gate_bias=randn(heads))
-    _forward_impl(*rows[:2], randn(40, 64, hidden), phase["down"], phase["up"], phase["conv_weight"], gate["bias"],
-                  gate["gate_weight"], gate["gate_bias"], temperature, randn(40, heads, pairs, dtype=torch.float64),
-                  randn(40, 3, heads * pairs, dtype=torch.float64), torch.full((40,), 50), None, True)
-    _forward_impl(q, k, randn(1, seq_len, hidden), phase["down"], phase["up"], phase["conv_weight"], None, None, None,
-                  temperature, None, None, None, offsets, False)
+    cases = [(*rows[:2], randn(40, 64, hidden), phase["down"], phase["up"], phase["conv_weight"], gate["bias"],
+              gate["gate_weight"], gate["gate_bias"], temperature, randn(40, heads, pairs, dtype=torch.float64),
+              randn(40, 3, heads * pairs, dtype=torch.float64), torch.full((40,), 50), None, True),
+             (q, k, randn(1, seq_len, hidden), phase["down"], phase["up"], phase["conv_weight"], None, None, None,
+              temperature, None, None, None, offsets, False),
+             (q, k, randn(1, seq_len, hidden), phase["down"], phase["up"], phase["conv_weight"], gate["bias"],
+              gate["gate_weight"], gate["gate_bias"], temperature, None, None, None, offsets, True)]
+    for case in cases:
+        q_in, k_in, *_, silu = case
+        _, _, _, _, increment, totals = _forward_impl(*case)
+        _backward_impl(*case[:10], *case[11:14], increment, totals, q_in, k_in, None, silu, True)
 
 
 def jit_inputs(kernel, args: tuple, kwargs: dict, backend) -> tuple[dict, dict, dict, object]:
@@ -239,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
             "_selective_rotary_fwd_kernel", "_selective_rotary_bwd_kernel")]
     print(f"Triton kernels compiled for {ARCH} (registers per thread of 255; spills and stack in bytes)")
     for row in rows:
-        shown = {k: v for k, v in row["constexprs"].items() if k.startswith(("BLOCK", "HAS", "CONV", "IS_"))}
+        shown = {k: v for k, v in row["constexprs"].items()
+                 if k.startswith(("BLOCK", "HAS", "CONV", "IS_", "WALK", "LATER"))}
         where = "code" if row["config"] == "code" else "sweep"
         if "error" in row:
             print(f"  {where:5s} {row['kernel']:32s} warps {row['num_warps']} {shown}: FAILED {row['error']}")
