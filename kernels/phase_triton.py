@@ -31,7 +31,10 @@ weight gradients are sums over tokens: each program adds its share with float64 
 the last program to finish (a count in the same buffer) rounds them once into the weights' dtypes, so the backward is
 that one launch and its outputs' allocations. Float64 atomics add in no fixed order: the float64 sums may differ in
 their last bits from run to run on a GPU (the interpreter runs the programs in order), which the rounding to float32
-weights almost always absorbs. The cached history ``conv_state`` is a constant (no gradient).
+weights almost always absorbs. The cached history ``conv_state`` is a constant (no gradient). In the fused op from
+the input (``rotary_fused_triton``) the same launch also finishes the rotary backward's walk (``WalkSums``): it adds
+the later time chunks' sums to every incoming gradient it reads, writes d(initial phase) and sums d(temperature), so
+that op's backward is two launches whatever its chunk plan.
 
 Not yet: the other projections and gates (they keep the PyTorch phase path).
 """
@@ -447,16 +450,19 @@ def _incoming(grad_rows, sums_ptr, es, real, chunk_row, first_chunk, row, h, r0,
     ``(BLOCK_E, BLOCK_R)`` float64, zero where not ``real``. ``LATER``: ``grad`` holds each chunk walked back alone
     (``rotary_triton._backward_walks(fused=True)``), and what reaches a row's chunk from later in time is added: slots
     ``0 .. NC - 1 - chunk`` of the walk sums' row ``row`` (d final phase, then the later chunks' Σ dθ), summed in slot
-    order in float32, as the rotary backward's own second walk sums them."""
+    order in float32, as the rotary backward's own second walk sums them. (Read before the channels' projection is
+    recomputed: fewer registers live through the slots' loop.)"""
     rs = r0 + tl.arange(0, BLOCK_R)
     mask_r = rs < R
     g = tl.load(grad_rows + (es[:, None] * Hk + h) * R + rs[None, :], mask=real[:, None] & mask_r[None, :], other=0.0)
     if LATER:
         slots = sums_ptr + row * (2 * NC + 1) * R + rs
+        last_slot = NC - 1 - chunk_row  # (BLOCK_E,): the row's sum ends at this slot
+        running = tl.full([BLOCK_R], 0.0, tl.float32)
         later = tl.full([BLOCK_E, BLOCK_R], 0.0, tl.float32)
-        for slot in range(0, NC - first_chunk):  # (rows of a later chunk stop earlier)
-            value = tl.load(slots + slot * R, mask=mask_r, other=0.0)
-            later += tl.where((slot < NC - chunk_row)[:, None], value[None, :], 0.0)
+        for slot in range(0, NC - first_chunk):
+            running += tl.load(slots + slot * R, mask=mask_r, other=0.0)
+            later = tl.where((last_slot == slot)[:, None], running[None, :], later)
         g += tl.where(real[:, None], later, 0.0)
     return g.to(tl.float64)
 
@@ -477,7 +483,8 @@ def _initial_phase_gradient(sums_ptr, dinit_ptr, row, NC, R, BLOCK_R: tl.constex
 @triton.jit
 def _temperature_gradient(sums_ptr, dtemp_ptr, rows, NC, R, BLOCK_I: tl.constexpr, BLOCK_R: tl.constexpr):
     """d(temperature) ``(R,)`` float32: the sum over every walk-sum row and chunk of slots ``NC + 1 ..`` (each chunk's
-    share), ``BLOCK_I`` (row, chunk) pairs at a time, in float64, rounded once. (The last program's; ``BLOCK_R >= R``.)"""
+    share), ``BLOCK_I`` (row, chunk) pairs at a time, in float64, rounded once. (The last program's; ``BLOCK_R``
+    >= R.)"""
     rs = tl.arange(0, BLOCK_R)
     mask_r = rs < R
     total = tl.full([BLOCK_R], 0.0, tl.float64)
@@ -575,14 +582,14 @@ def _phase_increment_bwd_kernel(
                 for r0 in range(0, R, BLOCK_R):  # the channels BLOCK_R at a time
                     rs = r0 + tl.arange(0, BLOCK_R)
                     mask_r = rs < R
+                    g = _incoming(grad_rows, sums_ptr, es, real, chunk_row, first_chunk, n * Hk + h, h, r0, Hk, R,
+                                  NC, LATER, BLOCK_E, BLOCK_R)
                     a, y = _up_projection(low, up_ptr, conv_ptr, state_ptr, n, h, r0, es, start, R, RANK, channels,
                                           CONV_K, HAS_STATE, BLOCK_E, BLOCK_RANK, BLOCK_R)
                     if SILU:
                         y = y * _sigmoid(y)
                     if HAS_BIAS:
                         y += tl.exp(tl.load(bias_ptr + h * R + rs, mask=mask_r, other=0.0).to(tl.float64))[None, :]
-                    g = _incoming(grad_rows, sums_ptr, es, real, chunk_row, first_chunk, n * Hk + h, h, r0, Hk, R,
-                                  NC, LATER, BLOCK_E, BLOCK_R)
                     head_dot += _sum1(g * y)
                 dot_grad = tl.where(hs[None, :] == h, head_dot[:, None], dot_grad)
             gate = _sigmoid(logits + tl.load(gb_ptr + hs, mask=mask_h, other=0.0).to(tl.float64)[None, :])
@@ -600,10 +607,10 @@ def _phase_increment_bwd_kernel(
             for r0 in range(0, R, BLOCK_R):  # the channels BLOCK_R at a time, back to d low
                 rs = r0 + tl.arange(0, BLOCK_R)
                 mask_r = rs < R
-                a, z = _up_projection(low, up_ptr, conv_ptr, state_ptr, n, h, r0, es, start, R, RANK, channels, CONV_K,
-                                      HAS_STATE, BLOCK_E, BLOCK_RANK, BLOCK_R)
                 dy = _incoming(grad_rows, sums_ptr, es, real, chunk_row, first_chunk, n * Hk + h, h, r0, Hk, R, NC,
                                LATER, BLOCK_E, BLOCK_R)  # (BLOCK_E, BLOCK_R), zero where not real
+                a, z = _up_projection(low, up_ptr, conv_ptr, state_ptr, n, h, r0, es, start, R, RANK, channels, CONV_K,
+                                      HAS_STATE, BLOCK_E, BLOCK_RANK, BLOCK_R)
                 if HAS_GATE:
                     dy *= gate_h[:, None]
                 if HAS_BIAS:

@@ -50,14 +50,17 @@ CHUNKED = {**ONE_CHUNK, "_suffix_sum_kernel": 1,
 FUSED_FORWARD = {"_phase_increment_kernel": 1, "_selective_rotary_fwd_kernel": 1}
 # (with several chunks too: each chunk is walked back alone, and the phase backward adds the later chunks' sums)
 FUSED_BACKWARD = {"_selective_rotary_bwd_kernel": 1, "_phase_increment_bwd_kernel": 1}
-FUSED_FORWARD_OPS = 7  # q, k, final phase, new history, increments, chunk totals; the convolution taps' view
-# The walks' dq, dk, d increment, their sums (one buffer), d initial phase; d temperature (summed by the phase
-# backward); the phase backward's dx, 5 weight gradients and its zeroed float64 workspace; the taps view's backward;
+# Every aten op left is an allocation, or autograd's own (docs/gpu_performance.md, "Launch and op budget"):
+FUSED_FORWARD_OPS = 6  # the outputs q, k, final phase, new history; the increments and chunk totals (kept)
+# The outputs dq, dk, d initial phase, d temperature (summed by the phase backward), dx and 5 weight gradients; the
+# buffers d increment, the walks' sums (one for both kinds) and the phase backward's zeroed float64 workspace;
 # autograd's own detach of each leaf's new .grad (8: x, q, k and 5 weights; any backward pays them)
-FUSED_BACKWARD_OPS = {"one": 22, "several": 22}
-LAYER_OPS = {"one": 29, "several": 29}  # (before the fused op: 156 / 160; with it, before one launch less: 30 / 30)
+FUSED_BACKWARD_OPS = {"one": 21, "several": 21}
+# (before the fused op: 156 / 160; with it, before the convolution's weight was passed as it is (no (C, K) view and
+# its backward), d temperature summed in the kernel and the walks' sums put in one buffer: 30 / 30)
+LAYER_OPS = {"one": 27, "several": 27}
 OP_OPS = {"one": 18, "several": 20}  # the op alone: its outputs, casts, the gradients
-DECODE_OPS = 5  # the outputs (q, k, phase, history) and the taps as (C, K): no view of q, k or x, no phase-path op
+DECODE_OPS = 4  # the outputs (q, k, phase, history): no view of q, k, x or the taps, no phase-path op
 
 
 def chunk_plan(monkeypatch, chunks: str) -> dict:
