@@ -774,6 +774,7 @@ def _increment_backward(grad_increment, x, down, up, conv_weight, silu: bool, bi
     inputs = (down, up, conv_weight, bias, gate_weight, gate_bias)
     grads = [None if t is None else torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in inputs]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    # (never with walks: the fused op leaves empty calls to the unfused path)
     if num_seqs == 0 or grad_increment.numel() == 0 or x.numel() == 0:
         return dx.zero_(), *(None if g is None else g.zero_() for g in grads)
     # the kernel's layout of its float64 accumulators, then the count of finished programs

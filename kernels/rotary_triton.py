@@ -826,10 +826,11 @@ def _backward_walks(plan: _Plan, carries: torch.Tensor | None, q, k, grad_q, gra
                     cu_seqlens, need_temperature_grad: bool, dinc: torch.Tensor, fused: bool = False):
     """The backward's walks over every chunk (``_selective_rotary_bwd_kernel``, then with several chunks a sequence
     ``_suffix_sum_kernel``) from the carries pass 2 sums (``_chunk_carries``'s): ``(dq, dk, walk sums,
-    d_initial_phase)``, ``d_increment`` written into ``dinc``. The walk sums ``(N * Hk, 2 chunks + 1, R)`` float32: slot 0 d final phase,
-    slot ``chunks - c`` chunk c's Σ dθ (their sum over slots 0 .. chunks - 1 - c is what reaches chunk c from later
-    in time, over every slot the gradient of the initial phase), slot ``chunks + 1 + c`` chunk c's share of
-    d(temperature) (``_temperature_gradient`` sums them).
+    d_initial_phase)``, ``d_increment`` written into ``dinc``. The walk sums ``(N * Hk, 2 chunks + 1, R)`` float32:
+    slot 0 d final phase, slot ``chunks - c`` chunk c's Σ dθ (their sum over slots 0 .. chunks - 1 - c is what
+    reaches chunk c from later in time, over every slot the gradient of the initial phase), slot ``chunks + 1 + c``
+    chunk c's share of d(temperature) (summed in PyTorch by the rotary op, by ``phase_triton._temperature_gradient``
+    in the fused op).
 
     ``fused`` (the fused op from the input, whose phase backward reads ``dinc``): one launch also with several chunks;
     each chunk is walked back alone, and ``phase_triton``'s backward adds the later chunks' sums to every token it

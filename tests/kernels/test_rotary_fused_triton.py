@@ -1,5 +1,5 @@
 """The fused Selective RoPE op from the layer input (``kernels/rotary_fused_triton.py``, run on CPU by Triton's
-interpreter) against the torch path: the rotary module on ``backend="triton"``, which takes the fused op for the
+interpreter, compiled on a GPU where there is one) against the torch path: the rotary module on ``backend="triton"``, which takes the fused op for the
 default phase path, gives ``backend="torch"``'s rotated q and k, new state and every gradient (x, q, k, the projection,
 the convolution's taps, the gate, the bias, the temperature, the initial phase), with padding, GQA, a cached state,
 packed sequences, bf16 q and k, one time chunk a sequence or several (issue 46, item 1)."""
