@@ -135,24 +135,37 @@ def run_every_wrapper(rotary_triton) -> None:
     phase_increment_backward_triton(randn(1, seq_len, heads, pairs), randn(1, seq_len, hidden), **phase, **packed)
     # the backward at the 370M models' shapes (bench_models_gpu.py, the default phase path: rank 32, per-head gate,
     # 4 taps), with and without the gate: FoX (16 key heads, Dc = 64, R = 32) and GLA (4 key heads, Dc = 256, R = 64)
+    # and the fused op's backward there (kernels/rotary_fused_triton.py: several chunks a sequence at B=4, T=512, so
+    # the phase backward also adds the later chunks' sums the rotary walk leaves to it)
+    from selective_rope.kernels.rotary_fused_triton import _backward_impl, _forward_impl
+
     for key_heads, pairs_370m in ((16, 32), (4, 64)):
         chunk_370m = hidden // key_heads
         weights = dict(down=randn(key_heads, 32, chunk_370m), up=randn(key_heads, pairs_370m, 32),
                        conv_weight=randn(key_heads * pairs_370m, 4))
         grad, x = randn(4, 512, key_heads, pairs_370m), randn(4, 512, hidden, dtype=torch.bfloat16)
-        phase_increment_backward_triton(grad, x, **weights, gate_weight=randn(key_heads, hidden),
-                                        gate_bias=randn(key_heads))
+        gated = dict(gate_weight=randn(key_heads, hidden), gate_bias=randn(key_heads))
+        phase_increment_backward_triton(grad, x, **weights, **gated)
         phase_increment_backward_triton(grad, x, **weights)
-    # the fused op from the input (kernels/rotary_fused_triton.py): the phase kernel writing the scan's chunk totals
-    # after an initial phase, then pass 2 from them; padded rows of one chunk, a packed row of several
-    from selective_rope.kernels.rotary_fused_triton import _forward_impl
-
+        q_370m = randn(4, 512, key_heads, 2 * pairs_370m, dtype=torch.bfloat16)
+        fused = (q_370m, q_370m, x, weights["down"], weights["up"], weights["conv_weight"], None, gated["gate_weight"],
+                 gated["gate_bias"], randn(pairs_370m).abs(), None, None, None, None, False)
+        *_, increment_370m, totals_370m = _forward_impl(*fused)
+        _backward_impl(*fused[:10], *fused[11:14], increment_370m, totals_370m, q_370m, q_370m, None, False, True)
+    # the fused op from the input: the phase kernel writing the scan's chunk totals after an initial phase, then pass 2
+    # from them; padded rows of one chunk, a packed row of several; and their backward
     gate = dict(bias=randn(heads, pairs), gate_weight=randn(heads, hidden), gate_bias=randn(heads))
-    _forward_impl(*rows[:2], randn(40, 64, hidden), phase["down"], phase["up"], phase["conv_weight"], gate["bias"],
-                  gate["gate_weight"], gate["gate_bias"], temperature, randn(40, heads, pairs, dtype=torch.float64),
-                  randn(40, 3, heads * pairs, dtype=torch.float64), torch.full((40,), 50), None, True)
-    _forward_impl(q, k, randn(1, seq_len, hidden), phase["down"], phase["up"], phase["conv_weight"], None, None, None,
-                  temperature, None, None, None, offsets, False)
+    cases = [(*rows[:2], randn(40, 64, hidden), phase["down"], phase["up"], phase["conv_weight"], gate["bias"],
+              gate["gate_weight"], gate["gate_bias"], temperature, randn(40, heads, pairs, dtype=torch.float64),
+              randn(40, 3, heads * pairs, dtype=torch.float64), torch.full((40,), 50), None, True),
+             (q, k, randn(1, seq_len, hidden), phase["down"], phase["up"], phase["conv_weight"], None, None, None,
+              temperature, None, None, None, offsets, False),
+             (q, k, randn(1, seq_len, hidden), phase["down"], phase["up"], phase["conv_weight"], gate["bias"],
+              gate["gate_weight"], gate["gate_bias"], temperature, None, None, None, offsets, True)]
+    for case in cases:
+        q_in, k_in, *_, silu = case
+        _, _, _, _, increment, totals = _forward_impl(*case)
+        _backward_impl(*case[:10], *case[11:14], increment, totals, q_in, k_in, None, silu, True)
 
 
 def jit_inputs(kernel, args: tuple, kwargs: dict, backend) -> tuple[dict, dict, dict, object]:
@@ -239,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
             "_selective_rotary_fwd_kernel", "_selective_rotary_bwd_kernel")]
     print(f"Triton kernels compiled for {ARCH} (registers per thread of 255; spills and stack in bytes)")
     for row in rows:
-        shown = {k: v for k, v in row["constexprs"].items() if k.startswith(("BLOCK", "HAS", "CONV", "IS_"))}
+        shown = {k: v for k, v in row["constexprs"].items()
+                 if k.startswith(("BLOCK", "HAS", "CONV", "IS_", "WALK", "LATER"))}
         where = "code" if row["config"] == "code" else "sweep"
         if "error" in row:
             print(f"  {where:5s} {row['kernel']:32s} warps {row['num_warps']} {shown}: FAILED {row['error']}")

@@ -31,12 +31,17 @@ weight gradients are sums over tokens: each program adds its share with float64 
 the last program to finish (a count in the same buffer) rounds them once into the weights' dtypes, so the backward is
 that one launch and its outputs' allocations. Float64 atomics add in no fixed order: the float64 sums may differ in
 their last bits from run to run on a GPU (the interpreter runs the programs in order), which the rounding to float32
-weights almost always absorbs. The cached history ``conv_state`` is a constant (no gradient).
+weights almost always absorbs. The cached history ``conv_state`` is a constant (no gradient). In the fused op from
+the input (``rotary_fused_triton``) the same launch also finishes the rotary backward's walk (``WalkSums``): it adds
+the later time chunks' sums to every incoming gradient it reads, writes d(initial phase) and sums d(temperature), so
+that op's backward is two launches whatever its chunk plan.
 
 Not yet: the other projections and gates (they keep the PyTorch phase path).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -207,7 +212,8 @@ def phase_increment_triton(
     Args:
         x: ``(B, T, Hk * Dc)`` the phase input (any float dtype; rows and tokens may be strided).
         down: ``(Hk, rank, Dc)``; up: ``(Hk, R, rank)``: the ``"low_rank"`` projection.
-        conv_weight: ``(Hk * R, K)`` the convolution's taps (the last on the current token), or ``None``.
+        conv_weight: ``(Hk * R, K)`` the convolution's taps (the last on the current token), or ``None``; or the
+            ``(Hk * R, 1, K)`` weight of a depthwise ``nn.Conv1d`` as it is (no view to make).
         conv_activation: ``None`` or ``"silu"``.
         bias: ``(Hk, R)`` the raw bias ``b`` (``exp(b)`` is added), or ``None``.
         gate_weight: ``(Hk, Hk * Dc)``; gate_bias: ``(Hk,)``: the per-head gate, or ``None`` for no gate.
@@ -438,21 +444,80 @@ def _copy_out(src_ptr, dst_ptr, count, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _incoming(grad_rows, sums_ptr, es, real, chunk_row, first_chunk, row, h, r0, Hk, R, NC, LATER: tl.constexpr,
+              BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The incoming gradient of head ``h``'s increments on channels ``r0 .. r0 + BLOCK_R`` over the block's rows:
+    ``(BLOCK_E, BLOCK_R)`` float64, zero where not ``real``. ``LATER``: ``grad`` holds each chunk walked back alone
+    (``rotary_triton._backward_walks(fused=True)``), and what reaches a row's chunk from later in time is added: slots
+    ``0 .. NC - 1 - chunk`` of the walk sums' row ``row`` (d final phase, then the later chunks' Σ dθ), summed in slot
+    order in float32, as the rotary backward's own second walk sums them. (Read before the channels' projection is
+    recomputed: fewer registers live through the slots' loop.)"""
+    rs = r0 + tl.arange(0, BLOCK_R)
+    mask_r = rs < R
+    g = tl.load(grad_rows + (es[:, None] * Hk + h) * R + rs[None, :], mask=real[:, None] & mask_r[None, :], other=0.0)
+    if LATER:
+        slots = sums_ptr + row * (2 * NC + 1) * R + rs
+        last_slot = NC - 1 - chunk_row  # (BLOCK_E,): the row's sum ends at this slot
+        running = tl.full([BLOCK_R], 0.0, tl.float32)
+        later = tl.full([BLOCK_E, BLOCK_R], 0.0, tl.float32)
+        for slot in range(0, NC - first_chunk):
+            running += tl.load(slots + slot * R, mask=mask_r, other=0.0)
+            later = tl.where((last_slot == slot)[:, None], running[None, :], later)
+        g += tl.where(real[:, None], later, 0.0)
+    return g.to(tl.float64)
+
+
+@triton.jit
+def _initial_phase_gradient(sums_ptr, dinit_ptr, row, NC, R, BLOCK_R: tl.constexpr):
+    """d(initial phase) of walk-sum row ``row`` (a sequence's key head): the sum of slots ``0 .. NC`` (d final phase
+    and every chunk's Σ dθ) in slot order, in float32 as the rotary backward sums it, written as float64."""
+    for r0 in range(0, R, BLOCK_R):
+        rs = r0 + tl.arange(0, BLOCK_R)
+        mask_r = rs < R
+        total = tl.full([BLOCK_R], 0.0, tl.float32)
+        for slot in range(0, NC + 1):
+            total += tl.load(sums_ptr + (row * (2 * NC + 1) + slot) * R + rs, mask=mask_r, other=0.0)
+        tl.store(dinit_ptr + row * R + rs, total.to(tl.float64), mask=mask_r)
+
+
+@triton.jit
+def _temperature_gradient(sums_ptr, dtemp_ptr, rows, NC, R, BLOCK_I: tl.constexpr, BLOCK_R: tl.constexpr):
+    """d(temperature) ``(R,)`` float32: the sum over every walk-sum row and chunk of slots ``NC + 1 ..`` (each chunk's
+    share), ``BLOCK_I`` (row, chunk) pairs at a time, in float64, rounded once. (The last program's; ``BLOCK_R``
+    >= R.)"""
+    rs = tl.arange(0, BLOCK_R)
+    mask_r = rs < R
+    total = tl.full([BLOCK_R], 0.0, tl.float64)
+    for i0 in range(0, rows * NC, BLOCK_I):
+        i = i0 + tl.arange(0, BLOCK_I)  # (row, chunk) = (i // NC, i % NC)
+        slot = (i // NC) * (2 * NC + 1) + NC + 1 + i % NC
+        share = tl.load(sums_ptr + slot[:, None] * R + rs[None, :], mask=(i < rows * NC)[:, None] & mask_r[None, :],
+                        other=0.0)
+        total += _sum0(share.to(tl.float64))
+    tl.store(dtemp_ptr + rs, total.to(tl.float32), mask=mask_r)
+
+
+@triton.jit
 def _phase_increment_bwd_kernel(
     grad_ptr, x_ptr, down_ptr, up_ptr, conv_ptr, bias_ptr, gw_ptr, gb_ptr, lengths_ptr, cu_ptr, state_ptr,
-    dx_ptr, ddown_ptr, dup_ptr, dconv_ptr, dbias_ptr, dgw_ptr, dgb_ptr, ws_ptr,
-    T, Hk, R, Dc, RANK,
+    dx_ptr, ddown_ptr, dup_ptr, dconv_ptr, dbias_ptr, dgw_ptr, dgb_ptr, ws_ptr, sums_ptr, dinit_ptr, dtemp_ptr,
+    T, Hk, R, Dc, RANK, NC, CHUNK,
     sx_b, sx_t,
     CONV_K: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GATE: tl.constexpr,
     HAS_LENGTHS: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_STATE: tl.constexpr, HALO: tl.constexpr,
+    WALK_SUMS: tl.constexpr, LATER: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_COPY: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_COPY: tl.constexpr, BLOCK_TEMP: tl.constexpr,
 ):
     # A program owns TILE tokens of one sequence and recomputes the forward over them and HALO = K-1 tokens either
     # side: the convolution's window before (z of its first tokens) and after (dz of the tokens whose windows reach
     # back into the tile). With a gate, every head (each gate reads every chunk, so dx of a chunk needs every head's
     # gate gradient); without one, a single head. Each chunk is walked BLOCK_D dims at a time (a whole
     # (BLOCK_E, Dc) float64 tile per chunk would spill), recomputing its inputs at each walk rather than holding them.
+    # WALK_SUMS (the fused op from the input): the rotary backward's first walk left its sums (``rotary_triton.
+    # _backward_walks``), whose d(temperature) shares the last program sums; LATER (several chunks a sequence): each
+    # chunk of ``grad`` was walked back alone, so every token read gets what reaches its chunk from later in time
+    # added, and each sequence's first program writes d(initial phase).
     TILE: tl.constexpr = BLOCK_E - 2 * HALO
     pid_nh, pid_t = tl.program_id(0), tl.program_id(1)
     if HAS_GATE:
@@ -493,6 +558,13 @@ def _phase_increment_bwd_kernel(
     o_gw = o_bias + (Hk * R if HAS_BIAS else 0)
     o_gb = o_gw + (Hk * hidden if HAS_GATE else 0)
     o_count = o_gb + (Hk if HAS_GATE else 0)
+    # The chunk of the rotary plan of each row's token, and the first real row's (for LATER)
+    chunk_row = tl.maximum(es - start, 0) // CHUNK
+    first_chunk = tl.maximum(-start, 0) // CHUNK
+    if LATER:
+        if pid_t == 0:
+            for h in range(h_lo, h_hi):
+                _initial_phase_gradient(sums_ptr, dinit_ptr, n * Hk + h, NC, R, BLOCK_R)
 
     if t0 < end:
         gate = tl.full([BLOCK_E, BLOCK_H], 0.0, tl.float64)
@@ -510,15 +582,15 @@ def _phase_increment_bwd_kernel(
                 for r0 in range(0, R, BLOCK_R):  # the channels BLOCK_R at a time
                     rs = r0 + tl.arange(0, BLOCK_R)
                     mask_r = rs < R
+                    g = _incoming(grad_rows, sums_ptr, es, real, chunk_row, first_chunk, n * Hk + h, h, r0, Hk, R,
+                                  NC, LATER, BLOCK_E, BLOCK_R)
                     a, y = _up_projection(low, up_ptr, conv_ptr, state_ptr, n, h, r0, es, start, R, RANK, channels,
                                           CONV_K, HAS_STATE, BLOCK_E, BLOCK_RANK, BLOCK_R)
                     if SILU:
                         y = y * _sigmoid(y)
                     if HAS_BIAS:
                         y += tl.exp(tl.load(bias_ptr + h * R + rs, mask=mask_r, other=0.0).to(tl.float64))[None, :]
-                    g = tl.load(grad_rows + (es[:, None] * Hk + h) * R + rs[None, :],
-                                mask=real[:, None] & mask_r[None, :], other=0.0)
-                    head_dot += _sum1(g.to(tl.float64) * y)
+                    head_dot += _sum1(g * y)
                 dot_grad = tl.where(hs[None, :] == h, head_dot[:, None], dot_grad)
             gate = _sigmoid(logits + tl.load(gb_ptr + hs, mask=mask_h, other=0.0).to(tl.float64)[None, :])
             d_logit = tl.where(counted[:, None] & mask_h[None, :], gate * (1.0 - gate) * dot_grad, 0.0)
@@ -535,11 +607,10 @@ def _phase_increment_bwd_kernel(
             for r0 in range(0, R, BLOCK_R):  # the channels BLOCK_R at a time, back to d low
                 rs = r0 + tl.arange(0, BLOCK_R)
                 mask_r = rs < R
+                dy = _incoming(grad_rows, sums_ptr, es, real, chunk_row, first_chunk, n * Hk + h, h, r0, Hk, R, NC,
+                               LATER, BLOCK_E, BLOCK_R)  # (BLOCK_E, BLOCK_R), zero where not real
                 a, z = _up_projection(low, up_ptr, conv_ptr, state_ptr, n, h, r0, es, start, R, RANK, channels, CONV_K,
                                       HAS_STATE, BLOCK_E, BLOCK_RANK, BLOCK_R)
-                dy = tl.load(grad_rows + (es[:, None] * Hk + h) * R + rs[None, :],
-                             mask=real[:, None] & mask_r[None, :], other=0.0)
-                dy = dy.to(tl.float64)  # (BLOCK_E, BLOCK_R), zero where not real
                 if HAS_GATE:
                     dy *= gate_h[:, None]
                 if HAS_BIAS:
@@ -606,6 +677,9 @@ def _phase_increment_bwd_kernel(
         if HAS_GATE:
             _copy_out(ws_ptr + o_gw, dgw_ptr, o_gb - o_gw, BLOCK_COPY)
             _copy_out(ws_ptr + o_gb, dgb_ptr, o_count - o_gb, BLOCK_COPY)
+        if WALK_SUMS:
+            rows = tl.num_programs(0) * (Hk if HAS_GATE else 1)
+            _temperature_gradient(sums_ptr, dtemp_ptr, rows, NC, R, 16, BLOCK_TEMP)
 
 
 def _check_phase_inputs(grad_increment, x, down, up, conv_weight, conv_activation, bias, gate_weight, gate_bias,
@@ -616,7 +690,8 @@ def _check_phase_inputs(grad_increment, x, down, up, conv_weight, conv_activatio
     num_key_heads, rank, chunk_dim = down.shape
     rotary_pairs = up.shape[1]
     if (hidden != num_key_heads * chunk_dim or up.shape != (num_key_heads, rotary_pairs, rank)
-            or (conv_weight is not None and conv_weight.shape[0] != num_key_heads * rotary_pairs)
+            or (conv_weight is not None and (conv_weight.shape[0] != num_key_heads * rotary_pairs
+                                             or conv_weight.shape[1:-1] not in ((), (1,))))
             or (bias is not None and bias.shape != (num_key_heads, rotary_pairs))
             or (gate_weight is not None and (gate_weight.shape != (num_key_heads, hidden) or gate_bias is None
                                              or gate_bias.shape != (num_key_heads,)))):
@@ -670,6 +745,28 @@ def phase_increment_backward_triton(
     """
     num_seqs, conv_k = _check_phase_inputs(grad_increment, x, down, up, conv_weight, conv_activation, bias,
                                            gate_weight, gate_bias, lengths, cu_seqlens, conv_state)
+    return _increment_backward(grad_increment, x, down, up, conv_weight, conv_activation == "silu", bias, gate_weight,
+                               gate_bias, lengths, cu_seqlens, conv_state, num_seqs, conv_k)
+
+
+class WalkSums(NamedTuple):
+    """What the rotary backward's first walk leaves for the phase backward to finish, in the fused op from the input
+    (``rotary_triton._backward_walks(fused=True)``): its sums ``(N * Hk, 2 chunks + 1, R)`` float32, the plan's
+    ``chunks`` of ``chunk`` tokens, and the outputs the phase backward writes: ``dtemp`` ``(R,)`` float32 and, with
+    several chunks, ``dinit`` ``(N, Hk, R)`` float64."""
+
+    sums: torch.Tensor
+    chunk: int
+    chunks: int
+    dinit: torch.Tensor
+    dtemp: torch.Tensor
+
+
+def _increment_backward(grad_increment, x, down, up, conv_weight, silu: bool, bias, gate_weight, gate_bias, lengths,
+                        cu_seqlens, conv_state, num_seqs: int, conv_k: int,
+                        walks: WalkSums | None = None) -> tuple[torch.Tensor | None, ...]:
+    """``phase_increment_backward_triton`` of checked inputs; with ``walks``, ``grad_increment`` is the rotary
+    backward's, each chunk walked back alone, and the launch also finishes the rotary walks (``WalkSums``)."""
     batch, seq_len, hidden = x.shape
     num_key_heads, rank, chunk_dim = down.shape
     rotary_pairs = up.shape[1]
@@ -677,6 +774,7 @@ def phase_increment_backward_triton(
     inputs = (down, up, conv_weight, bias, gate_weight, gate_bias)
     grads = [None if t is None else torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in inputs]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    # (never with walks: the fused op leaves empty calls to the unfused path)
     if num_seqs == 0 or grad_increment.numel() == 0 or x.numel() == 0:
         return dx.zero_(), *(None if g is None else g.zero_() for g in grads)
     # the kernel's layout of its float64 accumulators, then the count of finished programs
@@ -690,18 +788,23 @@ def phase_increment_backward_triton(
     placeholder = workspace  # for pointers a disabled branch never reads
     if lengths is not None and lengths.dtype not in (torch.int32, torch.int64):
         lengths = lengths.long()
+    later = walks is not None and walks.chunks > 1
     grid = (num_seqs * (1 if has_gate else num_key_heads), max(_cdiv(seq_len, block_e - 2 * halo), 1))
     _phase_increment_bwd_kernel[grid](
         _dense(grad_increment), x, _dense(down), _dense(up),
         *(placeholder if t is None else _dense(t)
           for t in (conv_weight, bias, gate_weight, gate_bias, lengths, cu_seqlens, conv_state)),
         dx, *(placeholder if g is None else g for g in grads), workspace,
-        seq_len, num_key_heads, rotary_pairs, chunk_dim, rank, x.stride(0), x.stride(1),
-        CONV_K=conv_k, SILU=conv_k > 0 and conv_activation == "silu", HAS_BIAS=has_bias, HAS_GATE=has_gate,
+        *((placeholder,) * 3 if walks is None else (walks.sums, walks.dinit, walks.dtemp)),
+        seq_len, num_key_heads, rotary_pairs, chunk_dim, rank, 1 if walks is None else walks.chunks,
+        seq_len if walks is None else walks.chunk, x.stride(0), x.stride(1),
+        CONV_K=conv_k, SILU=conv_k > 0 and silu, HAS_BIAS=has_bias, HAS_GATE=has_gate,
         HAS_LENGTHS=lengths is not None, IS_VARLEN=cu_seqlens is not None, HAS_STATE=conv_state is not None,
-        HALO=halo, BLOCK_E=block_e, BLOCK_D=min(max(_next_power_of_2(chunk_dim), 16), _BACKWARD_BLOCK_D),
+        HALO=halo, WALK_SUMS=walks is not None, LATER=later, BLOCK_E=block_e,
+        BLOCK_D=min(max(_next_power_of_2(chunk_dim), 16), _BACKWARD_BLOCK_D),
         BLOCK_RANK=max(_next_power_of_2(rank), 16),
         BLOCK_R=min(max(_next_power_of_2(rotary_pairs), 16), _BACKWARD_BLOCK_R),
-        BLOCK_H=max(_next_power_of_2(num_key_heads), 16), BLOCK_COPY=_COPY_BLOCK, num_warps=8, num_stages=2,
+        BLOCK_H=max(_next_power_of_2(num_key_heads), 16), BLOCK_COPY=_COPY_BLOCK,
+        BLOCK_TEMP=max(_next_power_of_2(rotary_pairs), 16), num_warps=8, num_stages=2,
     )
     return dx, *grads

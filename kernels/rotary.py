@@ -122,6 +122,13 @@ def selective_rotary(q, k, increment, temperature, initial_phase=None, *, cu_seq
     return selective_rotary_torch(q, k, increment, temperature, initial_phase)
 
 
+def kernel_taps(conv: nn.Module, device: torch.device, channels: int) -> torch.Tensor:
+    """The convolution's taps as the Triton kernels take them, ``(C, K)`` or ``(C, 1, K)`` alike: a learned
+    convolution's ``(C, 1, K)`` weight as it is (``taps``' ``(C, K)`` view is an aten op in every layer and call, and
+    in training its backward another), the fixed difference's ``(C, 2)`` taps."""
+    return conv.weight if isinstance(conv, nn.Conv1d) else conv.taps(device, channels)
+
+
 def sequence_from_input_triton(module: PhasePath, x, q, k, state, lengths, cu_seqlens):
     """A sequence (training or a prefill) with the default phase path (``fusable_phase_weights``) as one fused op
     from the input: ``rotary_fused_triton.selective_rotary_from_input_triton`` (the phase increments and the rotation
@@ -134,7 +141,7 @@ def sequence_from_input_triton(module: PhasePath, x, q, k, state, lengths, cu_se
     result = triton_rotary_from_input().selective_rotary_from_input_triton(
         q, k, x, *weights, module.temperature, initial_phase=state.get("phase"),
         conv_state=None if conv is None else state.get("phase_conv"),
-        conv_weight=None if conv is None else conv.taps(x.device, k.shape[2] * module.rotary_pairs),
+        conv_weight=None if conv is None else kernel_taps(conv, x.device, k.shape[2] * module.rotary_pairs),
         conv_activation=None if conv is None else conv.activation, bias=module.phase_bias, lengths=lengths,
         cu_seqlens=cu_seqlens)
     if result is None:
@@ -170,7 +177,7 @@ def decode_step_triton(module: PhasePath, x, q, k, state, lengths, in_place=Fals
     step_state = dict(
         phase=state.get("phase"),
         conv_state=None if conv is None else state.get("phase_conv"),
-        conv_weight=None if conv is None else conv.taps(x.device, k.shape[2] * module.rotary_pairs),
+        conv_weight=None if conv is None else kernel_taps(conv, x.device, k.shape[2] * module.rotary_pairs),
         conv_activation=None if conv is None else conv.activation,
         bias=module.phase_bias,
         valid=valid,

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .phase_triton import _check_phase_inputs, _dense, _launch, phase_increment_backward_triton
+from .phase_triton import WalkSums, _check_phase_inputs, _dense, _increment_backward, _launch
 from .rotary_triton import _as, _backward_walks, _check_shapes, _forward_walk, _num_seqs, _plain_eager_call, _plan
 
 __all__ = ["selective_rotary_from_input_triton"]
@@ -113,15 +113,21 @@ def _backward_impl(
     """Gradients of ``rotary_from_input``: ``(dq, dk, d_temperature (R,) float32, d_initial_phase (N, Hk, R)
     float64, [the gradients of x and of every weight given, in _PHASE_INPUTS' order, each in its dtype]).``"""
     num_key_heads, rotary_pairs = k.shape[2], temperature.shape[0]
-    plan = _plan(q, _num_seqs(q, cu_seqlens), num_key_heads, rotary_pairs)
+    num_seqs = _num_seqs(q, cu_seqlens)
+    plan = _plan(q, num_seqs, num_key_heads, rotary_pairs)
     # Every token of a dense row is a chunk's, and written; packed rows may end before T (zeros there).
     make = torch.empty if cu_seqlens is None else torch.zeros
     dinc = make(increment.shape, dtype=torch.float32, device=q.device)
     dfinal = None if grad_final is None else _as(grad_final, torch.float32).view(-1, rotary_pairs)
-    dq, dk, dinc, dtemp, dinit = _backward_walks(plan, totals, q, k, grad_q, grad_k, dfinal, increment, temperature,
-                                                 cu_seqlens, need_temperature_grad, dinc)
-    grads = phase_increment_backward_triton(dinc, x, down, up, conv_weight, "silu" if silu else None, bias,
-                                            gate_weight, gate_bias, lengths, cu_seqlens, conv_state)
+    dq, dk, walk_sums, dinit = _backward_walks(plan, totals, q, k, grad_q, grad_k, dfinal, increment, temperature,
+                                               cu_seqlens, need_temperature_grad, dinc, fused=True)
+    # The phase backward adds the later chunks' sums to each token's d(increment) (each chunk was walked back alone),
+    # writes d(initial phase) with several chunks, and sums d(temperature): no launch and no op between the two.
+    dtemp = q.new_empty(rotary_pairs, dtype=torch.float32)
+    conv_k = 0 if conv_weight is None else conv_weight.shape[-1]
+    grads = _increment_backward(dinc, x, down, up, conv_weight, silu, bias, gate_weight, gate_bias, lengths,
+                                cu_seqlens, conv_state, num_seqs, conv_k,
+                                WalkSums(walk_sums, plan.chunk, plan.grid[2], dinit, dtemp))
     inputs = (x, down, up, conv_weight, bias, gate_weight, gate_bias)
     phase_grads = [torch.zeros_like(given) if grad is None else grad
                    for given, grad in zip(inputs, grads) if given is not None]
@@ -212,7 +218,8 @@ def selective_rotary_from_input_triton(
         q: ``(B, T, Hq, D)``; k: ``(B, T, Hk, D)`` with ``Hq % Hk == 0``.
         x: ``(B, T, Hk * Dc)`` the phase input (any float dtype).
         down, up, gate_weight, gate_bias, conv_weight, conv_activation, bias: the phase path's weights, as
-            ``phase_triton.phase_increment_triton`` takes them (``conv_weight`` ``(Hk * R, K)``).
+            ``phase_triton.phase_increment_triton`` takes them (``conv_weight`` ``(Hk * R, K)``, or a depthwise
+            ``nn.Conv1d``'s ``(Hk * R, 1, K)`` weight as it is: its gradient has its shape).
         temperature: ``(R,)``, ``2R <= D``.
         initial_phase: ``(N, Hk, R)`` (or broadcastable to it) the cached phase (float64), or ``None`` (a sequence
             start).

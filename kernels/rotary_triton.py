@@ -19,9 +19,11 @@ the phase, writes ``dq``/``dk`` (the inverse rotation of the incoming gradients)
 ``dθ_t = τ · Σ_heads (dy_2 · y_1 − dy_1 · y_2)`` (summed over the query heads of the group inside the program) and
 the chunk's Σ dθ; then a reverse walk over each chunk turns ``dθ`` into ``d(increment)_s = Σ_{t>=s} dθ_t
 (+ d final phase)``, starting from the later chunks' sums: in the same program, after a barrier, where each
-sequence is one chunk (one launch), else in a second kernel that sums the later chunks' slots itself.
-``d(initial_phase)`` is the total (written by chunk 0's program) and ``d(temperature)`` is reduced from per-chunk
-partials in PyTorch (no atomics).
+sequence is one chunk (one launch), else in a second kernel that sums the later chunks' slots itself (the fused op
+from the input walks each chunk back alone and leaves the later chunks' sums to its phase backward, which reads
+every token's ``d(increment)`` anyway: one launch there too). ``d(initial_phase)`` is the total (written by chunk
+0's program) and ``d(temperature)`` is reduced from per-chunk partials (in PyTorch, or by the fused op's phase
+backward; no atomics).
 
 **Decode** (``selective_rotary_decode_triton``): one token per row, one program per (row, key head). From the phase
 projection ``a`` it does SPEC §3 steps 3-8 in training order: the causal convolution over the cached history (then
@@ -317,7 +319,7 @@ def _selective_rotary_fwd_kernel(
 @triton.jit
 def _selective_rotary_bwd_kernel(
     q_ptr, k_ptr, dyq_ptr, dyk_ptr, inc_ptr, temp_ptr, carry_ptr, dfinal_ptr, cu_ptr,
-    dq_ptr, dk_ptr, dinc_ptr, dsums_ptr, dinit_ptr, dtemp_ptr,
+    dq_ptr, dk_ptr, dinc_ptr, dsums_ptr, dinit_ptr,
     T, Hk, G, R, D, NC, CR, CHUNK,
     sq_b, sq_t, sq_h, sq_d,
     sk_b, sk_t, sk_h, sk_d,
@@ -328,14 +330,16 @@ def _selective_rotary_bwd_kernel(
     si_b, si_t, si_h, si_r,
     sdi_b, sdi_t, sdi_h,
     HAS_CARRY: tl.constexpr, HAS_DFINAL: tl.constexpr, NEED_DTEMP: tl.constexpr, IS_VARLEN: tl.constexpr,
-    HAS_PASS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    HAS_PASS: tl.constexpr, WALK_BACK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Backward walk 1, forward in time over one chunk: recompute the phase exactly as the forward did, rotate the
-    gradients back, and write dθ_t (summed over the key head and its query heads) into the d(increment) buffer. The
-    chunk's Σ dθ goes to slot ``NC - chunk`` of a ``(N * Hk, NC + 1, R)`` buffer whose slot 0 gets the final phase's
-    gradient, so that summing slots gives what reaches each chunk from later in time; its
-    Σ θ dangle (for d temperature) to a per-chunk partial. With one chunk a sequence it also does walk 2."""
+    gradients back, and write dθ_t (summed over the key head and its query heads) into the d(increment) buffer. Its
+    sums go to a ``(N * Hk, 2 NC + 1, R)`` buffer (``_backward_walks``'): the chunk's Σ dθ to slot ``NC - chunk``, the
+    final phase's gradient to slot 0 (so that summing slots gives what reaches each chunk from later in time), and its
+    Σ θ dangle (for d temperature) to slot ``NC + 1 + chunk``. With one chunk a sequence it also does walk 2; with
+    several and ``WALK_BACK`` (the fused op) it walks its chunk back alone, from zero: what reaches the chunk from
+    later in time is then the reader's to add (``phase_triton``'s backward adds it to every token it reads)."""
     pid_nh, pid_r, pid_c, hk, b, start, end, rs, mask_r = _chunk_program(cu_ptr, T, Hk, R, CHUNK, IS_VARLEN, BLOCK_R)
     temp = tl.load(temp_ptr + rs, mask=mask_r, other=0.0).to(tl.float32)
     turns = _turns_per_phase(temp_ptr, rs, mask_r)
@@ -391,9 +395,8 @@ def _selective_rotary_bwd_kernel(
             _copy_pass_through(dyq_ptr, dq_ptr, b, hk * G, G, start, end, R, D, sdyq_b, sdyq_t, sdyq_h, sdyq_d,
                                sdq_b, sdq_t, sdq_h, sdq_d, BLOCK_T, BLOCK_P)
 
-    tl.store(dtemp_ptr + (pid_nh.to(tl.int64) * NC + pid_c) * R + rs, dtemp_acc.to(tl.float32),
-             mask=mask_r)  # zeros unless NEED_DTEMP
-    row = pid_nh.to(tl.int64) * (NC + 1)
+    row = pid_nh.to(tl.int64) * (2 * NC + 1)
+    tl.store(dsums_ptr + (row + NC + 1 + pid_c) * R + rs, dtemp_acc.to(tl.float32), mask=mask_r)  # 0 unless NEED_DTEMP
     if HAS_DFINAL:
         last = tl.load(dfinal_ptr + pid_nh.to(tl.int64) * R + rs, mask=mask_r, other=0.0)
     else:
@@ -408,6 +411,9 @@ def _selective_rotary_bwd_kernel(
         tl.store(dsums_ptr + (row + NC - pid_c) * R + rs, dphase_total, mask=mask_r)
         if pid_c == 0:
             tl.store(dsums_ptr + row * R + rs, last, mask=mask_r)
+        if WALK_BACK:  # the chunk alone: the later chunks' sums are added where d(increment) is read
+            tl.debug_barrier()
+            _suffix_walk(dinc_base, tl.full([BLOCK_R], 0.0, tl.float32), start, end, sdi_t, rs, mask_r, BLOCK_T)
 
 
 @triton.jit
@@ -422,7 +428,7 @@ def _suffix_sum_kernel(
     walks); chunk 0's program writes the initial phase's gradient, the sum of every slot (float64 ``(N * Hk, R)``)."""
     pid_nh, pid_r, pid_c, hk, b, start, end, rs, mask_r = _chunk_program(cu_ptr, T, Hk, R, CHUNK, IS_VARLEN, BLOCK_R)
     # slots 0 .. NC - 1 - chunk, in slot order: d final phase + Σ dθ of the chunks after this one
-    slots = dsums_ptr + pid_nh.to(tl.int64) * (NC + 1) * R + rs
+    slots = dsums_ptr + pid_nh.to(tl.int64) * (2 * NC + 1) * R + rs
     suffix = tl.full([BLOCK_R], 0.0, tl.float32)
     for slot in range(0, NC - pid_c):
         suffix += tl.load(slots + slot * R, mask=mask_r, other=0.0)
@@ -811,47 +817,53 @@ def _rotary_backward_impl(
         return dq, dk, dinc, q.new_zeros(rotary_pairs, dtype=torch.float32), dinit
     plan = _plan(q, num_seqs, num_key_heads, rotary_pairs)
     carries = _chunk_carries(plan, increment, init, cu_seqlens)
-    return _backward_walks(plan, carries, q, k, grad_q, grad_k, dfinal, increment, temperature, cu_seqlens,
-                           need_temperature_grad, dinc)
+    dq, dk, walk_sums, dinit = _backward_walks(plan, carries, q, k, grad_q, grad_k, dfinal, increment, temperature,
+                                               cu_seqlens, need_temperature_grad, dinc)
+    return dq, dk, dinc, walk_sums[:, plan.grid[2] + 1:].sum(dim=(0, 1)), dinit
 
 
 def _backward_walks(plan: _Plan, carries: torch.Tensor | None, q, k, grad_q, grad_k, dfinal, increment, temperature,
-                    cu_seqlens, need_temperature_grad: bool, dinc: torch.Tensor):
-    """The backward's two walks over every chunk (``_selective_rotary_bwd_kernel`` then ``_suffix_sum_kernel``) from
-    the carries pass 2 sums (``_chunk_carries``'s): ``(dq, dk, d_increment, d_temperature, d_initial_phase)`` as
-    ``_rotary_backward_impl`` returns them, ``d_increment`` written into ``dinc``."""
-    batch, seq_len, num_query_heads, head_dim = q.shape
+                    cu_seqlens, need_temperature_grad: bool, dinc: torch.Tensor, fused: bool = False):
+    """The backward's walks over every chunk (``_selective_rotary_bwd_kernel``, then with several chunks a sequence
+    ``_suffix_sum_kernel``) from the carries pass 2 sums (``_chunk_carries``'s): ``(dq, dk, walk sums,
+    d_initial_phase)``, ``d_increment`` written into ``dinc``. The walk sums ``(N * Hk, 2 chunks + 1, R)`` float32:
+    slot 0 d final phase, slot ``chunks - c`` chunk c's Σ dθ (their sum over slots 0 .. chunks - 1 - c is what
+    reaches chunk c from later in time, over every slot the gradient of the initial phase), slot ``chunks + 1 + c``
+    chunk c's share of d(temperature) (summed in PyTorch by the rotary op, by ``phase_triton._temperature_gradient``
+    in the fused op).
+
+    ``fused`` (the fused op from the input, whose phase backward reads ``dinc``): one launch also with several chunks;
+    each chunk is walked back alone, and ``phase_triton``'s backward adds the later chunks' sums to every token it
+    reads, writes d(initial phase) (its buffer returned here unwritten) and sums d(temperature)."""
+    seq_len, num_query_heads, head_dim = q.shape[1:]
     num_key_heads, rotary_pairs = k.shape[2], temperature.shape[0]
     rows, _, chunks = plan.grid
     dq, dk = torch.empty_like(q), torch.empty_like(k)
-    # Slot 0: d final phase; slot NC - c: chunk c's Σ dθ. Their sum over slots 0 .. NC - 1 - c is what reaches chunk c
-    # from later in time, over every slot the gradient of the initial phase (both summed by _suffix_sum_kernel; with
-    # one chunk the backward kernel writes d initial phase itself and no slot is used).
-    dsums = torch.empty(rows, chunks + 1, rotary_pairs, dtype=torch.float32, device=q.device)
+    # (one buffer for both kinds of sums: one allocation less)
+    walk_sums = torch.empty(rows, 2 * chunks + 1, rotary_pairs, dtype=torch.float32, device=q.device)
     dinit = torch.empty(rows // num_key_heads, num_key_heads, rotary_pairs, dtype=torch.float64, device=q.device)
-    dtemp_partial = torch.empty(rows, chunks, rotary_pairs, dtype=torch.float32, device=q.device)
-    placeholder = dsums  # for pointers a disabled branch never reads
+    placeholder = walk_sums  # for pointers a disabled branch never reads
     cu = cu_seqlens if cu_seqlens is not None else placeholder
     _selective_rotary_bwd_kernel[plan.grid](
         q, k, grad_q, grad_k, increment, temperature.contiguous(),
         carries if carries is not None else placeholder, dfinal if dfinal is not None else placeholder, cu,
-        dq, dk, dinc, dsums, dinit, dtemp_partial,
+        dq, dk, dinc, walk_sums, dinit,
         seq_len, num_key_heads, num_query_heads // num_key_heads, rotary_pairs, head_dim, chunks,
         carries.shape[1] if carries is not None else 0, plan.chunk,
         *q.stride(), *k.stride(), *grad_q.stride(), *grad_k.stride(), *dq.stride(), *dk.stride(),
         *increment.stride(), *dinc.stride()[:3],
         HAS_CARRY=carries is not None, HAS_DFINAL=dfinal is not None, NEED_DTEMP=need_temperature_grad,
-        IS_VARLEN=cu_seqlens is not None, HAS_PASS=head_dim > 2 * rotary_pairs,
+        IS_VARLEN=cu_seqlens is not None, HAS_PASS=head_dim > 2 * rotary_pairs, WALK_BACK=fused,
         BLOCK_T=plan.cfg["BLOCK_T"], BLOCK_R=plan.cfg["BLOCK_R"], BLOCK_P=plan.cfg["BLOCK_P"],
         NUM_STAGES=plan.cfg["NUM_STAGES"], num_warps=plan.cfg["num_warps"],
     )
-    if chunks > 1:  # (with one chunk the kernel walked it back and wrote d initial phase)
+    if chunks > 1 and not fused:  # (with one chunk the kernel walked it back and wrote d initial phase)
         _suffix_sum_kernel[plan.grid](
-            dinc, dsums, cu, dinit, seq_len, num_key_heads, rotary_pairs, chunks, plan.chunk, *dinc.stride()[:3],
-            IS_VARLEN=cu_seqlens is not None,
+            dinc, walk_sums, cu, dinit, seq_len, num_key_heads, rotary_pairs, chunks, plan.chunk,
+            *dinc.stride()[:3], IS_VARLEN=cu_seqlens is not None,
             BLOCK_T=plan.cfg["BLOCK_T"], BLOCK_R=plan.cfg["BLOCK_R"], num_warps=plan.cfg["num_warps"],
         )
-    return dq, dk, dinc, dtemp_partial.sum(dim=(0, 1)), dinit
+    return dq, dk, walk_sums, dinit
 
 
 _rotary_backward = torch.library.custom_op("selective_rope::rotary_backward", _rotary_backward_impl,
@@ -1162,7 +1174,8 @@ def selective_rotary_decode_triton(
         temperature: ``(R,)``.
         phase: ``(B, Hk, R)`` the cached phase, float64 (``None``: a sequence start, zeros).
         conv_state: ``(B, K-1, Hk*R)`` the convolution's history, oldest first, float64 (``None``: zeros).
-        conv_weight: ``(Hk*R, K)`` the taps (the last multiplies this step), or ``None`` for no convolution.
+        conv_weight: ``(Hk*R, K)`` the taps (the last multiplies this step), or ``None`` for no convolution; or a
+            depthwise ``nn.Conv1d``'s ``(Hk*R, 1, K)`` weight as it is.
         conv_activation: ``None`` or ``"silu"``, after the convolution.
         bias: ``(Hk, R)`` the raw bias ``b`` (``exp(b)`` is added), or ``None``.
         gate_logits: ``G(u)`` before the sigmoid, ``(B, Hk, 1)`` (one per head) or ``(B, Hk, R)``, float64, or
