@@ -249,8 +249,9 @@ class PhaseConvolution(ShortConvolution):
         init.copy_(self.weight, identity)
 
     def taps(self, device: torch.device, channels: int | None = None) -> torch.Tensor:
-        """``(C, K)``, the last tap multiplying the current token (what the fused decode step reads; learned taps
-        are where the weight is, ``device`` and ``channels`` are for :class:`PhaseDifference`'s fixed ones)."""
+        """``(C, K)``, the last tap multiplying the current token (a view of the ``(C, 1, K)`` weight; the Triton
+        kernels take the weight itself, see ``kernels.rotary.kernel_taps``; ``device`` and ``channels`` are for
+        :class:`PhaseDifference`'s fixed taps)."""
         return self.weight.squeeze(1)
 
 
