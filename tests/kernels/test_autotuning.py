@@ -9,6 +9,9 @@ import triton.language as tl
 from autotuning import few_autotuning_candidates
 from triton.runtime import autotuner
 
+# Only torch, triton and our kernels: scripts/test_minimum_versions.sh skips it (tests/cli/test_floor_independent.py).
+pytestmark = pytest.mark.floor_independent
+
 CONFIGS = [triton.Config({"BLOCK": block}, num_warps=warps) for block in (2, 4, 8) for warps in (1, 2)]
 
 

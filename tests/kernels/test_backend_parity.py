@@ -322,7 +322,19 @@ DECODING_OPTIONS = [pytest.param({}, id="selective_rope"),
                     pytest.param(OPTION_VARIANTS["official"], id="official")]
 
 
-@pytest.mark.parametrize("target,options", targets(cuda_dtypes=(FP32, BF16), options=DECODING_OPTIONS))
+def decoding_params():
+    """Every family with each of ``targets(...)``, except that the paper's options run on CPU for GLA only by default
+    (the others with ``-m slow``): they change only the rotary module, the same in every family (whose own code the
+    default options' cases run), and the op-level tests run them under the interpreter too
+    (tests/kernels/test_rotary_fused_triton.py, test_phase_triton.py)."""
+    for param in targets(cuda_dtypes=(FP32, BF16), options=DECODING_OPTIONS):
+        for name in sorted(FAMILIES):
+            slow = param.id == "cpu-official" and name != "gla"
+            yield pytest.param(name, *param.values, id=f"{name}-{param.id}",
+                               marks=[*param.marks, pytest.mark.slow] if slow else param.marks)
+
+
+@pytest.mark.parametrize("family,target,options", decoding_params(), indirect=["family"])  # conftest.py's `family`
 def test_cached_decoding_and_generate(target, options, family, monkeypatch, fla_calls, tmp_path):
     """Left-padded prefill, then calls continuing the cache, among them steps where one row's token is padding (on
     CPU also a two-token call with a pad in one row). Same logits at real tokens and same caches on both paths; then

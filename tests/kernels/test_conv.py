@@ -8,6 +8,9 @@ import torch
 
 from selective_rope.kernels.conv_torch import _CausalTaps, causal_conv1d
 
+# Only torch, triton and our kernels: scripts/test_minimum_versions.sh skips it (tests/cli/test_floor_independent.py).
+pytestmark = pytest.mark.floor_independent
+
 
 def products_reference(x, weight, state):
     """``y_t = Σ_j weight[:, j] · history_{t+j}`` over ``history = [state; x]``, through autograd."""

@@ -305,7 +305,12 @@ def decode_calls(monkeypatch):
     return calls
 
 
+# GLA by default, the other families with `-m slow`: tests/kernels/test_backend_parity.py's
+# test_forward_backward_with_left_padding runs every family's forward and backward with left padding on the Triton
+# path (our rotary op and fla's kernels) against the torch path, which this test does with the torch mixers.
 @needs_interpreter
+@pytest.mark.parametrize("family", [pytest.param(name, marks=[] if name == "gla" else [pytest.mark.slow])
+                                    for name in sorted(FAMILIES)], ids=str, indirect=True)
 def test_model_forward_backward_with_padding(family, monkeypatch):
     model = tiny_model(family).train()
     ids = torch.randint(3, 61, (2, 9))

@@ -18,6 +18,9 @@ import pytest
 
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
+# Only torch, triton and our kernels: scripts/test_minimum_versions.sh skips it (tests/cli/test_floor_independent.py).
+pytestmark = pytest.mark.floor_independent
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "triton_resources.py"
 KERNELS = {"_chunk_totals_kernel", "_selective_rotary_fwd_kernel", "_selective_rotary_bwd_kernel", "_suffix_sum_kernel",
            "_selective_rotary_decode_kernel", "_selective_rotary_decode_from_input_kernel", "_phase_increment_kernel",

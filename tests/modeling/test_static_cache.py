@@ -27,8 +27,14 @@ from families import FAMILIES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                                                   reason="triton is not installed"))]
+NO_TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+# Every family on the torch backend; on Triton the hybrid by default, the others with `-m slow`. Without a GPU the
+# Triton backend changes only the rotary step (the mixers' steps stay torch), the same module in every family, and
+# the hybrid has it in both a recurrent and an attention layer; each family's own states are the torch cases'.
+FAMILY_BACKENDS = [pytest.param(name, "torch", id=f"{name}-torch") for name in sorted(FAMILIES)] + [
+    pytest.param(name, "triton", id=f"{name}-triton", marks=[NO_TRITON] if name == "hybrid" else [NO_TRITON,
+                                                                                                 pytest.mark.slow])
+    for name in sorted(FAMILIES)]
 HOST_READS = {"item", "tolist", "nonzero", "_local_scalar_dense"}
 
 
@@ -70,7 +76,7 @@ class _GraphRecorder:
                 if getattr(node.target, "__name__", str(node.target)).split(".")[-1] in HOST_READS]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family, backend", FAMILY_BACKENDS, indirect=["family"])  # conftest.py's `family`
 @torch.no_grad()
 def test_compiled_step_has_one_graph_no_host_read_and_keeps_the_cache_tensors(family, backend):
     model = _model(family, backend)
@@ -126,7 +132,7 @@ def _record_commits(monkeypatch) -> list[tuple[str, bool]]:
     return seen
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family, backend", FAMILY_BACKENDS, indirect=["family"])  # conftest.py's `family`
 @torch.no_grad()
 def test_decoding_kernels_write_into_the_static_cache_tensors(family, backend, monkeypatch):
     """An eager one-token step with a static cache: the kernels (the rotary step, torch or fused Triton, and the
@@ -156,7 +162,7 @@ def test_decoding_kernels_write_into_the_static_cache_tensors(family, backend, m
         name for name, _ in written if name in COPIED_BY_THE_CACHE)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family, backend", FAMILY_BACKENDS, indirect=["family"])  # conftest.py's `family`
 @torch.no_grad()
 def test_aot_compiled_step_with_in_place_kernels_gives_the_dynamic_logits(family, backend):
     """Under AOTAutograd (``backend="aot_eager"``: functionalization, which the Triton step's custom op passes its
