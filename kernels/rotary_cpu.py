@@ -201,6 +201,7 @@ typedef struct {
     const double *conv_state;  /* (B, K-1, Hk*R), or NULL (zeros) */
     double *new_conv_state;  /* (B, K-1, Hk*R), or NULL without convolution */
     const int64_t *lengths;  /* (B,): tokens t >= lengths[b] are pads; NULL: none */
+    float *inc_out;  /* (B, T, Hk*R): the increments c_t, kept for a training backward; NULL: not kept */
 } Tensors;
 
 /* Scratch memory of one thread, in lanes (float64 vectors), doubles and floats. */
@@ -578,6 +579,7 @@ static int row_threaded(const Parameters *p, const Tensors *a, int64_t b, int64_
         w->phase = starts + i * channels;
     }
     run_parts(parts, count, part_increments);
+    if (a->inc_out) memcpy(a->inc_out + b * seq_len * channels, inc, sizeof(float) * (size_t)(seq_len * channels));
     for (int64_t j = 0; j < past * channels; j++) history[j] = parts[count - 1].s.history[j];
     for (int i = 0; i < count; i++) {  /* each part's first phase, summed in order */
         memcpy(parts[i].phase, phase, sizeof(double) * (size_t)channels);
@@ -630,6 +632,8 @@ HOT static int rotary(const Parameters *given, const Tensors *a, int64_t batch, 
         for (int64_t t0 = 0; t0 < seq_len; t0 += LANES) {
             const int64_t stop = seq_len - t0 < LANES ? seq_len : t0 + LANES;
             row_increments(p, a, &s, b, t0, stop, length, history, s.block);
+            if (a->inc_out)
+                memcpy(a->inc_out + (b * seq_len + t0) * channels, s.block, sizeof(float) * (size_t)((stop - t0) * channels));
             row_rotate(p, a, &s, b, seq_len, t0, stop, phase, s.block);
         }
     }
@@ -647,10 +651,414 @@ int selective_rope_rotary(const Parameters *p, const int64_t *call) {
 #define POINTER(i) ((void *)(intptr_t)call[i])
     const Tensors tensors = {POINTER(2), POINTER(6), POINTER(7), call[3], call[8], call[4], call[5], call[9], call[10],
                              call[11], call[12], call[13], call[14], POINTER(15), POINTER(16), POINTER(17), call[18],
-                             call[19], call[20], POINTER(21), POINTER(22), POINTER(23), POINTER(24)};
+                             call[19], call[20], POINTER(21), POINTER(22), POINTER(23), POINTER(24), NULL};
 #undef POINTER
     return rotary(p, &tensors, call[0], call[1], call[25]);
 }
+
+/* A training forward: selective_rope_rotary's call, which also keeps the increments in `inc` ((B, T, Hk*R) float32,
+   exactly the ones the phase summed) for selective_rope_rotary_backward. */
+int selective_rope_rotary_train(const Parameters *p, const int64_t *call, float *inc) {
+#define POINTER(i) ((void *)(intptr_t)call[i])
+    const Tensors tensors = {POINTER(2), POINTER(6), POINTER(7), call[3], call[8], call[4], call[5], call[9], call[10],
+                             call[11], call[12], call[13], call[14], POINTER(15), POINTER(16), POINTER(17), call[18],
+                             call[19], call[20], POINTER(21), POINTER(22), POINTER(23), POINTER(24), inc};
+#undef POINTER
+    return rotary(p, &tensors, call[0], call[1], call[25]);
+}
+/* ---- Training: the backward of the forward above (selective_rope_rotary_train). ----
+   One pass per row in three steps: (1) the phase path recomputed token by token from x (u, the projection, the
+   convolution, the gate: float64, as the forward; the phase itself is summed from the forward's own increments, so
+   every angle, cos and sin is the one the forward used); (2) backwards over the tokens, the rotation's gradient (dq,
+   dk and d angle), d θ = τ d angle and its reverse cumulative sum, d c_t; (3) forwards again, d c_t back through the
+   gate, bias, activation, convolution, projection and normalisation to dx, the parameters' gradients summed in
+   float64. The rows are split into a fixed number of parts (not one per thread), each summing its own gradients,
+   added in part order: the results do not depend on the number of threads. */
+
+/* One call's tensors (the Python wrapper's int64 array, see selective_rope_rotary_backward). */
+typedef struct {
+    const void *x, *q, *k;  /* the forward's inputs, by strides as in Tensors */
+    int64_t x_dtype, qk_dtype, x_stride_b, x_stride_t, q_stride_b, q_stride_t, q_stride_h, k_stride_b, k_stride_t,
+        k_stride_h;
+    const void *grad_q, *grad_k;  /* d rotated q (B, T, Hq, D), k (B, T, Hk, D): contiguous, q's dtype */
+    const float *inc;  /* (B, T, Hk*R) the forward's increments */
+    const double *phase;  /* θ_0 (B, Hk, R) by strides, or NULL (zeros) */
+    int64_t phase_stride_b, phase_stride_h, phase_stride_r;
+    const double *grad_final;  /* d final phase (B, Hk*R) contiguous, or NULL (none) */
+    const int64_t *lengths;  /* (B,) or NULL */
+    void *dx, *dq, *dk;  /* contiguous, x's and q's dtypes */
+    double *d_phase;  /* d θ_0 (B, Hk*R), or NULL (not asked for) */
+    double *d_params;  /* every parameter's gradient, one after another in parameter_blocks' order */
+} Backward;
+
+/* Sizes of the phase path's per-token values. */
+static int64_t low_size(const Parameters *p) {
+    if (p->projection == PROJ_LOW_RANK) return p->num_key_heads * p->proj_rank;
+    if (p->projection == PROJ_DENSE_LOW_RANK) return p->proj_rank;
+    if (p->projection == PROJ_SCALAR) return p->num_key_heads;
+    return 0;
+}
+
+HOT static double dot(const double *a, const double *b, int64_t n) {
+    lanes_t sum = {0};  /* LANES partial sums: vectorised (a gradient's rounding, not the forward's, matters here) */
+    int64_t j = 0;
+    for (; j + LANES <= n; j += LANES) {
+        lanes_t x, y;
+        memcpy(&x, a + j, sizeof x);
+        memcpy(&y, b + j, sizeof y);
+        sum += x * y;
+    }
+    double total = 0.0;
+    for (int l = 0; l < LANES; l++) total += sum[l];
+    for (; j < n; j++) total += a[j] * b[j];
+    return total;
+}
+
+HOT static void axpy(double *y, double alpha, const double *x, int64_t n) {
+    for (int64_t j = 0; j < n; j++) y[j] += alpha * x[j];
+}
+
+/* One part's memory: the row's values (T tokens) and the part's parameter gradients. */
+typedef struct {
+    double *u, *den, *low, *a, *y, *g, *glow, *theta, *dy, *da;  /* (T, hidden), (T, Hk), (T, low_size), (T, Hk*R) x 3,
+                                                                   (T, gate width), (T, gate rank), (T, Hk*R) x 3 */
+    double *du, *dlow, *dglow, *dcos, *dsin;  /* one token's: (hidden), (low_size), (gate rank), (Hk*R) x 2 */
+    double *grads;  /* (parameter count) */
+    float *angle, *cos, *sin;  /* (LANES, Hk*R) */
+} RowMemory;
+
+static int64_t parameter_count(const Parameters *p) {
+    Parameters copy = *p;
+    Block blocks[PARAMETER_BLOCKS];
+    parameter_blocks(&copy, blocks);
+    int64_t total = 0;
+    for (int i = 0; i < PARAMETER_BLOCKS; i++) total += *blocks[i].field ? blocks[i].count : 0;
+    return total;
+}
+
+/* Where each parameter's gradient starts in a gradient block (NULL: no such parameter). */
+static void gradient_fields(const Parameters *p, double *grads, double *at[PARAMETER_BLOCKS]) {
+    Parameters copy = *p;
+    Block blocks[PARAMETER_BLOCKS];
+    parameter_blocks(&copy, blocks);
+    for (int i = 0; i < PARAMETER_BLOCKS; i++) {
+        at[i] = *blocks[i].field ? grads : NULL;
+        grads += *blocks[i].field ? blocks[i].count : 0;
+    }
+}
+
+static void row_memory_free(RowMemory *m) {
+    free(m->u);
+    free(m->angle);
+}
+
+static int row_memory_alloc(const Parameters *p, int64_t seq_len, RowMemory *m) {
+    const int64_t hk = p->num_key_heads, channels = hk * p->rotary_pairs, hidden = hk * p->chunk_dim;
+    const int64_t lows = low_size(p), width = p->gate_width, grank = p->gate_rank, count = parameter_count(p);
+    const int64_t per_token = hidden + hk + lows + 3 * channels + width + grank + 3 * channels;
+    const int64_t total = seq_len * per_token + hidden + lows + grank + 2 * channels + count;
+    m->u = calloc((size_t)total, sizeof(double));
+    m->angle = malloc(sizeof(float) * 3 * (size_t)(LANES * channels));
+    if (!m->u || !m->angle) { row_memory_free(m); return 1; }
+    double *next = m->u + seq_len * hidden;
+#define TAKE(field, size) m->field = next, next += (size)
+    TAKE(den, seq_len * hk); TAKE(low, seq_len * lows); TAKE(a, seq_len * channels); TAKE(y, seq_len * channels);
+    TAKE(g, seq_len * width); TAKE(glow, seq_len * grank); TAKE(theta, seq_len * channels);
+    TAKE(dy, seq_len * channels); TAKE(da, seq_len * channels); TAKE(du, hidden); TAKE(dlow, lows);
+    TAKE(dglow, grank); TAKE(dcos, channels); TAKE(dsin, channels); TAKE(grads, count);
+#undef TAKE
+    m->cos = m->angle + LANES * channels;
+    m->sin = m->cos + LANES * channels;
+    return 0;
+}
+
+/* Step 1 for token t of row b: u, its norms, the projection's values, the gate's (sigmoid) into the row buffers. */
+HOT static void token_phase_inputs(const Parameters *p, const Backward *a, RowMemory *m, int64_t b, int64_t t) {
+    const int64_t hk = p->num_key_heads, r = p->rotary_pairs, dc = p->chunk_dim, hidden = hk * dc;
+    const int64_t rank = p->proj_rank, lows = low_size(p), channels = hk * r;
+    const double *down = p->proj_a, *up = p->proj_b;
+    double *u = m->u + t * hidden, *low = m->low + t * lows, *c = m->a + t * channels;
+    const int64_t row = b * a->x_stride_b + t * a->x_stride_t;
+    for (int64_t h = 0; h < hk; h++) {
+        double norm = 0.0;
+        for (int64_t j = h * dc; j < (h + 1) * dc; j++) {
+            u[j] = load(a->x, (int)a->x_dtype, row + j);
+            norm += u[j] * u[j];
+        }
+        const double denominator = sqrt(norm) > 1e-12 ? sqrt(norm) : 1e-12;
+        m->den[t * hk + h] = denominator;
+        for (int64_t j = h * dc; j < (h + 1) * dc; j++) u[j] /= denominator;
+    }
+    if (p->projection == PROJ_LOW_RANK) {
+        for (int64_t h = 0; h < hk; h++) {
+            for (int64_t q = 0; q < rank; q++) low[h * rank + q] = dot(down + (h * rank + q) * dc, u + h * dc, dc);
+            for (int64_t i = 0; i < r; i++) c[h * r + i] = dot(up + (h * r + i) * rank, low + h * rank, rank);
+        }
+    } else if (p->projection == PROJ_DENSE_LOW_RANK) {
+        for (int64_t q = 0; q < rank; q++) low[q] = dot(down + q * hidden, u, hidden);
+        for (int64_t i = 0; i < channels; i++) c[i] = dot(up + i * rank, low, rank);
+    } else if (p->projection == PROJ_SCALAR) {
+        for (int64_t h = 0; h < hk; h++) {
+            low[h] = dot(down + h * dc, u + h * dc, dc);
+            for (int64_t i = 0; i < r; i++) c[h * r + i] = low[h];
+        }
+    }
+    if (p->gate_layers > 0) {
+        const double *w1 = p->gate_w1, *w2 = p->gate_w2;
+        double *g = m->g + t * p->gate_width, *glow = m->glow + t * p->gate_rank;
+        for (int64_t q = 0; q < p->gate_rank; q++) glow[q] = dot(w1 + q * hidden, u, hidden);
+        for (int64_t o = 0; o < p->gate_width; o++) {
+            const double z = p->gate_layers == 1 ? dot(w1 + o * hidden, u, hidden) + ((const double *)p->gate_b1)[o]
+                                                 : dot(w2 + o * p->gate_rank, glow, p->gate_rank)
+                                                   + ((const double *)p->gate_b2)[o];
+            g[o] = sigmoid(z);
+        }
+    }
+}
+
+/* Step 2 for up to LANES tokens [t0, t0 + n) of row b: dq, dk, and d θ_t (into dy) from the rows' gradients. */
+HOT static void tokens_rotation_backward(const Parameters *p, const Backward *a, RowMemory *m, const double *turns,
+                                         double *d_turns, int64_t b, int64_t seq_len, int64_t t0, int64_t n) {
+    const int64_t hq = p->num_query_heads, hk = p->num_key_heads, head_dim = p->head_dim, r = p->rotary_pairs;
+    const int64_t channels = hk * r, groups = hq / hk;
+    const int qd = (int)a->qk_dtype;
+    cos_sin(m->theta + t0 * channels, turns, n, r, channels, m->angle, m->cos, m->sin);
+    for (int64_t l = 0; l < n; l++) {
+        const int64_t t = t0 + l;
+        for (int64_t i = 0; i < channels; i++) m->dcos[i] = m->dsin[i] = 0.0;
+        for (int64_t head = 0; head < hq + hk; head++) {  /* query heads, then key heads */
+            const int is_query = head < hq;
+            const int64_t key_head = is_query ? head / groups : head - hq;
+            const int64_t src = is_query ? b * a->q_stride_b + t * a->q_stride_t + head * a->q_stride_h
+                                         : b * a->k_stride_b + t * a->k_stride_t + key_head * a->k_stride_h;
+            const int64_t dst = is_query ? ((b * seq_len + t) * hq + head) * head_dim
+                                         : ((b * seq_len + t) * hk + key_head) * head_dim;
+            const void *x = is_query ? a->q : a->k, *dy = is_query ? a->grad_q : a->grad_k;
+            void *dx = is_query ? a->dq : a->dk;
+            const float *cos = m->cos + l * channels + key_head * r, *sin = m->sin + l * channels + key_head * r;
+            double *dcos = m->dcos + key_head * r, *dsin = m->dsin + key_head * r;
+            for (int64_t i = 0; i < r; i++) {  /* y1 = x1 cos - x2 sin, y2 = x1 sin + x2 cos, in float32 */
+                const float x1 = (float)load(x, qd, src + i), x2 = (float)load(x, qd, src + r + i);
+                const float g1 = (float)load(dy, qd, dst + i), g2 = (float)load(dy, qd, dst + r + i);
+                store(dx, qd, dst + i, g1 * cos[i] + g2 * sin[i]);
+                store(dx, qd, dst + r + i, g2 * cos[i] - g1 * sin[i]);
+                dcos[i] += (double)(g1 * x1 + g2 * x2);
+                dsin[i] += (double)(g2 * x1 - g1 * x2);
+            }
+            for (int64_t i = 2 * r; i < head_dim; i++) store(dx, qd, dst + i, (float)load(dy, qd, dst + i));
+        }
+        const double *theta = m->theta + t * channels;
+        double *d_theta = m->dy + t * channels;
+        for (int64_t h = 0; h < hk; h++)
+            for (int64_t i = 0; i < r; i++) {  /* angle = 2π frac(θ τ / 2π): d angle / d θ = τ, / d τ = θ */
+                const int64_t at = l * channels + h * r + i;
+                const double d_angle = (double)m->cos[at] * m->dsin[h * r + i] - (double)m->sin[at] * m->dcos[h * r + i];
+                d_theta[h * r + i] = d_angle * turns[i] * TWO_PI;
+                d_turns[i] += d_angle * theta[h * r + i];
+            }
+    }
+}
+
+/* Row b, all three steps; the parameters' gradients added to m->grads. */
+HOT static void row_backward(const Parameters *p, const Backward *a, RowMemory *m, const double *turns,
+                             const double *exp_bias, const double *taps, int64_t b, int64_t seq_len) {
+    const int64_t hk = p->num_key_heads, r = p->rotary_pairs, dc = p->chunk_dim, hidden = hk * dc;
+    const int64_t channels = hk * r, rank = p->proj_rank, lows = low_size(p), size = p->conv_size;
+    const int64_t width = p->gate_width, grank = p->gate_rank, per_gate = width == hk ? r : 1;
+    const int64_t length = a->lengths ? (a->lengths[b] < seq_len ? a->lengths[b] : seq_len) : seq_len;
+    const int selective = p->projection != PROJ_ONE;
+    double *at[PARAMETER_BLOCKS];
+    gradient_fields(p, m->grads, at);
+    /* step 1 */
+    for (int64_t t = 0; selective && t < length; t++) token_phase_inputs(p, a, m, b, t);
+    for (int64_t t = 0; selective && t < length; t++)
+        for (int64_t i = 0; i < channels; i++) {  /* the convolution's input, pre-activation */
+            double y = 0.0;
+            if (p->convolution == CONV_NONE) y = m->a[t * channels + i];
+            for (int64_t j = 0; p->convolution != CONV_NONE && j < size; j++) {
+                const int64_t s = t - (size - 1) + j;
+                if (s >= 0) y += m->a[s * channels + i] * taps[i * size + j];
+            }
+            m->y[t * channels + i] = y;
+        }
+    for (int64_t t = 0; t < seq_len; t++)
+        for (int64_t i = 0; i < channels; i++) {
+            const double before = t > 0 ? m->theta[(t - 1) * channels + i]
+                                  : a->phase ? a->phase[b * a->phase_stride_b + (i / r) * a->phase_stride_h
+                                                        + (i % r) * a->phase_stride_r] : 0.0;
+            m->theta[t * channels + i] = (double)a->inc[(b * seq_len + t) * channels + i] + before;
+        }
+    /* step 2: d θ_t into dy, then its reverse cumulative sum (with the final phase's gradient on the last token) */
+    for (int64_t t0 = 0; t0 < seq_len; t0 += LANES)
+        tokens_rotation_backward(p, a, m, turns, at[0], b, seq_len, t0, seq_len - t0 < LANES ? seq_len - t0 : LANES);
+    for (int64_t i = 0; i < channels; i++) {
+        double sum = a->grad_final ? a->grad_final[b * channels + i] : 0.0;
+        for (int64_t t = seq_len - 1; t >= 0; t--) m->dy[t * channels + i] = sum += m->dy[t * channels + i];
+        if (a->d_phase) a->d_phase[b * channels + i] = sum;
+    }
+    for (int64_t j = length * hidden; selective && j < seq_len * hidden; j++)  /* pads: x does not reach the phase */
+        store(a->dx, (int)a->x_dtype, b * seq_len * hidden + j, 0.0f);
+    if (!selective) return;
+    /* step 3: d c_t -> d (activation output + bias), d gate logits (into g), d convolution output (into dy) */
+    double *d_bias = at[4], *d_taps = at[3];
+    for (int64_t t = 0; t < length; t++) {
+        double *dy = m->dy + t * channels, *g = m->g + t * width;
+        const double *y = m->y + t * channels;
+        double d_gate[width > 0 ? width : 1];
+        for (int64_t o = 0; o < width; o++) d_gate[o] = 0.0;
+        for (int64_t i = 0; i < channels; i++) {
+            double out = y[i], slope = 1.0;
+            if (p->conv_silu) {
+                const double s = sigmoid(y[i]);
+                out = y[i] * s;
+                slope = s * (1.0 + y[i] * (1.0 - s));
+            }
+            if (p->bias) out += exp_bias[i];
+            double d_pre = dy[i];
+            if (width > 0) {
+                d_gate[i / per_gate] += dy[i] * out;
+                d_pre *= g[i / per_gate];
+            }
+            if (p->bias) d_bias[i] += d_pre * exp_bias[i];  /* d b = d exp(b) · exp(b) */
+            dy[i] = d_pre * slope;
+        }
+        for (int64_t o = 0; o < width; o++) g[o] = d_gate[o] * g[o] * (1.0 - g[o]);  /* σ' = σ (1 - σ) */
+    }
+    /* the convolution's backward: d a_s = Σ_j tap_j d y_{s+K-1-j}, d tap_j = Σ_t d y_t a_{t-K+1+j} */
+    double *da = m->dy;
+    if (p->convolution != CONV_NONE) {
+        da = m->da;
+        for (int64_t t = 0; t < length; t++)
+            for (int64_t i = 0; i < channels; i++) {
+                double sum = 0.0;
+                for (int64_t j = 0; j < size; j++) {
+                    const int64_t later = t + size - 1 - j, earlier = t - (size - 1) + j;
+                    if (later < length) sum += taps[i * size + j] * m->dy[later * channels + i];
+                    if (d_taps && earlier >= 0) d_taps[i * size + j] += m->dy[t * channels + i] * m->a[earlier * channels + i];
+                }
+                da[t * channels + i] = sum;
+            }
+    }
+    /* the projection's and the gate's backward, then the normalisation's: dx */
+    const double *down = p->proj_a, *up = p->proj_b, *w1 = p->gate_w1, *w2 = p->gate_w2;
+    double *d_down = at[1], *d_up = at[2], *d_w1 = at[5], *d_b1 = at[6], *d_w2 = at[7], *d_b2 = at[8];
+    const int xd = (int)a->x_dtype;
+    for (int64_t t = 0; t < length; t++) {
+        const double *u = m->u + t * hidden, *low = m->low + t * lows, *d_a = da + t * channels;
+        const double *dz = m->g + t * width, *glow = m->glow + t * grank;
+        double *du = m->du;
+        for (int64_t j = 0; j < hidden; j++) du[j] = 0.0;
+        if (p->projection == PROJ_LOW_RANK || p->projection == PROJ_DENSE_LOW_RANK) {
+            const int dense = p->projection == PROJ_DENSE_LOW_RANK;
+            const int64_t heads = dense ? 1 : hk, outs = dense ? channels : r, ins = dense ? hidden : dc;
+            for (int64_t h = 0; h < heads; h++) {
+                double *dlow = m->dlow;
+                for (int64_t q = 0; q < rank; q++) dlow[q] = 0.0;
+                for (int64_t i = 0; i < outs; i++) {
+                    const int64_t o = h * outs + i;
+                    axpy(dlow, d_a[o], up + o * rank, rank);
+                    axpy(d_up + o * rank, d_a[o], low + h * rank, rank);
+                }
+                for (int64_t q = 0; q < rank; q++) {
+                    const int64_t o = h * rank + q;
+                    axpy(d_down + o * ins, dlow[q], u + h * ins, ins);
+                    axpy(du + h * ins, dlow[q], down + o * ins, ins);
+                }
+            }
+        } else {  /* scalar: one value per head, shared by its frequencies */
+            for (int64_t h = 0; h < hk; h++) {
+                double d_s = 0.0;
+                for (int64_t i = 0; i < r; i++) d_s += d_a[h * r + i];
+                axpy(d_down + h * dc, d_s, u + h * dc, dc);
+                axpy(du + h * dc, d_s, down + h * dc, dc);
+            }
+        }
+        if (p->gate_layers == 1) {
+            for (int64_t o = 0; o < width; o++) {
+                axpy(d_w1 + o * hidden, dz[o], u, hidden);
+                d_b1[o] += dz[o];
+                axpy(du, dz[o], w1 + o * hidden, hidden);
+            }
+        } else if (p->gate_layers == 2) {
+            double *dglow = m->dglow;
+            for (int64_t q = 0; q < grank; q++) dglow[q] = 0.0;
+            for (int64_t o = 0; o < width; o++) {
+                axpy(dglow, dz[o], w2 + o * grank, grank);
+                axpy(d_w2 + o * grank, dz[o], glow, grank);
+                d_b2[o] += dz[o];
+            }
+            for (int64_t q = 0; q < grank; q++) {
+                axpy(d_w1 + q * hidden, dglow[q], u, hidden);
+                axpy(du, dglow[q], w1 + q * hidden, hidden);
+            }
+        }
+        for (int64_t h = 0; h < hk; h++) {  /* dx = (du - u (u . du)) / |x|, or du / 1e-12 under the clamp */
+            const double denominator = m->den[t * hk + h];
+            const double along = denominator > 1e-12 ? dot(u + h * dc, du + h * dc, dc) : 0.0;
+            for (int64_t j = h * dc; j < (h + 1) * dc; j++)
+                store(a->dx, xd, (b * seq_len + t) * hidden + j, (float)((du[j] - u[j] * along) / denominator));
+        }
+    }
+}
+
+#define BACKWARD_PARTS 16  /* rows are split into at most this many parts, whatever the number of threads */
+
+/* The entry point of the backward. `call` as selective_rope_rotary's for B, T, x, q, k and their strides (entries
+   0-14, the same order), then: grad_q, grad_k, inc, phase and its strides (B, H, R), grad_final, lengths, dx, dq, dk,
+   d_phase, d_params (0 for NULL), threads. Returns 0, 1 without memory, 2 for a projection it has no backward for. */
+int selective_rope_rotary_backward(const Parameters *given, const int64_t *call) {
+#define POINTER(i) ((void *)(intptr_t)call[i])
+    const Backward a = {POINTER(2), POINTER(6), POINTER(7), call[3], call[8], call[4], call[5], call[9], call[10],
+                        call[11], call[12], call[13], call[14], POINTER(15), POINTER(16), POINTER(17), POINTER(18),
+                        call[19], call[20], call[21], POINTER(22), POINTER(23), POINTER(24), POINTER(25), POINTER(26),
+                        POINTER(27), POINTER(28)};
+#undef POINTER
+    const int64_t batch = call[0], seq_len = call[1];
+    int64_t threads = call[29];
+    if (given->projection == PROJ_FULL_RANK) return 2;
+    Parameters wide;
+    double *widened = NULL;
+    if (given->param_dtype == F32) {
+        widened = widen_parameters(given, &wide);
+        if (!widened) return 1;
+    }
+    const Parameters *p = widened ? &wide : given;
+    const int64_t r = p->rotary_pairs, channels = p->num_key_heads * r, count = parameter_count(p);
+    double *constants = malloc(sizeof(double) * (size_t)(r + channels + channels * p->conv_size));
+    if (!constants) { free(widened); return 1; }
+    double *turns = constants, *exp_bias = turns + r, *taps = exp_bias + channels;
+    for (int64_t i = 0; i < r; i++) turns[i] = ((const double *)p->temperature)[i] / TWO_PI;
+    for (int64_t i = 0; p->bias && i < channels; i++) exp_bias[i] = exp(((const double *)p->bias)[i]);
+    for (int64_t i = 0; i < channels * p->conv_size; i++)  /* the difference: (-1, 1) */
+        taps[i] = p->convolution == CONV_LEARNED ? ((const double *)p->conv_taps)[i] : i % 2 ? 1.0 : -1.0;
+    const int parts = batch < BACKWARD_PARTS ? (int)batch : BACKWARD_PARTS;
+    double *sums = calloc((size_t)(parts * count > 0 ? parts * count : 1), sizeof(double));
+    int failed = !sums;
+#ifndef _OPENMP
+    threads = 1;
+#endif
+    threads = threads < parts ? threads : parts;
+#pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static, 1) reduction(| : failed)
+    for (int part = 0; part < parts; part++) {
+        RowMemory m;
+        if (failed || row_memory_alloc(p, seq_len, &m)) { failed = 1; continue; }
+        for (int64_t b = batch * part / parts; b < batch * (part + 1) / parts; b++)
+            row_backward(p, &a, &m, turns, exp_bias, taps, b, seq_len);
+        memcpy(sums + part * count, m.grads, sizeof(double) * (size_t)count);
+        row_memory_free(&m);
+    }
+    if (!failed)
+        for (int64_t j = 0; j < count; j++) {  /* the parts' sums, in order */
+            double total = 0.0;
+            for (int part = 0; part < parts; part++) total += sums[part * count + j];
+            a.d_params[j] = total;
+        }
+    free(sums);
+    free(constants);
+    free(widened);
+    return failed;
+}
+
 """
 
 
@@ -675,6 +1083,7 @@ _OPENMP_FLAG = "-fopenmp"
 
 _lock = threading.Lock()
 _kernel = None  # the loaded C function, False once loading failed, None before the first try
+_training = {}  # the training forward and backward of the same library, by name, once it is loaded
 
 
 def enabled() -> bool:
@@ -761,8 +1170,13 @@ def load_kernel():
             try:
                 if compiler is None:
                     raise RuntimeError("no C compiler found (set $CC, or install cc, gcc or clang)")
-                function = ctypes.CDLL(str(build(cache_dir(), compiler))).selective_rope_rotary
+                library = ctypes.CDLL(str(build(cache_dir(), compiler)))
+                function = library.selective_rope_rotary
                 function.argtypes, function.restype = _ARGTYPES, ctypes.c_int
+                for name, argtypes in (("selective_rope_rotary_train", _ARGTYPES + [ctypes.c_void_p]),
+                                       ("selective_rope_rotary_backward", _ARGTYPES)):
+                    _training[name] = getattr(library, name)
+                    _training[name].argtypes, _training[name].restype = argtypes, ctypes.c_int
                 _kernel = function
             # AttributeError: a library that loads but lacks our function
             except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as error:
@@ -882,6 +1296,9 @@ class RotaryPlan:
             _pointer(w1), _pointer(b1), _pointer(w2), _pointer(b2))
         self.parameters_ref = ctypes.byref(self.parameters)
         self.has_conv = conv_kind is not None
+        # Every parameter in the order of the C code's gradient blocks (``parameter_blocks``; None where absent)
+        self.gradient_order = (temperature, proj_a, proj_b, conv_weight, bias, w1, b1, w2, b2)
+        self.trainable = kind != "full_rank"  # the C backward has no weight normalisation
 
     def current(self) -> bool:
         """Whether every parameter tensor still has the storage it had when planned."""
@@ -892,12 +1309,9 @@ class RotaryPlan:
 
     def try_call(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, phase: torch.Tensor | None = None,
                  conv_state: torch.Tensor | None = None, lengths: torch.Tensor | None = None, *,
-                 overwrite_state: bool = False):
+                 overwrite_state: bool = False, increments: torch.Tensor | None = None):
         """The rotary module's inference forward for every row, or ``None`` where this plan does not take the call
-        (the caller then runs its torch path): x, q or k not plain CPU tensors (``readable``) of a dtype it reads
-        (float32, float64, bfloat16; q and k alike) with a contiguous last dim, a state or lengths not plain
-        (``readable``), no tokens, a parameter's storage replaced since planning (``current``), or no compiled
-        library.
+        (the caller then runs its torch path; see ``takes``) or there are no tokens.
 
         Args:
             x: ``(B, T, hidden_size)`` the mixer input (read by Selective RoPE only); q: ``(B, T, Hq, D)``;
@@ -912,25 +1326,19 @@ class RotaryPlan:
                 are contiguous (else into new tensors), for a caller that owns them and keeps only the new state (the
                 model's cache). In a decoding step this saves two allocations and frees per layer, measurably (~2 %
                 of a GLA step, issue 21).
+            increments: a contiguous ``(B, T, Hk*R)`` float32 tensor to receive the increments ``c_t`` the phase
+                summed (a training forward keeps them for ``backward``), or ``None``.
 
         Returns:
             Rotated q and k (new contiguous tensors, input dtype), the new phase ``(B, Hk, R)`` and the new history
             ``(B, K-1, Hk*R)`` (``None`` without convolution), float64: new tensors, or ``phase`` and ``conv_state``
             themselves where overwritten. Raises ``ValueError`` for shapes or states that do not fit the plan.
         """
-        qk_dtype, x_dtype = DTYPE_CODES.get(q.dtype), DTYPE_CODES.get(x.dtype)
-        if (qk_dtype is None or x_dtype is None or k.dtype != q.dtype or not (readable(x) and readable(q)
-                                                                               and readable(k))):
+        if not self.takes(x, q, k, phase, conv_state, lengths):
             return None
+        kernel = load_kernel() if increments is None else _training["selective_rope_rotary_train"]
+        qk_dtype, x_dtype = DTYPE_CODES[q.dtype], DTYPE_CODES[x.dtype]
         x_strides, q_strides, k_strides = x.stride(), q.stride(), k.stride()  # (each call costs: a decoding step)
-        if x_strides[-1] != 1 or q_strides[-1] != 1 or k_strides[-1] != 1 or not self.current():
-            return None
-        for state in (phase, conv_state, lengths):  # values the C code cannot read as they are: the torch path
-            if state is not None and not readable(state):
-                return None
-        kernel = load_kernel()
-        if kernel is None:
-            return None
         num_query_heads, num_key_heads, head_dim, rotary_pairs, hidden_size, history = self.sizes
         batch, seq_len = q.shape[:2]
         if (q.shape, k.shape, x.shape) != ((batch, seq_len, num_query_heads, head_dim),
@@ -966,7 +1374,69 @@ class RotaryPlan:
                                  *((0, 0, 0, 0) if phase is None else (phase.data_ptr(), *phase.stride())),
                                  new_phase.data_ptr(), _pointer(conv_state), _pointer(new_history), _pointer(lengths),
                                  torch.get_num_threads() if seq_len > 1 else 1))
-        status = kernel(self.parameters_ref, call.buffer_info()[0])  # (the C entry point lists the order)
+        if increments is None:
+            status = kernel(self.parameters_ref, call.buffer_info()[0])  # (the C entry point lists the order)
+        else:
+            if increments.shape != (batch, seq_len, num_key_heads * rotary_pairs) or not increments.is_contiguous():
+                raise ValueError(f"increments must be a contiguous ({batch}, {seq_len}, "
+                                 f"{num_key_heads * rotary_pairs}) float32 tensor")
+            status = kernel(self.parameters_ref, call.buffer_info()[0], increments.data_ptr())
         if status != 0:
             raise MemoryError("the compiled CPU rotary kernel could not allocate its scratch memory")
         return q_out, k_out, new_phase, new_history
+
+    def takes(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *states: torch.Tensor | None) -> bool:
+        """Whether ``try_call`` takes these tensors (else it returns ``None``): x, q and k plain CPU tensors
+        (``readable``) of a dtype it reads (float32, float64, bfloat16; q and k alike) with a contiguous last dim,
+        the states and lengths plain (``readable``) or ``None``, every parameter's storage the planned one
+        (``current``), and the compiled library loaded."""
+        if (DTYPE_CODES.get(q.dtype) is None or DTYPE_CODES.get(x.dtype) is None or k.dtype != q.dtype
+                or not (readable(x) and readable(q) and readable(k))):
+            return False
+        if x.stride()[-1] != 1 or q.stride()[-1] != 1 or k.stride()[-1] != 1 or not self.current():
+            return False
+        for state in states:  # values the C code cannot read as they are: the torch path
+            if state is not None and not readable(state):
+                return False
+        return load_kernel() is not None
+
+    def backward(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, grad_q: torch.Tensor,
+                 grad_k: torch.Tensor, increments: torch.Tensor, phase: torch.Tensor | None,
+                 grad_final_phase: torch.Tensor | None, lengths: torch.Tensor | None, *, phase_grad: bool):
+        """The gradients of a training forward (``try_call`` with ``increments``, no convolution state) that took
+        x, q, k, ``phase`` and ``lengths`` and kept ``increments``: from those of the rotated q and k (``grad_q``,
+        ``grad_k``: contiguous, q's dtype) and of the final phase (``(B, Hk, R)`` float64, or ``None``).
+
+        Returns ``dx`` (x's dtype), ``dq``, ``dk`` (q's), ``d phase`` (``(B, Hk, R)`` float64; ``None`` unless
+        ``phase_grad``) and the parameters' gradients in float64, one per ``gradient_order`` entry (``None`` where
+        absent). Runs on ``torch.get_num_threads()`` threads; the results do not depend on their number."""
+        if not self.trainable:
+            raise ValueError("this plan's projection has no compiled backward (full_rank)")
+        num_query_heads, num_key_heads, head_dim, rotary_pairs, hidden_size, _ = self.sizes
+        batch, seq_len = q.shape[:2]
+        channels = num_key_heads * rotary_pairs
+        for name, tensor in (("grad_q", grad_q), ("grad_k", grad_k), ("increments", increments)):
+            if not tensor.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
+        if grad_final_phase is not None and (grad_final_phase.dtype != torch.float64
+                                             or not grad_final_phase.is_contiguous()):
+            raise ValueError("grad_final_phase must be a contiguous float64 tensor")
+        dx = torch.empty((batch, seq_len, hidden_size), dtype=x.dtype, device="cpu")
+        dq, dk = torch.empty_like(grad_q), torch.empty_like(grad_k)
+        d_phase = torch.empty((batch, num_key_heads, rotary_pairs), dtype=torch.float64) if phase_grad else None
+        sizes = [0 if t is None else t.numel() for t in self.gradient_order]
+        d_params = torch.empty(max(sum(sizes), 1), dtype=torch.float64)
+        call = array.array("q", (batch, seq_len, x.data_ptr(), DTYPE_CODES[x.dtype], *x.stride()[:2], q.data_ptr(),
+                                 k.data_ptr(), DTYPE_CODES[q.dtype], *q.stride()[:3], *k.stride()[:3],
+                                 grad_q.data_ptr(), grad_k.data_ptr(), increments.data_ptr(),
+                                 *((0, 0, 0, 0) if phase is None else (phase.data_ptr(), *phase.stride())),
+                                 _pointer(grad_final_phase), _pointer(lengths), dx.data_ptr(), dq.data_ptr(),
+                                 dk.data_ptr(), _pointer(d_phase), d_params.data_ptr(), torch.get_num_threads()))
+        status = _training["selective_rope_rotary_backward"](self.parameters_ref, call.buffer_info()[0])
+        if status != 0:
+            raise MemoryError("the compiled CPU rotary backward could not allocate its scratch memory")
+        grads, offset = [], 0
+        for tensor, size in zip(self.gradient_order, sizes):
+            grads.append(None if tensor is None else d_params[offset:offset + size].view(tensor.shape))
+            offset += size
+        return dx, dq, dk, d_phase, grads
