@@ -228,12 +228,12 @@ def cpu_kernel_call(module: PhasePath, x, q, k, state, lengths, overwrite_state=
 def cpu_training_call(module: PhasePath, x, q, k, state, lengths):
     """A sequence with autograd as the compiled training forward and backward (``rotary_cpu_train``: the inference
     kernel's forward, bit for bit, and a C backward), or ``None`` where the torch path must run instead: what
-    ``cpu_kernel_call`` declines, a projection without a compiled backward (``full_rank``), or a convolution history
-    to start from (the compiled backward starts each row's convolution afresh)."""
+    ``cpu_kernel_call`` declines, or a convolution history to start from (the compiled backward starts each row's
+    convolution afresh)."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing():
         return None
     plan = cpu_plan(module, (x.shape[-1], q.shape[2], q.shape[3]))
-    if plan is None or not plan.trainable or (plan.has_conv and state.get("phase_conv") is not None):
+    if plan is None or (plan.has_conv and state.get("phase_conv") is not None):
         return None
     phase = state.get("phase")
     if phase is not None and phase.dtype != torch.float64:

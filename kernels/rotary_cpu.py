@@ -667,13 +667,14 @@ int selective_rope_rotary_train(const Parameters *p, const int64_t *call, float 
     return rotary(p, &tensors, call[0], call[1], call[25]);
 }
 /* ---- Training: the backward of the forward above (selective_rope_rotary_train). ----
-   One pass per row in three steps: (1) the phase path recomputed token by token from x (u, the projection, the
-   convolution, the gate: float64, as the forward; the phase itself is summed from the forward's own increments, so
-   every angle, cos and sin is the one the forward used); (2) backwards over the tokens, the rotation's gradient (dq,
-   dk and d angle), d θ = τ d angle and its reverse cumulative sum, d c_t; (3) forwards again, d c_t back through the
-   gate, bias, activation, convolution, projection and normalisation to dx, the parameters' gradients summed in
-   float64. The rows are split into a fixed number of parts (not one per thread), each summing its own gradients,
-   added in part order: the results do not depend on the number of threads. */
+   Per row, in three steps: (1) the phase path recomputed token by token from x (u, the projection, the convolution,
+   the gate: float64, as the forward; the phase itself is summed from the forward's own increments, so every angle,
+   cos and sin is the one the forward used); (2) backwards over the tokens, the rotation's gradient (dq, dk and
+   d angle), d θ = τ d angle and its reverse cumulative sum, d c_t; (3) d c_t back through the gate, bias,
+   activation, convolution, projection and normalisation to dx, then the weights' gradients as sums over the row's
+   tokens (each gradient row held in registers while the tokens stream past). Everything in float64. The rows are
+   split into a fixed number of parts (not one per thread), each summing its own gradients, added in part order: the
+   results do not depend on the number of threads. */
 
 /* One call's tensors (the Python wrapper's int64 array, see selective_rope_rotary_backward). */
 typedef struct {
@@ -691,16 +692,19 @@ typedef struct {
     double *d_params;  /* every parameter's gradient, one after another in parameter_blocks' order */
 } Backward;
 
-/* Sizes of the phase path's per-token values. */
-static int64_t low_size(const Parameters *p) {
-    if (p->projection == PROJ_LOW_RANK) return p->num_key_heads * p->proj_rank;
-    if (p->projection == PROJ_DENSE_LOW_RANK) return p->proj_rank;
-    if (p->projection == PROJ_SCALAR) return p->num_key_heads;
-    return 0;
-}
+/* The weights as the backward reads them, float64: the projection as (heads, outs, ins) matrices (low rank: down
+   and up per head; dense: one head; full rank: scale · w / |w|, one matrix per head; scalar: (Hk, 1, Dc)) and every
+   matrix also transposed, so that a product over a token's inputs is a sum of rows (vectorised, no horizontal sums;
+   each output summed over its inputs in order, as the forward's matvec). */
+typedef struct {
+    int64_t heads, ins, lows, outs;  /* low rank: down (heads, lows, ins), up (heads, outs, lows); else proj (heads,
+                                        outs, ins) with lows = 0 */
+    double *down, *down_t, *up, *up_t, *gate1_t, *gate2_t, *proj_norm;  /* proj_norm: full rank's |w| (clamped) */
+    double *turns, *exp_bias, *taps;  /* τ / 2π (R); exp(b) (Hk*R); the taps (Hk*R, K) */
+} Weights;
 
-HOT static double dot(const double *a, const double *b, int64_t n) {
-    lanes_t sum = {0};  /* LANES partial sums: vectorised (a gradient's rounding, not the forward's, matters here) */
+__attribute__((always_inline)) static inline double dot(const double *a, const double *b, int64_t n) {
+    lanes_t sum = {0};
     int64_t j = 0;
     for (; j + LANES <= n; j += LANES) {
         lanes_t x, y;
@@ -714,17 +718,120 @@ HOT static double dot(const double *a, const double *b, int64_t n) {
     return total;
 }
 
-HOT static void axpy(double *y, double alpha, const double *x, int64_t n) {
-    for (int64_t j = 0; j < n; j++) y[j] += alpha * x[j];
+/* dot and row_sum are inlined into their HOT callers, so each of the callers' versions vectorises them for its
+   CPU. */
+/* ROWS_SUM rows of a weight's gradient, sharing their inputs: acc[q * n + :n] += Σ_t alpha[t * alpha_stride + q]
+   x[t * x_stride + :n] over `count` tokens. Sixteen numbers of each row at a time are held in registers while the
+   tokens stream past, each token's inputs loaded once for all the rows. */
+#define ROWS_SUM 4
+__attribute__((always_inline)) static inline void rows_sum(double *acc, const double *alpha, int64_t alpha_stride,
+                                                           const double *x, int64_t x_stride, int64_t count,
+                                                           int64_t n) {
+    int64_t j = 0;
+    for (; j + 2 * LANES <= n; j += 2 * LANES) {
+        lanes_t s0[ROWS_SUM], s1[ROWS_SUM], v0, v1;
+        for (int q = 0; q < ROWS_SUM; q++) {
+            memcpy(&s0[q], acc + q * n + j, sizeof v0);
+            memcpy(&s1[q], acc + q * n + j + LANES, sizeof v1);
+        }
+        for (int64_t t = 0; t < count; t++) {
+            memcpy(&v0, x + t * x_stride + j, sizeof v0);
+            memcpy(&v1, x + t * x_stride + j + LANES, sizeof v1);
+            for (int q = 0; q < ROWS_SUM; q++) {
+                const double al = alpha[t * alpha_stride + q];
+                s0[q] += al * v0;
+                s1[q] += al * v1;
+            }
+        }
+        for (int q = 0; q < ROWS_SUM; q++) {
+            memcpy(acc + q * n + j, &s0[q], sizeof v0);
+            memcpy(acc + q * n + j + LANES, &s1[q], sizeof v1);
+        }
+    }
+    for (; j < n; j++)
+        for (int q = 0; q < ROWS_SUM; q++) {
+            double sum = acc[q * n + j];
+            for (int64_t t = 0; t < count; t++) sum += alpha[t * alpha_stride + q] * x[t * x_stride + j];
+            acc[q * n + j] = sum;
+        }
+}
+
+/* The same for a gradient of `rows` rows (n numbers each), ROWS_SUM rows at a time, the last ones one by one. */
+__attribute__((always_inline)) static inline void matrix_sum(double *acc, int64_t rows, int64_t n, const double *alpha,
+                                                             int64_t alpha_stride, const double *x, int64_t x_stride,
+                                                             int64_t count) {
+    int64_t q = 0;
+    for (; q + ROWS_SUM <= rows; q += ROWS_SUM) rows_sum(acc + q * n, alpha + q, alpha_stride, x, x_stride, count, n);
+    for (; q < rows; q++)
+        for (int64_t t = 0; t < count; t++) {
+            const double al = alpha[t * alpha_stride + q];
+            for (int64_t j = 0; j < n; j++) acc[q * n + j] += al * x[t * x_stride + j];
+        }
+}
+
+static double *transposed(const double *w, int64_t heads, int64_t rows, int64_t cols, double *out) {
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t i = 0; i < rows; i++)
+            for (int64_t j = 0; j < cols; j++) out[(h * cols + j) * rows + i] = w[(h * rows + i) * cols + j];
+    return out;
+}
+
+/* Weights for p (float64 parameters), in one block returned for the caller to free (NULL without memory). */
+static double *backward_weights(const Parameters *p, Weights *w) {
+    const int64_t hk = p->num_key_heads, r = p->rotary_pairs, dc = p->chunk_dim, hidden = hk * dc, channels = hk * r;
+    const int64_t kind = p->projection, rank = p->proj_rank, width = p->gate_width, grank = p->gate_rank;
+    *w = (Weights){0};
+    if (kind == PROJ_LOW_RANK) *w = (Weights){hk, dc, rank, r};
+    if (kind == PROJ_DENSE_LOW_RANK) *w = (Weights){1, hidden, rank, channels};
+    if (kind == PROJ_FULL_RANK) *w = (Weights){hk, dc, 0, r};
+    if (kind == PROJ_SCALAR) *w = (Weights){hk, dc, 0, 1};
+    const int64_t proj = w->heads * (w->lows ? w->lows * w->ins + w->outs * w->lows : w->outs * w->ins);
+    const int64_t gate = (p->gate_layers == 1 ? width * hidden : grank * hidden + width * grank);
+    double *block = malloc(sizeof(double) * (size_t)(2 * proj + gate + channels + r + channels + channels * p->conv_size
+                                                     + 1));
+    if (!block) return NULL;
+    double *next = block;
+    if (w->lows) {  /* low rank, one head or each head */
+        w->down = (double *)p->proj_a, w->up = (double *)p->proj_b;
+        w->down_t = transposed(w->down, w->heads, w->lows, w->ins, next), next += w->heads * w->lows * w->ins;
+        w->up_t = transposed(w->up, w->heads, w->outs, w->lows, next), next += w->heads * w->outs * w->lows;
+    } else if (kind != PROJ_ONE) {  /* one matrix per head (full rank: weight-normalised) */
+        w->down = next, next += w->heads * w->outs * w->ins;
+        w->proj_norm = next, next += w->heads * w->outs;
+        for (int64_t o = 0; o < w->heads * w->outs; o++) {
+            const double *row = (const double *)p->proj_a + o * w->ins;
+            double norm = 0.0;
+            for (int64_t j = 0; j < w->ins; j++) norm += row[j] * row[j];
+            norm = sqrt(norm);
+            w->proj_norm[o] = norm > 1e-12 ? norm : 1e-12;
+            const double factor = kind == PROJ_FULL_RANK ? ((const double *)p->proj_b)[o] / w->proj_norm[o] : 1.0;
+            for (int64_t j = 0; j < w->ins; j++) w->down[o * w->ins + j] = factor * row[j];
+        }
+        w->down_t = transposed(w->down, w->heads, w->outs, w->ins, next), next += w->heads * w->outs * w->ins;
+    }
+    if (p->gate_layers == 1) {
+        w->gate1_t = transposed(p->gate_w1, 1, width, hidden, next), next += width * hidden;
+    } else if (p->gate_layers == 2) {
+        w->gate1_t = transposed(p->gate_w1, 1, grank, hidden, next), next += grank * hidden;
+        w->gate2_t = transposed(p->gate_w2, 1, width, grank, next), next += width * grank;
+    }
+    w->turns = next, next += r;
+    w->exp_bias = next, next += channels;
+    w->taps = next;
+    for (int64_t i = 0; i < r; i++) w->turns[i] = ((const double *)p->temperature)[i] / TWO_PI;
+    for (int64_t i = 0; p->bias && i < channels; i++) w->exp_bias[i] = exp(((const double *)p->bias)[i]);
+    for (int64_t i = 0; i < channels * p->conv_size; i++)  /* the difference: (-1, 1) */
+        w->taps[i] = p->convolution == CONV_LEARNED ? ((const double *)p->conv_taps)[i] : i % 2 ? 1.0 : -1.0;
+    return block;
 }
 
 /* One part's memory: the row's values (T tokens) and the part's parameter gradients. */
 typedef struct {
-    double *u, *den, *low, *a, *y, *g, *glow, *theta, *dy, *da;  /* (T, hidden), (T, Hk), (T, low_size), (T, Hk*R) x 3,
-                                                                   (T, gate width), (T, gate rank), (T, Hk*R) x 3 */
-    double *du, *dlow, *dglow, *dcos, *dsin;  /* one token's: (hidden), (low_size), (gate rank), (Hk*R) x 2 */
-    double *grads;  /* (parameter count) */
+    double *u, *den, *low, *a, *y, *g, *glow, *theta, *dy, *da, *dlow, *dglow;  /* (T, ...) each */
+    double *dcos, *dsin;  /* one token's: (Hk*R) x 2 */
+    double *grads;  /* (parameter count, then full rank's gradient of its effective weight) */
     float *angle, *cos, *sin;  /* (LANES, Hk*R) */
+    lanes_t *lanes;  /* a block's values, token by lane: (2 hidden + low size + Hk*R + gate width + gate rank) */
 } RowMemory;
 
 static int64_t parameter_count(const Parameters *p) {
@@ -734,6 +841,12 @@ static int64_t parameter_count(const Parameters *p) {
     int64_t total = 0;
     for (int i = 0; i < PARAMETER_BLOCKS; i++) total += *blocks[i].field ? blocks[i].count : 0;
     return total;
+}
+
+/* The gradient block's length: every parameter's, then (full rank) the effective weight's (Hk*R, Dc). */
+static int64_t gradient_count(const Parameters *p) {
+    const int64_t extra = p->projection == PROJ_FULL_RANK ? p->num_key_heads * p->rotary_pairs * p->chunk_dim : 0;
+    return parameter_count(p) + extra;
 }
 
 /* Where each parameter's gradient starts in a gradient block (NULL: no such parameter). */
@@ -750,75 +863,135 @@ static void gradient_fields(const Parameters *p, double *grads, double *at[PARAM
 static void row_memory_free(RowMemory *m) {
     free(m->u);
     free(m->angle);
+    free(m->lanes);
 }
 
-static int row_memory_alloc(const Parameters *p, int64_t seq_len, RowMemory *m) {
+static int row_memory_alloc(const Parameters *p, const Weights *w, int64_t seq_len, RowMemory *m) {
     const int64_t hk = p->num_key_heads, channels = hk * p->rotary_pairs, hidden = hk * p->chunk_dim;
-    const int64_t lows = low_size(p), width = p->gate_width, grank = p->gate_rank, count = parameter_count(p);
-    const int64_t per_token = hidden + hk + lows + 3 * channels + width + grank + 3 * channels;
-    const int64_t total = seq_len * per_token + hidden + lows + grank + 2 * channels + count;
+    const int64_t lows = w->heads * (w->lows ? w->lows : w->outs), width = p->gate_width, grank = p->gate_rank;
+    const int64_t per_token = hidden + hk + 2 * lows + 5 * channels + width + 2 * grank;
+    const int64_t total = seq_len * per_token + 2 * channels + gradient_count(p);
     m->u = calloc((size_t)total, sizeof(double));
     m->angle = malloc(sizeof(float) * 3 * (size_t)(LANES * channels));
-    if (!m->u || !m->angle) { row_memory_free(m); return 1; }
+    m->lanes = aligned_alloc(sizeof(lanes_t), sizeof(lanes_t) * (size_t)(2 * hidden + lows + channels + width + grank));
+    if (!m->u || !m->angle || !m->lanes) { row_memory_free(m); return 1; }
     double *next = m->u + seq_len * hidden;
 #define TAKE(field, size) m->field = next, next += (size)
     TAKE(den, seq_len * hk); TAKE(low, seq_len * lows); TAKE(a, seq_len * channels); TAKE(y, seq_len * channels);
     TAKE(g, seq_len * width); TAKE(glow, seq_len * grank); TAKE(theta, seq_len * channels);
-    TAKE(dy, seq_len * channels); TAKE(da, seq_len * channels); TAKE(du, hidden); TAKE(dlow, lows);
-    TAKE(dglow, grank); TAKE(dcos, channels); TAKE(dsin, channels); TAKE(grads, count);
+    TAKE(dy, seq_len * channels); TAKE(da, seq_len * channels); TAKE(dlow, seq_len * lows);
+    TAKE(dglow, seq_len * grank); TAKE(dcos, channels); TAKE(dsin, channels);
+    TAKE(grads, gradient_count(p));
 #undef TAKE
     m->cos = m->angle + LANES * channels;
     m->sin = m->cos + LANES * channels;
     return 0;
 }
 
-/* Step 1 for token t of row b: u, its norms, the projection's values, the gate's (sigmoid) into the row buffers. */
-HOT static void token_phase_inputs(const Parameters *p, const Backward *a, RowMemory *m, int64_t b, int64_t t) {
+/* Step 1 for the tokens [t0, t0 + n) of row b, LANES at a time as the forward's `increments` (each weight read once
+   for all of them): u, its norms, the projection's values (low rank: the rank's too, in low; full rank and scalar:
+   w·u in low), the gate's (sigmoid), into the row buffers. */
+HOT static void block_phase_inputs(const Parameters *p, const Weights *w, const Backward *a, RowMemory *m, int64_t b,
+                                   int64_t t0, int64_t n) {
     const int64_t hk = p->num_key_heads, r = p->rotary_pairs, dc = p->chunk_dim, hidden = hk * dc;
-    const int64_t rank = p->proj_rank, lows = low_size(p), channels = hk * r;
-    const double *down = p->proj_a, *up = p->proj_b;
-    double *u = m->u + t * hidden, *low = m->low + t * lows, *c = m->a + t * channels;
-    const int64_t row = b * a->x_stride_b + t * a->x_stride_t;
+    const int64_t channels = hk * r, lows = w->heads * (w->lows ? w->lows : w->outs);
+    const int64_t width = p->gate_width, grank = p->gate_rank;
+    lanes_t *u = m->lanes, *low = u + hidden, *c = low + lows, *g = c + channels, *glow = g + width;
+    for (int64_t l = 0; l < LANES; l++) {  /* unused lanes 0 */
+        const int64_t row = b * a->x_stride_b + (t0 + l) * a->x_stride_t;
+        for (int64_t j = 0; j < hidden; j++) u[j][l] = l < n ? load(a->x, (int)a->x_dtype, row + j) : 0.0;
+    }
     for (int64_t h = 0; h < hk; h++) {
-        double norm = 0.0;
-        for (int64_t j = h * dc; j < (h + 1) * dc; j++) {
-            u[j] = load(a->x, (int)a->x_dtype, row + j);
-            norm += u[j] * u[j];
-        }
-        const double denominator = sqrt(norm) > 1e-12 ? sqrt(norm) : 1e-12;
-        m->den[t * hk + h] = denominator;
+        lanes_t norm = {0}, denominator;
+        for (int64_t j = h * dc; j < (h + 1) * dc; j++) norm += u[j] * u[j];
+        for (int64_t l = 0; l < LANES; l++) denominator[l] = sqrt(norm[l]) > 1e-12 ? sqrt(norm[l]) : 1e-12;
         for (int64_t j = h * dc; j < (h + 1) * dc; j++) u[j] /= denominator;
+        for (int64_t l = 0; l < n; l++) m->den[(t0 + l) * hk + h] = denominator[l];
     }
-    if (p->projection == PROJ_LOW_RANK) {
-        for (int64_t h = 0; h < hk; h++) {
-            for (int64_t q = 0; q < rank; q++) low[h * rank + q] = dot(down + (h * rank + q) * dc, u + h * dc, dc);
-            for (int64_t i = 0; i < r; i++) c[h * r + i] = dot(up + (h * r + i) * rank, low + h * rank, rank);
+    if (w->lows) {
+        for (int64_t h = 0; h < w->heads; h++) {
+            matvec(w->down, F64, h * w->lows * w->ins, u + h * w->ins, NULL, w->ins, w->lows, NULL, low + h * w->lows,
+                   LANES);
+            matvec(w->up, F64, h * w->outs * w->lows, low + h * w->lows, NULL, w->lows, w->outs, NULL,
+                   c + h * w->outs, LANES);
         }
-    } else if (p->projection == PROJ_DENSE_LOW_RANK) {
-        for (int64_t q = 0; q < rank; q++) low[q] = dot(down + q * hidden, u, hidden);
-        for (int64_t i = 0; i < channels; i++) c[i] = dot(up + i * rank, low, rank);
-    } else if (p->projection == PROJ_SCALAR) {
-        for (int64_t h = 0; h < hk; h++) {
-            low[h] = dot(down + h * dc, u + h * dc, dc);
-            for (int64_t i = 0; i < r; i++) c[h * r + i] = low[h];
-        }
+    } else if (p->projection != PROJ_ONE) {
+        for (int64_t h = 0; h < w->heads; h++)
+            matvec(w->down, F64, h * w->outs * w->ins, u + h * w->ins, NULL, w->ins, w->outs, NULL, low + h * w->outs,
+                   LANES);
+        for (int64_t i = 0; i < channels; i++) c[i] = low[p->projection == PROJ_SCALAR ? i / r : i];
     }
-    if (p->gate_layers > 0) {
-        const double *w1 = p->gate_w1, *w2 = p->gate_w2;
-        double *g = m->g + t * p->gate_width, *glow = m->glow + t * p->gate_rank;
-        for (int64_t q = 0; q < p->gate_rank; q++) glow[q] = dot(w1 + q * hidden, u, hidden);
-        for (int64_t o = 0; o < p->gate_width; o++) {
-            const double z = p->gate_layers == 1 ? dot(w1 + o * hidden, u, hidden) + ((const double *)p->gate_b1)[o]
-                                                 : dot(w2 + o * p->gate_rank, glow, p->gate_rank)
-                                                   + ((const double *)p->gate_b2)[o];
-            g[o] = sigmoid(z);
+    if (p->gate_layers == 1) {
+        matvec(p->gate_w1, F64, 0, u, NULL, hidden, width, p->gate_b1, g, LANES);
+    } else if (p->gate_layers == 2) {
+        matvec(p->gate_w1, F64, 0, u, NULL, hidden, grank, NULL, glow, LANES);
+        matvec(p->gate_w2, F64, 0, glow, NULL, grank, width, p->gate_b2, g, LANES);
+    }
+    for (int64_t l = 0; l < n; l++) {  /* into the row buffers, token by token */
+        const int64_t t = t0 + l;
+        for (int64_t j = 0; j < hidden; j++) m->u[t * hidden + j] = u[j][l];
+        for (int64_t i = 0; i < lows; i++) m->low[t * lows + i] = low[i][l];
+        for (int64_t i = 0; i < channels; i++) m->a[t * channels + i] = c[i][l];
+        for (int64_t o = 0; o < width; o++) m->g[t * width + o] = sigmoid(g[o][l]);
+        for (int64_t q = 0; q < grank; q++) m->glow[t * grank + q] = glow[q][l];
+    }
+}
+
+/* Step 3's input gradients for the tokens [t0, t0 + n) of row b, LANES at a time: d low (and the gate's d low) into
+   the row buffers, du through the projection and the gate, and dx through the normalisation. */
+HOT static void block_input_gradients(const Parameters *p, const Weights *w, const Backward *a, RowMemory *m,
+                                      const double *da, int64_t b, int64_t seq_len, int64_t t0, int64_t n) {
+    const int64_t hk = p->num_key_heads, r = p->rotary_pairs, dc = p->chunk_dim, hidden = hk * dc;
+    const int64_t channels = hk * r, lows = w->heads * (w->lows ? w->lows : w->outs);
+    const int64_t width = p->gate_width, grank = p->gate_rank;
+    lanes_t *du = m->lanes, *dlow = du + hidden, *d_a = dlow + lows, *dz = d_a + channels, *dglow = dz + width;
+    lanes_t *part = dglow + grank;  /* (hidden) */
+    for (int64_t l = 0; l < LANES; l++) {
+        const int64_t t = t0 + l;
+        for (int64_t i = 0; i < channels; i++) d_a[i][l] = l < n ? da[t * channels + i] : 0.0;
+        for (int64_t o = 0; o < width; o++) dz[o][l] = l < n ? m->g[t * width + o] : 0.0;
+    }
+    if (w->lows) {  /* d low = up^T d a, du = down^T d low */
+        for (int64_t h = 0; h < w->heads; h++) {
+            matvec(w->up_t, F64, h * w->lows * w->outs, d_a + h * w->outs, NULL, w->outs, w->lows, NULL,
+                   dlow + h * w->lows, LANES);
+            matvec(w->down_t, F64, h * w->ins * w->lows, dlow + h * w->lows, NULL, w->lows, w->ins, NULL,
+                   du + h * w->ins, LANES);
+        }
+    } else if (p->projection != PROJ_ONE) {  /* full rank and scalar: d (w·u) in dlow, du = W^T d (w·u) */
+        for (int64_t i = 0; i < lows; i++) dlow[i] = (lanes_t){0};
+        for (int64_t i = 0; i < channels; i++) dlow[p->projection == PROJ_SCALAR ? i / r : i] += d_a[i];
+        for (int64_t h = 0; h < w->heads; h++)
+            matvec(w->down_t, F64, h * w->ins * w->outs, dlow + h * w->outs, NULL, w->outs, w->ins, NULL,
+                   du + h * w->ins, LANES);
+    }
+    if (p->gate_layers == 1) {
+        matvec(w->gate1_t, F64, 0, dz, NULL, width, hidden, NULL, part, LANES);
+    } else if (p->gate_layers == 2) {
+        matvec(w->gate2_t, F64, 0, dz, NULL, width, grank, NULL, dglow, LANES);
+        matvec(w->gate1_t, F64, 0, dglow, NULL, grank, hidden, NULL, part, LANES);
+    }
+    if (p->gate_layers > 0)
+        for (int64_t j = 0; j < hidden; j++) du[j] += part[j];
+    const int xd = (int)a->x_dtype;
+    for (int64_t l = 0; l < n; l++) {
+        const int64_t t = t0 + l;
+        const double *u = m->u + t * hidden;
+        for (int64_t i = 0; i < lows; i++) m->dlow[t * lows + i] = dlow[i][l];
+        for (int64_t q = 0; q < grank; q++) m->dglow[t * grank + q] = dglow[q][l];
+        for (int64_t h = 0; h < hk; h++) {  /* dx = (du - u (u . du)) / |x|, or du / 1e-12 under the clamp */
+            const double denominator = m->den[t * hk + h];
+            double along = 0.0;
+            for (int64_t j = h * dc; denominator > 1e-12 && j < (h + 1) * dc; j++) along += u[j] * du[j][l];
+            for (int64_t j = h * dc; j < (h + 1) * dc; j++)
+                store(a->dx, xd, (b * seq_len + t) * hidden + j, (float)((du[j][l] - u[j] * along) / denominator));
         }
     }
 }
 
 /* Step 2 for up to LANES tokens [t0, t0 + n) of row b: dq, dk, and d θ_t (into dy) from the rows' gradients. */
 HOT static void tokens_rotation_backward(const Parameters *p, const Backward *a, RowMemory *m, const double *turns,
-                                         double *d_turns, int64_t b, int64_t seq_len, int64_t t0, int64_t n) {
+                                         double *d_temperature, int64_t b, int64_t seq_len, int64_t t0, int64_t n) {
     const int64_t hq = p->num_query_heads, hk = p->num_key_heads, head_dim = p->head_dim, r = p->rotary_pairs;
     const int64_t channels = hk * r, groups = hq / hk;
     const int qd = (int)a->qk_dtype;
@@ -837,7 +1010,19 @@ HOT static void tokens_rotation_backward(const Parameters *p, const Backward *a,
             void *dx = is_query ? a->dq : a->dk;
             const float *cos = m->cos + l * channels + key_head * r, *sin = m->sin + l * channels + key_head * r;
             double *dcos = m->dcos + key_head * r, *dsin = m->dsin + key_head * r;
-            for (int64_t i = 0; i < r; i++) {  /* y1 = x1 cos - x2 sin, y2 = x1 sin + x2 cos, in float32 */
+            if (qd == F32) {  /* y1 = x1 cos - x2 sin, y2 = x1 sin + x2 cos, in float32 */
+                const float *x1 = (const float *)x + src, *x2 = x1 + r, *g1 = (const float *)dy + dst, *g2 = g1 + r;
+                float *d1 = (float *)dx + dst, *d2 = d1 + r;
+                for (int64_t i = 0; i < r; i++) {
+                    d1[i] = g1[i] * cos[i] + g2[i] * sin[i];
+                    d2[i] = g2[i] * cos[i] - g1[i] * sin[i];
+                    dcos[i] += (double)(g1[i] * x1[i] + g2[i] * x2[i]);
+                    dsin[i] += (double)(g2[i] * x1[i] - g1[i] * x2[i]);
+                }
+                for (int64_t i = 2 * r; i < head_dim; i++) ((float *)dx)[dst + i] = ((const float *)dy)[dst + i];
+                continue;
+            }
+            for (int64_t i = 0; i < r; i++) {
                 const float x1 = (float)load(x, qd, src + i), x2 = (float)load(x, qd, src + r + i);
                 const float g1 = (float)load(dy, qd, dst + i), g2 = (float)load(dy, qd, dst + r + i);
                 store(dx, qd, dst + i, g1 * cos[i] + g2 * sin[i]);
@@ -854,25 +1039,27 @@ HOT static void tokens_rotation_backward(const Parameters *p, const Backward *a,
                 const int64_t at = l * channels + h * r + i;
                 const double d_angle = (double)m->cos[at] * m->dsin[h * r + i] - (double)m->sin[at] * m->dcos[h * r + i];
                 d_theta[h * r + i] = d_angle * turns[i] * TWO_PI;
-                d_turns[i] += d_angle * theta[h * r + i];
+                d_temperature[i] += d_angle * theta[h * r + i];
             }
     }
 }
 
 /* Row b, all three steps; the parameters' gradients added to m->grads. */
-HOT static void row_backward(const Parameters *p, const Backward *a, RowMemory *m, const double *turns,
-                             const double *exp_bias, const double *taps, int64_t b, int64_t seq_len) {
+HOT static void row_backward(const Parameters *p, const Weights *w, const Backward *a, RowMemory *m, int64_t b,
+                             int64_t seq_len) {
     const int64_t hk = p->num_key_heads, r = p->rotary_pairs, dc = p->chunk_dim, hidden = hk * dc;
-    const int64_t channels = hk * r, rank = p->proj_rank, lows = low_size(p), size = p->conv_size;
+    const int64_t channels = hk * r, lows = w->heads * (w->lows ? w->lows : w->outs), size = p->conv_size;
     const int64_t width = p->gate_width, grank = p->gate_rank, per_gate = width == hk ? r : 1;
     const int64_t length = a->lengths ? (a->lengths[b] < seq_len ? a->lengths[b] : seq_len) : seq_len;
     const int selective = p->projection != PROJ_ONE;
+    const double *taps = w->taps, *exp_bias = w->exp_bias;
     double *at[PARAMETER_BLOCKS];
     gradient_fields(p, m->grads, at);
     /* step 1 */
-    for (int64_t t = 0; selective && t < length; t++) token_phase_inputs(p, a, m, b, t);
+    for (int64_t t0 = 0; selective && t0 < length; t0 += LANES)
+        block_phase_inputs(p, w, a, m, b, t0, length - t0 < LANES ? length - t0 : LANES);
     for (int64_t t = 0; selective && t < length; t++)
-        for (int64_t i = 0; i < channels; i++) {  /* the convolution's input, pre-activation */
+        for (int64_t i = 0; i < channels; i++) {  /* the convolution's output, pre-activation */
             double y = 0.0;
             if (p->convolution == CONV_NONE) y = m->a[t * channels + i];
             for (int64_t j = 0; p->convolution != CONV_NONE && j < size; j++) {
@@ -890,15 +1077,15 @@ HOT static void row_backward(const Parameters *p, const Backward *a, RowMemory *
         }
     /* step 2: d θ_t into dy, then its reverse cumulative sum (with the final phase's gradient on the last token) */
     for (int64_t t0 = 0; t0 < seq_len; t0 += LANES)
-        tokens_rotation_backward(p, a, m, turns, at[0], b, seq_len, t0, seq_len - t0 < LANES ? seq_len - t0 : LANES);
+        tokens_rotation_backward(p, a, m, w->turns, at[0], b, seq_len, t0, seq_len - t0 < LANES ? seq_len - t0 : LANES);
     for (int64_t i = 0; i < channels; i++) {
         double sum = a->grad_final ? a->grad_final[b * channels + i] : 0.0;
         for (int64_t t = seq_len - 1; t >= 0; t--) m->dy[t * channels + i] = sum += m->dy[t * channels + i];
         if (a->d_phase) a->d_phase[b * channels + i] = sum;
     }
-    for (int64_t j = length * hidden; selective && j < seq_len * hidden; j++)  /* pads: x does not reach the phase */
-        store(a->dx, (int)a->x_dtype, b * seq_len * hidden + j, 0.0f);
     if (!selective) return;
+    for (int64_t j = length * hidden; j < seq_len * hidden; j++)  /* pads: x does not reach the phase */
+        store(a->dx, (int)a->x_dtype, b * seq_len * hidden + j, 0.0f);
     /* step 3: d c_t -> d (activation output + bias), d gate logits (into g), d convolution output (into dy) */
     double *d_bias = at[4], *d_taps = at[3];
     for (int64_t t = 0; t < length; t++) {
@@ -928,76 +1115,61 @@ HOT static void row_backward(const Parameters *p, const Backward *a, RowMemory *
     double *da = m->dy;
     if (p->convolution != CONV_NONE) {
         da = m->da;
-        for (int64_t t = 0; t < length; t++)
-            for (int64_t i = 0; i < channels; i++) {
-                double sum = 0.0;
-                for (int64_t j = 0; j < size; j++) {
-                    const int64_t later = t + size - 1 - j, earlier = t - (size - 1) + j;
-                    if (later < length) sum += taps[i * size + j] * m->dy[later * channels + i];
-                    if (d_taps && earlier >= 0) d_taps[i * size + j] += m->dy[t * channels + i] * m->a[earlier * channels + i];
-                }
-                da[t * channels + i] = sum;
+        for (int64_t t = 0; t < length; t++) {  /* (over the channels innermost: contiguous, vectorised) */
+            double *d_a = da + t * channels;
+            for (int64_t i = 0; i < channels; i++) d_a[i] = 0.0;
+            for (int64_t j = 0; j < size; j++) {
+                const int64_t later = t + size - 1 - j, earlier = t - (size - 1) + j;
+                const double *dy_later = m->dy + later * channels, *dy = m->dy + t * channels;
+                const double *a_earlier = m->a + earlier * channels;
+                if (later < length)
+                    for (int64_t i = 0; i < channels; i++) d_a[i] += taps[i * size + j] * dy_later[i];
+                if (d_taps && earlier >= 0)
+                    for (int64_t i = 0; i < channels; i++) d_taps[i * size + j] += dy[i] * a_earlier[i];
             }
+        }
     }
-    /* the projection's and the gate's backward, then the normalisation's: dx */
-    const double *down = p->proj_a, *up = p->proj_b, *w1 = p->gate_w1, *w2 = p->gate_w2;
-    double *d_down = at[1], *d_up = at[2], *d_w1 = at[5], *d_b1 = at[6], *d_w2 = at[7], *d_b2 = at[8];
-    const int xd = (int)a->x_dtype;
-    for (int64_t t = 0; t < length; t++) {
-        const double *u = m->u + t * hidden, *low = m->low + t * lows, *d_a = da + t * channels;
-        const double *dz = m->g + t * width, *glow = m->glow + t * grank;
-        double *du = m->du;
-        for (int64_t j = 0; j < hidden; j++) du[j] = 0.0;
-        if (p->projection == PROJ_LOW_RANK || p->projection == PROJ_DENSE_LOW_RANK) {
-            const int dense = p->projection == PROJ_DENSE_LOW_RANK;
-            const int64_t heads = dense ? 1 : hk, outs = dense ? channels : r, ins = dense ? hidden : dc;
-            for (int64_t h = 0; h < heads; h++) {
-                double *dlow = m->dlow;
-                for (int64_t q = 0; q < rank; q++) dlow[q] = 0.0;
-                for (int64_t i = 0; i < outs; i++) {
-                    const int64_t o = h * outs + i;
-                    axpy(dlow, d_a[o], up + o * rank, rank);
-                    axpy(d_up + o * rank, d_a[o], low + h * rank, rank);
-                }
-                for (int64_t q = 0; q < rank; q++) {
-                    const int64_t o = h * rank + q;
-                    axpy(d_down + o * ins, dlow[q], u + h * ins, ins);
-                    axpy(du + h * ins, dlow[q], down + o * ins, ins);
-                }
-            }
-        } else {  /* scalar: one value per head, shared by its frequencies */
-            for (int64_t h = 0; h < hk; h++) {
-                double d_s = 0.0;
-                for (int64_t i = 0; i < r; i++) d_s += d_a[h * r + i];
-                axpy(d_down + h * dc, d_s, u + h * dc, dc);
-                axpy(du + h * dc, d_s, down + h * dc, dc);
-            }
+    /* the projection's and the gate's input gradients, then the normalisation's: dx */
+    for (int64_t t0 = 0; t0 < length; t0 += LANES)
+        block_input_gradients(p, w, a, m, da, b, seq_len, t0, length - t0 < LANES ? length - t0 : LANES);
+    /* the weights' gradients, summed over the row's tokens */
+    if (w->lows) {
+        for (int64_t h = 0; h < w->heads; h++) {  /* d down = Σ_t d low_t u_t^T, d up = Σ_t d a_t low_t^T */
+            matrix_sum(at[1] + h * w->lows * w->ins, w->lows, w->ins, m->dlow + h * w->lows, lows, m->u + h * w->ins,
+                       hidden, length);
+            matrix_sum(at[2] + h * w->outs * w->lows, w->outs, w->lows, da + h * w->outs, channels,
+                       m->low + h * w->lows, lows, length);
         }
-        if (p->gate_layers == 1) {
-            for (int64_t o = 0; o < width; o++) {
-                axpy(d_w1 + o * hidden, dz[o], u, hidden);
-                d_b1[o] += dz[o];
-                axpy(du, dz[o], w1 + o * hidden, hidden);
-            }
-        } else if (p->gate_layers == 2) {
-            double *dglow = m->dglow;
-            for (int64_t q = 0; q < grank; q++) dglow[q] = 0.0;
-            for (int64_t o = 0; o < width; o++) {
-                axpy(dglow, dz[o], w2 + o * grank, grank);
-                axpy(d_w2 + o * grank, dz[o], glow, grank);
-                d_b2[o] += dz[o];
-            }
-            for (int64_t q = 0; q < grank; q++) {
-                axpy(d_w1 + q * hidden, dglow[q], u, hidden);
-                axpy(du, dglow[q], w1 + q * hidden, hidden);
-            }
-        }
-        for (int64_t h = 0; h < hk; h++) {  /* dx = (du - u (u . du)) / |x|, or du / 1e-12 under the clamp */
-            const double denominator = m->den[t * hk + h];
-            const double along = denominator > 1e-12 ? dot(u + h * dc, du + h * dc, dc) : 0.0;
-            for (int64_t j = h * dc; j < (h + 1) * dc; j++)
-                store(a->dx, xd, (b * seq_len + t) * hidden + j, (float)((du[j] - u[j] * along) / denominator));
-        }
+    } else if (p->projection != PROJ_ONE) {  /* full rank: the effective weight's gradient (after the parameters') */
+        double *d_weight = p->projection == PROJ_FULL_RANK ? m->grads + parameter_count(p) : at[1];
+        for (int64_t h = 0; h < w->heads; h++)
+            matrix_sum(d_weight + h * w->outs * w->ins, w->outs, w->ins, m->dlow + h * w->outs, lows,
+                       m->u + h * w->ins, hidden, length);
+    }
+    if (p->gate_layers > 0) {
+        double *d_bias_gate = p->gate_layers == 1 ? at[6] : at[8];
+        for (int64_t o = 0; o < width; o++)
+            for (int64_t t = 0; t < length; t++) d_bias_gate[o] += m->g[t * width + o];
+    }
+    if (p->gate_layers == 1) {
+        matrix_sum(at[5], width, hidden, m->g, width, m->u, hidden, length);
+    } else if (p->gate_layers == 2) {
+        matrix_sum(at[7], width, grank, m->g, width, m->glow, grank, length);
+        matrix_sum(at[5], grank, hidden, m->dglow, grank, m->u, hidden, length);
+    }
+}
+
+/* Full rank: the gradients of scale and w from the effective weight's, scale · w / max(|w|, 1e-12). */
+static void full_rank_gradients(const Parameters *p, const Weights *w, double *grads) {
+    double *at[PARAMETER_BLOCKS];
+    gradient_fields(p, grads, at);
+    const double *d_effective = grads + parameter_count(p), *weight = p->proj_a, *scale = p->proj_b;
+    for (int64_t o = 0; o < w->heads * w->outs; o++) {
+        const double *row = weight + o * w->ins, *d_row = d_effective + o * w->ins, norm = w->proj_norm[o];
+        const double along = dot(row, d_row, w->ins) / norm;  /* d scale = d W_eff · w / |w| */
+        at[2][o] = along;
+        const double unclamped = norm > 1e-12 ? along / norm : 0.0;  /* d normalize: (g - n (n·g)) / |w| */
+        for (int64_t j = 0; j < w->ins; j++) at[1][o * w->ins + j] = scale[o] * (d_row[j] - row[j] * unclamped) / norm;
     }
 }
 
@@ -1005,7 +1177,7 @@ HOT static void row_backward(const Parameters *p, const Backward *a, RowMemory *
 
 /* The entry point of the backward. `call` as selective_rope_rotary's for B, T, x, q, k and their strides (entries
    0-14, the same order), then: grad_q, grad_k, inc, phase and its strides (B, H, R), grad_final, lengths, dx, dq, dk,
-   d_phase, d_params (0 for NULL), threads. Returns 0, 1 without memory, 2 for a projection it has no backward for. */
+   d_phase, d_params (0 for NULL), threads. Returns 0, or 1 without memory. */
 int selective_rope_rotary_backward(const Parameters *given, const int64_t *call) {
 #define POINTER(i) ((void *)(intptr_t)call[i])
     const Backward a = {POINTER(2), POINTER(6), POINTER(7), call[3], call[8], call[4], call[5], call[9], call[10],
@@ -1015,7 +1187,6 @@ int selective_rope_rotary_backward(const Parameters *given, const int64_t *call)
 #undef POINTER
     const int64_t batch = call[0], seq_len = call[1];
     int64_t threads = call[29];
-    if (given->projection == PROJ_FULL_RANK) return 2;
     Parameters wide;
     double *widened = NULL;
     if (given->param_dtype == F32) {
@@ -1023,17 +1194,12 @@ int selective_rope_rotary_backward(const Parameters *given, const int64_t *call)
         if (!widened) return 1;
     }
     const Parameters *p = widened ? &wide : given;
-    const int64_t r = p->rotary_pairs, channels = p->num_key_heads * r, count = parameter_count(p);
-    double *constants = malloc(sizeof(double) * (size_t)(r + channels + channels * p->conv_size));
-    if (!constants) { free(widened); return 1; }
-    double *turns = constants, *exp_bias = turns + r, *taps = exp_bias + channels;
-    for (int64_t i = 0; i < r; i++) turns[i] = ((const double *)p->temperature)[i] / TWO_PI;
-    for (int64_t i = 0; p->bias && i < channels; i++) exp_bias[i] = exp(((const double *)p->bias)[i]);
-    for (int64_t i = 0; i < channels * p->conv_size; i++)  /* the difference: (-1, 1) */
-        taps[i] = p->convolution == CONV_LEARNED ? ((const double *)p->conv_taps)[i] : i % 2 ? 1.0 : -1.0;
+    Weights w;
+    double *weights = backward_weights(p, &w);
+    const int64_t count = gradient_count(p);
     const int parts = batch < BACKWARD_PARTS ? (int)batch : BACKWARD_PARTS;
     double *sums = calloc((size_t)(parts * count > 0 ? parts * count : 1), sizeof(double));
-    int failed = !sums;
+    int failed = !sums || !weights;
 #ifndef _OPENMP
     threads = 1;
 #endif
@@ -1041,20 +1207,19 @@ int selective_rope_rotary_backward(const Parameters *given, const int64_t *call)
 #pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static, 1) reduction(| : failed)
     for (int part = 0; part < parts; part++) {
         RowMemory m;
-        if (failed || row_memory_alloc(p, seq_len, &m)) { failed = 1; continue; }
-        for (int64_t b = batch * part / parts; b < batch * (part + 1) / parts; b++)
-            row_backward(p, &a, &m, turns, exp_bias, taps, b, seq_len);
+        if (failed || row_memory_alloc(p, &w, seq_len, &m)) { failed = 1; continue; }
+        for (int64_t b = batch * part / parts; b < batch * (part + 1) / parts; b++) row_backward(p, &w, &a, &m, b, seq_len);
         memcpy(sums + part * count, m.grads, sizeof(double) * (size_t)count);
         row_memory_free(&m);
     }
-    if (!failed)
-        for (int64_t j = 0; j < count; j++) {  /* the parts' sums, in order */
-            double total = 0.0;
-            for (int part = 0; part < parts; part++) total += sums[part * count + j];
-            a.d_params[j] = total;
-        }
+    if (!failed) {
+        for (int64_t j = 1; j < parts; j++)  /* the parts' sums, in order */
+            for (int64_t i = 0; i < count; i++) sums[i] += sums[j * count + i];
+        if (p->projection == PROJ_FULL_RANK) full_rank_gradients(p, &w, sums);
+        memcpy(a.d_params, sums, sizeof(double) * (size_t)parameter_count(p));
+    }
     free(sums);
-    free(constants);
+    free(weights);
     free(widened);
     return failed;
 }
@@ -1298,7 +1463,6 @@ class RotaryPlan:
         self.has_conv = conv_kind is not None
         # Every parameter in the order of the C code's gradient blocks (``parameter_blocks``; None where absent)
         self.gradient_order = (temperature, proj_a, proj_b, conv_weight, bias, w1, b1, w2, b2)
-        self.trainable = kind != "full_rank"  # the C backward has no weight normalisation
 
     def current(self) -> bool:
         """Whether every parameter tensor still has the storage it had when planned."""
@@ -1410,11 +1574,8 @@ class RotaryPlan:
         Returns ``dx`` (x's dtype), ``dq``, ``dk`` (q's), ``d phase`` (``(B, Hk, R)`` float64; ``None`` unless
         ``phase_grad``) and the parameters' gradients in float64, one per ``gradient_order`` entry (``None`` where
         absent). Runs on ``torch.get_num_threads()`` threads; the results do not depend on their number."""
-        if not self.trainable:
-            raise ValueError("this plan's projection has no compiled backward (full_rank)")
         num_query_heads, num_key_heads, head_dim, rotary_pairs, hidden_size, _ = self.sizes
         batch, seq_len = q.shape[:2]
-        channels = num_key_heads * rotary_pairs
         for name, tensor in (("grad_q", grad_q), ("grad_k", grad_k), ("increments", increments)):
             if not tensor.is_contiguous():
                 raise ValueError(f"{name} must be contiguous")
