@@ -594,27 +594,15 @@ static int row_threaded(const Parameters *p, const Tensors *a, int64_t b, int64_
 
 /* The rotary module on B rows of T tokens: each row's tokens in order, LANES at a time (a decoding step is T = 1),
    a long row on up to `threads` threads. Returns 0, or 1 if scratch memory could not be had. */
-HOT static int rotary(const Parameters *given, const Tensors *a, int64_t batch, int64_t seq_len, int64_t threads) {
-    Parameters wide;
-    double *widened = NULL;
-    if (given->param_dtype == F32 && batch * seq_len >= 4 * LANES) {
-        widened = widen_parameters(given, &wide);
-        if (!widened) return 1;
-    }
-    const Parameters *p = widened ? &wide : given;
-    if (seq_len == 1 && p->projection != PROJ_ONE) prefetch_weights(p);  /* a decoding step */
+/* Rows [first, stop) in order, each row's tokens LANES at a time, a long row on up to `threads` threads (`inc`: room
+   for a row's increments, NULL if no row is split). Returns 0, or 1 if scratch memory could not be had. */
+static int rows(const Parameters *p, const Tensors *a, Scratch *s, int64_t first, int64_t stop, int64_t seq_len,
+                int64_t threads, float *inc) {
     const int64_t hk = p->num_key_heads, r = p->rotary_pairs, channels = hk * r, past = p->conv_size - 1;
-#ifndef _OPENMP
-    threads = 1;  /* built without OpenMP: splitting a row would only add work */
-#endif
-    Scratch s;
-    float *inc = threads > 1 && seq_len >= 2 * MIN_TOKENS_PER_THREAD
-                 ? malloc(sizeof(float) * (size_t)(seq_len * channels)) : NULL;
-    if (scratch_alloc(p, &s)) { free(widened); free(inc); return 1; }
     int status = 0;
-    for (int64_t b = 0; b < batch && status == 0; b++) {
+    for (int64_t b = first; b < stop && status == 0; b++) {
         const int64_t length = a->lengths ? (a->lengths[b] < seq_len ? a->lengths[b] : seq_len) : seq_len;
-        double *history = a->new_conv_state ? a->new_conv_state + b * past * channels : s.history;
+        double *history = a->new_conv_state ? a->new_conv_state + b * past * channels : s->history;
         for (int64_t i = 0; i < past * channels; i++)
             history[i] = a->conv_state ? a->conv_state[b * past * channels + i] : 0.0;
         double *phase = a->new_phase + b * channels;  /* the running phase, θ_0 first */
@@ -630,13 +618,52 @@ HOT static int rotary(const Parameters *given, const Tensors *a, int64_t batch, 
             continue;
         }
         for (int64_t t0 = 0; t0 < seq_len; t0 += LANES) {
-            const int64_t stop = seq_len - t0 < LANES ? seq_len : t0 + LANES;
-            row_increments(p, a, &s, b, t0, stop, length, history, s.block);
+            const int64_t end = seq_len - t0 < LANES ? seq_len : t0 + LANES;
+            row_increments(p, a, s, b, t0, end, length, history, s->block);
             if (a->inc_out)
-                memcpy(a->inc_out + (b * seq_len + t0) * channels, s.block, sizeof(float) * (size_t)((stop - t0) * channels));
-            row_rotate(p, a, &s, b, seq_len, t0, stop, phase, s.block);
+                memcpy(a->inc_out + (b * seq_len + t0) * channels, s->block,
+                       sizeof(float) * (size_t)((end - t0) * channels));
+            row_rotate(p, a, s, b, seq_len, t0, end, phase, s->block);
         }
     }
+    return status;
+}
+
+/* The rotary module on B rows of T tokens: each row's tokens in order, LANES at a time (a decoding step is T = 1); a
+   long row is split between up to `threads` threads, many short rows (a training batch, a batched prefill) are
+   shared out between them, each row on one thread. Either way every number is the one a single thread computes.
+   Returns 0, or 1 if scratch memory could not be had. */
+HOT static int rotary(const Parameters *given, const Tensors *a, int64_t batch, int64_t seq_len, int64_t threads) {
+    Parameters wide;
+    double *widened = NULL;
+    if (given->param_dtype == F32 && batch * seq_len >= 4 * LANES) {
+        widened = widen_parameters(given, &wide);
+        if (!widened) return 1;
+    }
+    const Parameters *p = widened ? &wide : given;
+    if (seq_len == 1 && p->projection != PROJ_ONE) prefetch_weights(p);  /* a decoding step */
+    const int64_t channels = p->num_key_heads * p->rotary_pairs;
+#ifndef _OPENMP
+    threads = 1;  /* built without OpenMP: splitting a row would only add work */
+#endif
+    int status = 0;
+    if (threads > 1 && batch > 1 && seq_len < 2 * MIN_TOKENS_PER_THREAD && batch * seq_len >= MIN_TOKENS_PER_THREAD) {
+        const int count = (int)(threads < batch ? (threads < MAX_THREADS ? threads : MAX_THREADS) : batch);
+#pragma omp parallel for num_threads(count) schedule(static, 1) reduction(| : status)
+        for (int i = 0; i < count; i++) {
+            Scratch own;
+            if (scratch_alloc(p, &own)) { status = 1; continue; }
+            status |= rows(p, a, &own, batch * i / count, batch * (i + 1) / count, seq_len, 1, NULL);
+            scratch_free(&own);
+        }
+        free(widened);
+        return status;
+    }
+    Scratch s;
+    float *inc = threads > 1 && seq_len >= 2 * MIN_TOKENS_PER_THREAD
+                 ? malloc(sizeof(float) * (size_t)(seq_len * channels)) : NULL;
+    if (scratch_alloc(p, &s)) { free(widened); free(inc); return 1; }
+    status = rows(p, a, &s, 0, batch, seq_len, threads, inc);
     scratch_free(&s);
     free(inc);
     free(widened);

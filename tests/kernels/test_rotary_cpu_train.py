@@ -82,13 +82,14 @@ def test_gradients_equal_the_torch_paths(options, heads, param_dtype):
 
 @pytest.mark.parametrize("options", [dict(), dict(phase_proj="full_rank", phase_gate_type="channel",
                                                   phase_conv_activation="silu", phase_bias=True)], ids=str)
-def test_threads_give_the_same_gradients_bit_for_bit(options):
-    """Rows are split into a fixed number of parts whatever the number of threads: 1 and 2 threads, 20 rows (more than
-    the parts) and 3 rows, give identical gradients."""
+def test_threads_give_the_same_results_bit_for_bit(options):
+    """The forward shares many short rows out between threads, each row on one; the backward splits the rows into a
+    fixed number of parts whatever the number of threads: 1 and 2 threads, 20 rows of 30 tokens (more rows than
+    parts, enough tokens to share out) and 3 rows of 11, give identical outputs and gradients."""
     module = make_rotary(4, 2, dtype=torch.float32, **options)
     threads = torch.get_num_threads()
-    for batch in (20, 3):
-        tensors, upstream = inputs(module, (4, 2), batch=batch, seq_len=11)
+    for batch, seq_len in ((20, 30), (3, 11)):
+        tensors, upstream = inputs(module, (4, 2), batch=batch, seq_len=seq_len)
         results = []
         try:
             for count in (1, 2):
@@ -97,6 +98,8 @@ def test_threads_give_the_same_gradients_bit_for_bit(options):
         finally:
             torch.set_num_threads(threads)
         assert results[0][3] == COMPILED
+        for one, two in zip(results[0][:3], results[1][:3]):
+            assert torch.equal(one, two)
         for one, two in zip(results[0][4], results[1][4]):
             assert (one is None and two is None) or torch.equal(one, two)
 
