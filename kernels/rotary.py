@@ -10,6 +10,8 @@ when                                   what runs
 ``"torch+c"``, no autograd, a plan     the compiled CPU kernel (``rotary_cpu``): phase path and rotation in one C call,
 for the module and inputs it takes     a prefill or a decoding step; made by its CPython entry (``rotary_cpu_entry``)
                                        where it can be built and takes the call, else through ctypes
+``"torch+c"``, autograd, a plan, no    the compiled training path (``rotary_cpu_train``): the same C forward, which also
+convolution history to start from      keeps its float32 increments, and a C backward, as one autograd Function
 one token per row, no autograd         a decoding step: ``rotary_triton``'s fused step on ``"triton"`` (from the input
                                        where the phase path is the default one), else ``rotary_torch``'s
 anything else                          on ``"triton"`` with the default phase path (``fusable_phase_weights``): one
@@ -228,9 +230,9 @@ def cpu_kernel_call(module: PhasePath, x, q, k, state, lengths, overwrite_state=
 def cpu_training_call(module: PhasePath, x, q, k, state, lengths):
     """A sequence with autograd as the compiled training forward and backward (``rotary_cpu_train``: the inference
     kernel's forward, bit for bit, and a C backward), or ``None`` where the torch path must run instead: what
-    ``cpu_kernel_call`` declines, or a convolution history to start from (the compiled backward starts each row's
-    convolution afresh)."""
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+    ``cpu_kernel_call`` declines, a convolution history to start from (the compiled backward starts each row's
+    convolution afresh), or a ``torch.func`` transform (its wrapped tensors have no memory the C code could read)."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._are_functorch_transforms_active():
         return None
     plan = cpu_plan(module, (x.shape[-1], q.shape[2], q.shape[3]))
     if plan is None or (plan.has_conv and state.get("phase_conv") is not None):

@@ -18,15 +18,18 @@ only ``.py`` files) is compiled on first use by the system's C compiler (``$CC``
 where Python's C headers exist through a small CPython extension that makes the same call (``rotary_cpu_entry``). On
 x86-64 with glibc the hot functions are built for AVX-512, AVX2 and the baseline, chosen when the library loads.
 A row of at least 1024 real tokens is split between ``torch.get_num_threads()`` threads (at least 512 tokens each;
-see ``row_threaded``), with the same results bit for bit. They are torch's own OpenMP threads: the library is built
+see ``row_threaded``), and many short rows (512 tokens or more in all) are shared out between them, one row per
+thread, with the same results bit for bit. They are torch's own OpenMP threads: the library is built
 with ``-fopenmp`` and its libgomp resolves to the copy torch has loaded (a compiler without OpenMP gives a library
 that runs on one thread). Like torch's own parallel ops, they do not survive ``fork``: a child forked after the
 parent used them hangs in its first parallel region (GNU OpenMP; tested on torch ops alone too) unless it calls
 ``torch.set_num_threads(1)`` first, as DataLoader workers do; then it runs on one thread. No compiler, a failed
 build or an unwritable cache leave the PyTorch path in charge, with one warning (``SELECTIVE_ROPE_CPU_KERNEL=0``
 turns the kernel off without one). It serves the ``"auto"`` backend (the default) without autograd
-(``torch.no_grad``, ``torch.inference_mode``: generation, evaluation); training and ``backend="torch"`` asked for by
-name run PyTorch, the reference. Writing the cache never touches a file it did not create: the library is built
+(``torch.no_grad``, ``torch.inference_mode``: generation, evaluation) and, with autograd, training: the same forward
+keeps its float32 increments (``selective_rope_rotary_train``) for a C backward (``selective_rope_rotary_backward``),
+which ``rotary_cpu_train`` wraps as an autograd Function; ``backend="torch"`` asked for by name runs PyTorch, the
+reference. Writing the cache never touches a file it did not create: the library is built
 under a fresh temporary name and renamed into place (atomic; two processes building at once each rename a complete
 file).
 

@@ -168,6 +168,19 @@ def test_what_the_compiled_path_does_not_take_runs_the_torch_path(monkeypatch):
     assert gradients(module, tensors, upstream, None)[3] != COMPILED
 
 
+def test_torch_func_transforms_run_the_torch_path():
+    """torch.func.grad wraps its tensors (no memory the C code could read): the torch path, and its gradient."""
+    module = make_rotary(4, 2, dtype=torch.float32)
+    (x, q, k, _), _ = inputs(module, (4, 2))
+
+    def loss(x, backend):
+        q_out, k_out, _ = module(x, q, k, backend=backend)
+        return q_out.square().sum() + (q_out[:, :, ::2] * k_out).sum()
+
+    compiled = torch.func.grad(loss)(x, "torch+c")
+    torch.testing.assert_close(compiled, torch.func.grad(loss)(x, "torch"), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("family", ["gla", "gated_deltanet", "fox", "hybrid"])
 def test_a_model_training_step_equals_the_torch_backend(family, monkeypatch):
     """A training step (loss and every parameter's gradient, right-padded rows) with the default backend ("auto": the
