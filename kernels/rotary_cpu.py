@@ -1121,25 +1121,24 @@ HOT static void row_backward(const Parameters *p, const Weights *w, const Backwa
     for (int64_t t = 0; t < length; t++) {
         double *dy = m->dy + t * channels, *g = m->g + t * width;
         const double *y = m->y + t * channels;
-        double d_gate[width > 0 ? width : 1];
-        for (int64_t o = 0; o < width; o++) d_gate[o] = 0.0;
-        for (int64_t i = 0; i < channels; i++) {
-            double out = y[i], slope = 1.0;
-            if (p->conv_silu) {
-                const double s = sigmoid(y[i]);
-                out = y[i] * s;
-                slope = s * (1.0 + y[i] * (1.0 - s));
+        for (int64_t o = 0; o < (width > 0 ? width : 1); o++) {  /* the channels of gate o (all, without a gate) */
+            double d_gate = 0.0;
+            const double gate = width > 0 ? g[o] : 1.0;
+            for (int64_t i = o * per_gate; i < (width > 0 ? (o + 1) * per_gate : channels); i++) {
+                double out = y[i], slope = 1.0;
+                if (p->conv_silu) {
+                    const double s = sigmoid(y[i]);
+                    out = y[i] * s;
+                    slope = s * (1.0 + y[i] * (1.0 - s));
+                }
+                if (p->bias) out += exp_bias[i];
+                d_gate += dy[i] * out;
+                const double d_pre = dy[i] * gate;
+                if (p->bias) d_bias[i] += d_pre * exp_bias[i];  /* d b = d exp(b) · exp(b) */
+                dy[i] = d_pre * slope;
             }
-            if (p->bias) out += exp_bias[i];
-            double d_pre = dy[i];
-            if (width > 0) {
-                d_gate[i / per_gate] += dy[i] * out;
-                d_pre *= g[i / per_gate];
-            }
-            if (p->bias) d_bias[i] += d_pre * exp_bias[i];  /* d b = d exp(b) · exp(b) */
-            dy[i] = d_pre * slope;
+            if (width > 0) g[o] = d_gate * gate * (1.0 - gate);  /* σ' = σ (1 - σ) */
         }
-        for (int64_t o = 0; o < width; o++) g[o] = d_gate[o] * g[o] * (1.0 - g[o]);  /* σ' = σ (1 - σ) */
     }
     /* the convolution's backward: d a_s = Σ_j tap_j d y_{s+K-1-j}, d tap_j = Σ_t d y_t a_{t-K+1+j} */
     double *da = m->dy;
