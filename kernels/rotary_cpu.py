@@ -1578,6 +1578,20 @@ class RotaryPlan:
             raise MemoryError("the compiled CPU rotary kernel could not allocate its scratch memory")
         return q_out, k_out, new_phase, new_history
 
+    def parameters_at(self, tensors: tuple) -> _Parameters | None:
+        """This plan's parameters read from ``tensors`` (in ``gradient_order``) where they are now, or ``None`` where
+        one is not what the plan can read: not ``readable``, another shape or dtype, or not contiguous."""
+        current = _Parameters.from_buffer_copy(self.parameters)
+        for (name, _), planned, tensor in zip(_Parameters._fields_[-len(self.gradient_order):], self.gradient_order,
+                                              tensors):
+            if planned is None:
+                continue
+            if (tensor is None or not readable(tensor) or tensor.shape != planned.shape or tensor.dtype != planned.dtype
+                    or not tensor.is_contiguous()):
+                return None
+            setattr(current, name, tensor.data_ptr())
+        return current
+
     def takes(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *states: torch.Tensor | None) -> bool:
         """Whether ``try_call`` takes these tensors (else it returns ``None``): x, q and k plain CPU tensors
         (``readable``) of a dtype it reads (float32, float64, bfloat16; q and k alike) with a contiguous last dim,
@@ -1595,14 +1609,21 @@ class RotaryPlan:
 
     def backward(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, grad_q: torch.Tensor,
                  grad_k: torch.Tensor, increments: torch.Tensor, phase: torch.Tensor | None,
-                 grad_final_phase: torch.Tensor | None, lengths: torch.Tensor | None, *, phase_grad: bool):
+                 grad_final_phase: torch.Tensor | None, lengths: torch.Tensor | None, parameters: tuple, *,
+                 phase_grad: bool):
         """The gradients of a training forward (``try_call`` with ``increments``, no convolution state) that took
         x, q, k, ``phase`` and ``lengths`` and kept ``increments``: from those of the rotated q and k (``grad_q``,
         ``grad_k``: contiguous, q's dtype) and of the final phase (``(B, Hk, R)`` float64, or ``None``).
+        ``parameters``: the parameter tensors the forward read, in ``gradient_order``, read where they are now (a
+        sharded model, e.g. FSDP, frees a parameter's memory after the forward and gathers it anew for the backward).
 
-        Returns ``dx`` (x's dtype), ``dq``, ``dk`` (q's), ``d phase`` (``(B, Hk, R)`` float64; ``None`` unless
+        Returns ``None`` where a parameter is no longer what the plan can read (``readable``, the planned shape and
+        dtype, contiguous), else ``dx`` (x's dtype), ``dq``, ``dk`` (q's), ``d phase`` (``(B, Hk, R)`` float64; ``None`` unless
         ``phase_grad``) and the parameters' gradients in float64, one per ``gradient_order`` entry (``None`` where
         absent). Runs on ``torch.get_num_threads()`` threads; the results do not depend on their number."""
+        current = self.parameters_at(parameters)
+        if current is None:
+            return None
         num_query_heads, num_key_heads, head_dim, rotary_pairs, hidden_size, _ = self.sizes
         batch, seq_len = q.shape[:2]
         for name, tensor in (("grad_q", grad_q), ("grad_k", grad_k), ("increments", increments)):
@@ -1622,7 +1643,7 @@ class RotaryPlan:
                                  *((0, 0, 0, 0) if phase is None else (phase.data_ptr(), *phase.stride())),
                                  _pointer(grad_final_phase), _pointer(lengths), dx.data_ptr(), dq.data_ptr(),
                                  dk.data_ptr(), _pointer(d_phase), d_params.data_ptr(), torch.get_num_threads()))
-        status = _training["selective_rope_rotary_backward"](self.parameters_ref, call.buffer_info()[0])
+        status = _training["selective_rope_rotary_backward"](ctypes.byref(current), call.buffer_info()[0])
         if status != 0:
             raise MemoryError("the compiled CPU rotary backward could not allocate its scratch memory")
         grads, offset = [], 0

@@ -55,9 +55,11 @@ class CompiledRotaryTraining(torch.autograd.Function):
         if grad_phase is not None:
             grad_phase = grad_phase.to(torch.float64).contiguous()
         needs = ctx.needs_input_grad
-        dx, dq, dk, d_phase, d_params = ctx.plan.backward(
-            x, q, k, grad_q, grad_k, increments, phase, grad_phase, ctx.lengths,
-            phase_grad=phase is not None and needs[6])
+        result = ctx.plan.backward(x, q, k, grad_q, grad_k, increments, phase, grad_phase, ctx.lengths,
+                                   tuple(parameters), phase_grad=phase is not None and needs[6])
+        if result is None:  # a parameter the C code can no longer read: differentiate the torch path
+            return (None, None, None) + torch_path_gradients(ctx, x, q, k, phase, grad_q, grad_k, grad_phase)
+        dx, dq, dk, d_phase, d_params = result
         grads = [None if g is None or not need else g.to(p.dtype)
                  for g, p, need in zip(d_params, parameters, needs[7:])]
         rope = ctx.plan.gradient_order[1] is None  # RoPE: x does not reach the phase
@@ -67,8 +69,10 @@ class CompiledRotaryTraining(torch.autograd.Function):
 
 def torch_path_gradients(ctx, x, q, k, phase, grad_q, grad_k, grad_phase):
     """The gradients of ``(x, q, k, phase, *parameters)`` through the module's torch path, recomputed with a graph (a
-    double backward differentiates these). The parameters are the module's own tensors (the plan's)."""
+    double backward differentiates these; a first backward only sums them). The parameters are the module's own
+    tensors (the plan's)."""
     inputs, parameters = (x, q, k, phase), list(ctx.plan.gradient_order)
+    create_graph = torch.is_grad_enabled()
     with torch.enable_grad():
         leaves = [None if t is None else t.detach().requires_grad_(need)
                   for t, need in zip(inputs[:4], ctx.needs_input_grad[3:7])]
@@ -80,7 +84,7 @@ def torch_path_gradients(ctx, x, q, k, phase, grad_q, grad_k, grad_phase):
                 outputs.append(output)
                 grads.append(grad)
         wanted = [t for t, need in zip(leaves + parameters, ctx.needs_input_grad[3:]) if need and t is not None]
-        found = iter(torch.autograd.grad(outputs, wanted, grads, create_graph=True, allow_unused=True)
+        found = iter(torch.autograd.grad(outputs, wanted, grads, create_graph=create_graph, allow_unused=True)
                      if outputs and wanted else [None] * len(wanted))
     return tuple(next(found) if need and t is not None else None
                  for t, need in zip(leaves + parameters, ctx.needs_input_grad[3:]))

@@ -168,6 +168,27 @@ def test_what_the_compiled_path_does_not_take_runs_the_torch_path(monkeypatch):
     assert gradients(module, tensors, upstream, None)[3] != COMPILED
 
 
+@pytest.mark.parametrize("change", ["moved", "strided"])
+def test_the_backward_reads_the_parameters_where_they_are_then(change):
+    """A sharded model (FSDP) frees a parameter's memory after the forward and gathers it anew for the backward: the
+    backward reads each parameter where it is then (here the old memory is filled with NaN), and one it cannot read
+    (non-contiguous) sends the backward to the torch path; the gradients are the torch path's either way."""
+    module = make_rotary(4, 2, dtype=torch.float32)
+    tensors, upstream = inputs(module, (4, 2))
+    reference = gradients(module, tensors, upstream, "torch")[4]
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    q_out, k_out, state = module(*leaves[:3], {"phase": leaves[3]}, backend="torch+c")
+    assert type(q_out.grad_fn).__name__ == COMPILED
+    down = module.phase_proj.down
+    old = down.data
+    down.data = old.clone() if change == "moved" else old.transpose(1, 2).contiguous().transpose(1, 2)
+    old.fill_(float("nan"))
+    loss = (q_out * upstream[0]).sum() + (k_out * upstream[1]).sum() + (state["phase"] * upstream[2]).sum()
+    compiled = torch.autograd.grad(loss, leaves + list(module.parameters()), allow_unused=True)
+    names = ["x", "q", "k", "phase"] + [name for name, _ in module.named_parameters()]
+    assert_close_gradients(compiled, reference, names)
+
+
 def test_torch_func_transforms_run_the_torch_path():
     """torch.func.grad wraps its tensors (no memory the C code could read): the torch path, and its gradient."""
     module = make_rotary(4, 2, dtype=torch.float32)
