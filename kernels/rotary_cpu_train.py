@@ -12,7 +12,8 @@ What it computes: exactly the forward of the inference path (the same q, k and p
 of the torch path to rounding (float64 sums in another order; tests: ``tests/kernels/test_rotary_cpu_train.py``), the
 same on any number of threads (rows are split into a fixed number of parts, summed in order). The new convolution
 history it returns carries no gradient. A double backward (``create_graph=True``) recomputes the module on the torch
-path and differentiates that, so it has the torch path's second derivatives.
+path and differentiates that, so it has the torch path's second derivatives. The backward reads the parameters where
+they are at backward time (FSDP gathers them anew); one it cannot read then sends the backward to the torch path.
 """
 
 from __future__ import annotations
