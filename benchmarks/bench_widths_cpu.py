@@ -17,7 +17,8 @@ Every figure is the median over rounds; ratios pair the calls of the same round 
 their quartiles; the load average (1 minute) before and after each figure is recorded beside it, since this machine
 is shared. The prefill scaling (time at the longest length over time at 1024 tokens, 4x the tokens) is reported per
 family and model. ``--before`` adds, for the training step, Selective RoPE with the code before issue 51's changes
-(kept in this script only) as a fourth model.
+(kept in this script only) as a fourth model; ``--torch-path`` adds Selective RoPE on the pure PyTorch path
+(``backend="torch"``, the reference: how every training step ran before the compiled training path).
 
 Usage::
 
@@ -26,6 +27,8 @@ Usage::
     python benchmarks/bench_widths_cpu.py --quick --before --threads 1
     python benchmarks/bench_widths_cpu.py --families gla fox --widths 256 --sections train --before --no-peer \
         --rounds 12 --output /tmp/train_ab.json     # the training step alone, before / after
+    python benchmarks/bench_widths_cpu.py --widths 256 --sections train --torch-path --no-peer --rounds 10 \
+        --output /tmp/train_compiled.json           # compiled training path against the PyTorch path
 """
 from __future__ import annotations
 
@@ -188,7 +191,8 @@ def before_issue_51(model: torch.nn.Module) -> torch.nn.Module:
 
 
 # -- sections ---------------------------------------------------------------------------------------------------------
-def bench_width(family: str, width: int, plan: dict, before: bool, sections: list[str]) -> dict:
+def bench_width(family: str, width: int, plan: dict, before: bool, sections: list[str],
+                torch_path: bool = False) -> dict:
     models = {name: build(family, width, name) for name in VARIANTS}
     models["nope_twin"] = build(family, width, "nope")  # the noise floor: a second, identical NoPE model
     result = {"family": family, "hidden_size": width, "config": models["nope"].config.to_diff_dict(),
@@ -218,7 +222,7 @@ def bench_width(family: str, width: int, plan: dict, before: bool, sections: lis
         result["decode"] = {"context": plan["decode_context"], "unit": "ms per token", **row}
         log_row(f"{family} h={width} decode after {plan['decode_context']}", row)
     if "train" in sections:
-        result["train"] = bench_train(family, width, models, plan, before)
+        result["train"] = bench_train(family, width, models, plan, before, torch_path)
     if "rotary" in sections:
         result["rotary_module_train"] = bench_rotary_module(family, width, models["selective_rope"], plan)
     return result
@@ -265,10 +269,13 @@ def bench_rotary_module(family: str, width: int, model: torch.nn.Module, plan: d
     return out
 
 
-def bench_train(family: str, width: int, models: dict, plan: dict, before: bool) -> dict:
+def bench_train(family: str, width: int, models: dict, plan: dict, before: bool, torch_path: bool = False) -> dict:
     train_models = dict(models)
     if before:
         train_models["selective_rope_before"] = before_issue_51(build(family, width, "selective_rope"))
+    if torch_path:  # the same weights as "selective_rope", on the pure PyTorch path
+        train_models["selective_rope_torch_path"] = build(family, width, "selective_rope")
+        train_models["selective_rope_torch_path"].config.backend = "torch"
     ids = random_ids(plan["train_batch"], plan["train_length"], 7)
     row = record(interleaved({n: train_fn(m, ids) for n, m in train_models.items()}, plan["train_rounds"]), "nope")
     log_row(f"{family} h={width} train {plan['train_batch']}x{plan['train_length']}", row)
@@ -348,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few minutes: fewer lengths and rounds")
     parser.add_argument("--before", action="store_true", help="also train with the code before issue 51")
+    parser.add_argument("--torch-path", action="store_true",
+                        help="also train Selective RoPE on the pure PyTorch path (backend='torch')")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: shared machine)")
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     parser.add_argument("--widths", nargs="+", type=int, default=None, choices=[64, 256, 1024])
@@ -370,14 +379,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     try:
-        rows = [bench_width(family, width, plan, args.before, args.sections) for family in args.families
+        rows = [bench_width(family, width, plan, args.before, args.sections, args.torch_path) for family in args.families
                 for width in widths]
         peers = [] if args.no_peer or "fox" not in args.families else [bench_peer(width, plan) for width in widths]
     finally:
         torch.set_num_threads(threads_before)
     results = {
         "benchmark": "bench_widths_cpu", "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
-        "plan": plan, "sections": args.sections, "threads": args.threads, "before_variant": args.before,
+        "plan": plan, "sections": args.sections, "threads": args.threads, "before_variant": args.before, "torch_path_variant": args.torch_path,
         "layers": LAYERS, "vocab_size": VOCAB,
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                     "python": platform.python_version()},

@@ -6,7 +6,8 @@ import os
 #: ``config.backend`` / ``SELECTIVE_ROPE_BACKEND`` values: who runs the kernels (see ``dispatch.resolve_backend``).
 BACKENDS = ("auto", "torch", "triton")
 #: What ``dispatch.resolve_backend`` returns, once per model call: PyTorch only (the reference); PyTorch with the
-#: rotary module's inference calls compiled (``rotary_cpu``: ``"auto"`` on the CPU); our Triton kernels (and fla's).
+#: rotary module compiled, inference and training (``rotary_cpu``, ``rotary_cpu_train``: ``"auto"`` on the CPU); our
+#: Triton kernels (and fla's).
 RESOLVED = ("torch", "torch+c", "triton")
 ENV_VAR = "SELECTIVE_ROPE_BACKEND"
 

@@ -8,7 +8,8 @@ The request comes from the environment variable ``SELECTIVE_ROPE_BACKEND`` if it
 deployed model without touching its config), else from the config's ``backend`` field:
 
 - ``"auto"`` (default): on CUDA, our Triton Selective RoPE kernels and fla's mixer kernels; elsewhere PyTorch, with
-  the rotary module's inference calls compiled on the CPU (``rotary_cpu``; resolved as ``"torch+c"``, unless
+  the rotary module compiled on the CPU, for inference and training (``rotary_cpu``, ``rotary_cpu_train``; resolved as
+  ``"torch+c"``, unless
   ``SELECTIVE_ROPE_CPU_KERNEL=0``, or under ``torch.compile``, which cannot trace the C call: ``"torch"`` there).
 - ``"torch"``: PyTorch everywhere (the reference; the rotary module too).
 - ``"triton"``: as ``auto`` on CUDA. On CPU, our Triton rotary kernels run only under ``TRITON_INTERPRET=1`` (how the
@@ -66,7 +67,7 @@ def requested_backend(config_value: str | None = None) -> str:
 
 def resolve_backend(config_value: str | None, device: torch.device | str) -> str:
     """``"torch"``, ``"torch+c"`` or ``"triton"`` (``backends.RESOLVED``): who runs our own ops (Selective RoPE) for
-    tensors on ``device``. ``"torch+c"`` is PyTorch with the rotary module's inference calls (no autograd) compiled
+    tensors on ``device``. ``"torch+c"`` is PyTorch with the rotary module's calls (inference, and training with its C backward) compiled
     (``rotary_cpu``): on the CPU, unless ``"torch"`` was asked for by name or ``SELECTIVE_ROPE_CPU_KERNEL=0``. Both
     environment variables are read here, once per model call.
 

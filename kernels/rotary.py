@@ -10,6 +10,8 @@ when                                   what runs
 ``"torch+c"``, no autograd, a plan     the compiled CPU kernel (``rotary_cpu``): phase path and rotation in one C call,
 for the module and inputs it takes     a prefill or a decoding step; made by its CPython entry (``rotary_cpu_entry``)
                                        where it can be built and takes the call, else through ctypes
+``"torch+c"``, autograd, a plan, no    the compiled training path (``rotary_cpu_train``): the same C forward, which also
+convolution history to start from      keeps its float32 increments, and a C backward, as one autograd Function
 one token per row, no autograd         a decoding step: ``rotary_triton``'s fused step on ``"triton"`` (from the input
                                        where the phase path is the default one), else ``rotary_torch``'s
 anything else                          on ``"triton"`` with the default phase path (``fusable_phase_weights``): one
@@ -36,6 +38,7 @@ from .dispatch import triton_rotary, triton_rotary_from_input
 from .rotary_cpu import RotaryPlan
 from .rotary_cpu import available as cpu_kernel_available
 from .rotary_cpu_entry import entry_for
+from .rotary_cpu_train import CompiledRotaryTraining
 from .rotary_torch import selective_rotary as selective_rotary_torch
 from .rotary_torch import selective_rotary_step
 
@@ -84,8 +87,11 @@ def rotary_embedding(module: PhasePath, x: torch.Tensor, q: torch.Tensor, k: tor
                 return result  # else: the same call through Python below, which decides (rotary_cpu_entry)
     seq_len = x.shape[1]
     inference = not torch.is_grad_enabled()
-    if backend == "torch+c" and seq_len > 0 and inference:
-        compiled = cpu_kernel_call(module, x, q, k, state, lengths, overwrite_state)  # a prefill or a step
+    if backend == "torch+c" and seq_len > 0:
+        if inference:
+            compiled = cpu_kernel_call(module, x, q, k, state, lengths, overwrite_state)  # a prefill or a step
+        else:
+            compiled = cpu_training_call(module, x, q, k, state, lengths)
         if compiled is not None:
             return compiled
     if seq_len == 1 and cu_seqlens is None and inference:  # a decoding step (the steps have no backward)
@@ -226,6 +232,31 @@ def cpu_kernel_call(module: PhasePath, x, q, k, state, lengths, overwrite_state=
         del module.__dict__["_cpu_plan"]  # a parameter's storage was replaced: plan again
         return cpu_kernel_call(module, x, q, k, state, lengths, overwrite_state)
     return result[0], result[1], rotary_state(result[2], result[3])
+
+
+def cpu_training_call(module: PhasePath, x, q, k, state, lengths):
+    """A sequence with autograd as the compiled training forward and backward (``rotary_cpu_train``: the inference
+    kernel's forward, bit for bit, and a C backward), or ``None`` where the torch path must run instead: what
+    ``cpu_kernel_call`` declines, a convolution history to start from (the compiled backward starts each row's
+    convolution afresh), or a ``torch.func`` transform (its wrapped tensors have no memory the C code could read)."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._are_functorch_transforms_active():
+        return None
+    plan = cpu_plan(module, (x.shape[-1], q.shape[2], q.shape[3]))
+    if plan is None or (plan.has_conv and state.get("phase_conv") is not None):
+        return None
+    phase = state.get("phase")
+    if phase is not None and phase.dtype != torch.float64:
+        phase = phase.to(torch.float64)
+    if lengths is not None and (lengths.dtype != torch.int64 or not lengths.is_contiguous()):
+        lengths = lengths.to(torch.int64).contiguous()
+    if not plan.takes(x, q, k, phase, lengths):
+        if plan.current():  # inputs the C kernel does not take
+            return None
+        del module.__dict__["_cpu_plan"]  # a parameter's storage was replaced: plan again
+        return cpu_training_call(module, x, q, k, state, lengths)
+    q_out, k_out, phase, conv_state = CompiledRotaryTraining.apply(plan, module, lengths, x, q, k, phase,
+                                                                   *plan.gradient_order)
+    return q_out, k_out, rotary_state(phase, conv_state)
 
 
 def cpu_plan(module: PhasePath, sizes: tuple[int, int, int]) -> RotaryPlan | None:

@@ -18,15 +18,18 @@ only ``.py`` files) is compiled on first use by the system's C compiler (``$CC``
 where Python's C headers exist through a small CPython extension that makes the same call (``rotary_cpu_entry``). On
 x86-64 with glibc the hot functions are built for AVX-512, AVX2 and the baseline, chosen when the library loads.
 A row of at least 1024 real tokens is split between ``torch.get_num_threads()`` threads (at least 512 tokens each;
-see ``row_threaded``), with the same results bit for bit. They are torch's own OpenMP threads: the library is built
+see ``row_threaded``), and many short rows (512 tokens or more in all) are shared out between them, one row per
+thread, with the same results bit for bit. They are torch's own OpenMP threads: the library is built
 with ``-fopenmp`` and its libgomp resolves to the copy torch has loaded (a compiler without OpenMP gives a library
 that runs on one thread). Like torch's own parallel ops, they do not survive ``fork``: a child forked after the
 parent used them hangs in its first parallel region (GNU OpenMP; tested on torch ops alone too) unless it calls
 ``torch.set_num_threads(1)`` first, as DataLoader workers do; then it runs on one thread. No compiler, a failed
 build or an unwritable cache leave the PyTorch path in charge, with one warning (``SELECTIVE_ROPE_CPU_KERNEL=0``
 turns the kernel off without one). It serves the ``"auto"`` backend (the default) without autograd
-(``torch.no_grad``, ``torch.inference_mode``: generation, evaluation); training and ``backend="torch"`` asked for by
-name run PyTorch, the reference. Writing the cache never touches a file it did not create: the library is built
+(``torch.no_grad``, ``torch.inference_mode``: generation, evaluation) and, with autograd, training: the same forward
+keeps its float32 increments (``selective_rope_rotary_train``) for a C backward (``selective_rope_rotary_backward``),
+which ``rotary_cpu_train`` wraps as an autograd Function; ``backend="torch"`` asked for by name runs PyTorch, the
+reference. Writing the cache never touches a file it did not create: the library is built
 under a fresh temporary name and renamed into place (atomic; two processes building at once each rename a complete
 file).
 
@@ -201,6 +204,7 @@ typedef struct {
     const double *conv_state;  /* (B, K-1, Hk*R), or NULL (zeros) */
     double *new_conv_state;  /* (B, K-1, Hk*R), or NULL without convolution */
     const int64_t *lengths;  /* (B,): tokens t >= lengths[b] are pads; NULL: none */
+    float *inc_out;  /* (B, T, Hk*R): the increments c_t, kept for a training backward; NULL: not kept */
 } Tensors;
 
 /* Scratch memory of one thread, in lanes (float64 vectors), doubles and floats. */
@@ -578,6 +582,7 @@ static int row_threaded(const Parameters *p, const Tensors *a, int64_t b, int64_
         w->phase = starts + i * channels;
     }
     run_parts(parts, count, part_increments);
+    if (a->inc_out) memcpy(a->inc_out + b * seq_len * channels, inc, sizeof(float) * (size_t)(seq_len * channels));
     for (int64_t j = 0; j < past * channels; j++) history[j] = parts[count - 1].s.history[j];
     for (int i = 0; i < count; i++) {  /* each part's first phase, summed in order */
         memcpy(parts[i].phase, phase, sizeof(double) * (size_t)channels);
@@ -592,27 +597,15 @@ static int row_threaded(const Parameters *p, const Tensors *a, int64_t b, int64_
 
 /* The rotary module on B rows of T tokens: each row's tokens in order, LANES at a time (a decoding step is T = 1),
    a long row on up to `threads` threads. Returns 0, or 1 if scratch memory could not be had. */
-HOT static int rotary(const Parameters *given, const Tensors *a, int64_t batch, int64_t seq_len, int64_t threads) {
-    Parameters wide;
-    double *widened = NULL;
-    if (given->param_dtype == F32 && batch * seq_len >= 4 * LANES) {
-        widened = widen_parameters(given, &wide);
-        if (!widened) return 1;
-    }
-    const Parameters *p = widened ? &wide : given;
-    if (seq_len == 1 && p->projection != PROJ_ONE) prefetch_weights(p);  /* a decoding step */
+/* Rows [first, stop) in order, each row's tokens LANES at a time, a long row on up to `threads` threads (`inc`: room
+   for a row's increments, NULL if no row is split). Returns 0, or 1 if scratch memory could not be had. */
+static int rows(const Parameters *p, const Tensors *a, Scratch *s, int64_t first, int64_t stop, int64_t seq_len,
+                int64_t threads, float *inc) {
     const int64_t hk = p->num_key_heads, r = p->rotary_pairs, channels = hk * r, past = p->conv_size - 1;
-#ifndef _OPENMP
-    threads = 1;  /* built without OpenMP: splitting a row would only add work */
-#endif
-    Scratch s;
-    float *inc = threads > 1 && seq_len >= 2 * MIN_TOKENS_PER_THREAD
-                 ? malloc(sizeof(float) * (size_t)(seq_len * channels)) : NULL;
-    if (scratch_alloc(p, &s)) { free(widened); free(inc); return 1; }
     int status = 0;
-    for (int64_t b = 0; b < batch && status == 0; b++) {
+    for (int64_t b = first; b < stop && status == 0; b++) {
         const int64_t length = a->lengths ? (a->lengths[b] < seq_len ? a->lengths[b] : seq_len) : seq_len;
-        double *history = a->new_conv_state ? a->new_conv_state + b * past * channels : s.history;
+        double *history = a->new_conv_state ? a->new_conv_state + b * past * channels : s->history;
         for (int64_t i = 0; i < past * channels; i++)
             history[i] = a->conv_state ? a->conv_state[b * past * channels + i] : 0.0;
         double *phase = a->new_phase + b * channels;  /* the running phase, θ_0 first */
@@ -628,11 +621,52 @@ HOT static int rotary(const Parameters *given, const Tensors *a, int64_t batch, 
             continue;
         }
         for (int64_t t0 = 0; t0 < seq_len; t0 += LANES) {
-            const int64_t stop = seq_len - t0 < LANES ? seq_len : t0 + LANES;
-            row_increments(p, a, &s, b, t0, stop, length, history, s.block);
-            row_rotate(p, a, &s, b, seq_len, t0, stop, phase, s.block);
+            const int64_t end = seq_len - t0 < LANES ? seq_len : t0 + LANES;
+            row_increments(p, a, s, b, t0, end, length, history, s->block);
+            if (a->inc_out)
+                memcpy(a->inc_out + (b * seq_len + t0) * channels, s->block,
+                       sizeof(float) * (size_t)((end - t0) * channels));
+            row_rotate(p, a, s, b, seq_len, t0, end, phase, s->block);
         }
     }
+    return status;
+}
+
+/* The rotary module on B rows of T tokens: each row's tokens in order, LANES at a time (a decoding step is T = 1); a
+   long row is split between up to `threads` threads, many short rows (a training batch, a batched prefill) are
+   shared out between them, each row on one thread. Either way every number is the one a single thread computes.
+   Returns 0, or 1 if scratch memory could not be had. */
+HOT static int rotary(const Parameters *given, const Tensors *a, int64_t batch, int64_t seq_len, int64_t threads) {
+    Parameters wide;
+    double *widened = NULL;
+    if (given->param_dtype == F32 && batch * seq_len >= 4 * LANES) {
+        widened = widen_parameters(given, &wide);
+        if (!widened) return 1;
+    }
+    const Parameters *p = widened ? &wide : given;
+    if (seq_len == 1 && p->projection != PROJ_ONE) prefetch_weights(p);  /* a decoding step */
+    const int64_t channels = p->num_key_heads * p->rotary_pairs;
+#ifndef _OPENMP
+    threads = 1;  /* built without OpenMP: splitting a row would only add work */
+#endif
+    int status = 0;
+    if (threads > 1 && batch > 1 && seq_len < 2 * MIN_TOKENS_PER_THREAD && batch * seq_len >= MIN_TOKENS_PER_THREAD) {
+        const int count = (int)(threads < batch ? (threads < MAX_THREADS ? threads : MAX_THREADS) : batch);
+#pragma omp parallel for num_threads(count) schedule(static, 1) reduction(| : status)
+        for (int i = 0; i < count; i++) {
+            Scratch own;
+            if (scratch_alloc(p, &own)) { status = 1; continue; }
+            status |= rows(p, a, &own, batch * i / count, batch * (i + 1) / count, seq_len, 1, NULL);
+            scratch_free(&own);
+        }
+        free(widened);
+        return status;
+    }
+    Scratch s;
+    float *inc = threads > 1 && seq_len >= 2 * MIN_TOKENS_PER_THREAD
+                 ? malloc(sizeof(float) * (size_t)(seq_len * channels)) : NULL;
+    if (scratch_alloc(p, &s)) { free(widened); free(inc); return 1; }
+    status = rows(p, a, &s, 0, batch, seq_len, threads, inc);
     scratch_free(&s);
     free(inc);
     free(widened);
@@ -647,10 +681,578 @@ int selective_rope_rotary(const Parameters *p, const int64_t *call) {
 #define POINTER(i) ((void *)(intptr_t)call[i])
     const Tensors tensors = {POINTER(2), POINTER(6), POINTER(7), call[3], call[8], call[4], call[5], call[9], call[10],
                              call[11], call[12], call[13], call[14], POINTER(15), POINTER(16), POINTER(17), call[18],
-                             call[19], call[20], POINTER(21), POINTER(22), POINTER(23), POINTER(24)};
+                             call[19], call[20], POINTER(21), POINTER(22), POINTER(23), POINTER(24), NULL};
 #undef POINTER
     return rotary(p, &tensors, call[0], call[1], call[25]);
 }
+
+/* A training forward: selective_rope_rotary's call, which also keeps the increments in `inc` ((B, T, Hk*R) float32,
+   exactly the ones the phase summed) for selective_rope_rotary_backward. */
+int selective_rope_rotary_train(const Parameters *p, const int64_t *call, float *inc) {
+#define POINTER(i) ((void *)(intptr_t)call[i])
+    const Tensors tensors = {POINTER(2), POINTER(6), POINTER(7), call[3], call[8], call[4], call[5], call[9], call[10],
+                             call[11], call[12], call[13], call[14], POINTER(15), POINTER(16), POINTER(17), call[18],
+                             call[19], call[20], POINTER(21), POINTER(22), POINTER(23), POINTER(24), inc};
+#undef POINTER
+    return rotary(p, &tensors, call[0], call[1], call[25]);
+}
+/* ---- Training: the backward of the forward above (selective_rope_rotary_train). ----
+   Per row, in three steps: (1) the phase path recomputed token by token from x (u, the projection, the convolution,
+   the gate: float64, as the forward; the phase itself is summed from the forward's own increments, so every angle,
+   cos and sin is the one the forward used); (2) backwards over the tokens, the rotation's gradient (dq, dk and
+   d angle), d θ = τ d angle and its reverse cumulative sum, d c_t; (3) d c_t back through the gate, bias,
+   activation, convolution, projection and normalisation to dx, then the weights' gradients as sums over the row's
+   tokens (each gradient row held in registers while the tokens stream past). Everything in float64. The rows are
+   split into a fixed number of parts (not one per thread), each summing its own gradients, added in part order: the
+   results do not depend on the number of threads. */
+
+/* One call's tensors (the Python wrapper's int64 array, see selective_rope_rotary_backward). */
+typedef struct {
+    const void *x, *q, *k;  /* the forward's inputs, by strides as in Tensors */
+    int64_t x_dtype, qk_dtype, x_stride_b, x_stride_t, q_stride_b, q_stride_t, q_stride_h, k_stride_b, k_stride_t,
+        k_stride_h;
+    const void *grad_q, *grad_k;  /* d rotated q (B, T, Hq, D), k (B, T, Hk, D): contiguous, q's dtype */
+    const float *inc;  /* (B, T, Hk*R) the forward's increments */
+    const double *phase;  /* θ_0 (B, Hk, R) by strides, or NULL (zeros) */
+    int64_t phase_stride_b, phase_stride_h, phase_stride_r;
+    const double *grad_final;  /* d final phase (B, Hk*R) contiguous, or NULL (none) */
+    const int64_t *lengths;  /* (B,) or NULL */
+    void *dx, *dq, *dk;  /* contiguous, x's and q's dtypes */
+    double *d_phase;  /* d θ_0 (B, Hk*R), or NULL (not asked for) */
+    double *d_params;  /* every parameter's gradient, one after another in parameter_blocks' order */
+} Backward;
+
+/* The weights as the backward reads them, float64: the projection as (heads, outs, ins) matrices (low rank: down
+   and up per head; dense: one head; full rank: scale · w / |w|, one matrix per head; scalar: (Hk, 1, Dc)) and every
+   matrix also transposed, so that a product over a token's inputs is a sum of rows (vectorised, no horizontal sums;
+   each output summed over its inputs in order, as the forward's matvec). */
+typedef struct {
+    int64_t heads, ins, lows, outs;  /* low rank: down (heads, lows, ins), up (heads, outs, lows); else proj (heads,
+                                        outs, ins) with lows = 0 */
+    double *down, *down_t, *up, *up_t, *gate1_t, *gate2_t, *proj_norm;  /* proj_norm: full rank's |w| (clamped) */
+    double *turns, *exp_bias, *taps;  /* τ / 2π (R); exp(b) (Hk*R); the taps (Hk*R, K) */
+} Weights;
+
+__attribute__((always_inline)) static inline double dot(const double *a, const double *b, int64_t n) {
+    lanes_t sum = {0};
+    int64_t j = 0;
+    for (; j + LANES <= n; j += LANES) {
+        lanes_t x, y;
+        memcpy(&x, a + j, sizeof x);
+        memcpy(&y, b + j, sizeof y);
+        sum += x * y;
+    }
+    double total = 0.0;
+    for (int l = 0; l < LANES; l++) total += sum[l];
+    for (; j < n; j++) total += a[j] * b[j];
+    return total;
+}
+
+/* dot and row_sum are inlined into their HOT callers, so each of the callers' versions vectorises them for its
+   CPU. */
+/* ROWS_SUM rows of a weight's gradient, sharing their inputs: acc[q * n + :n] += Σ_t alpha[t * alpha_stride + q]
+   x[t * x_stride + :n] over `count` tokens. Sixteen numbers of each row at a time are held in registers while the
+   tokens stream past, each token's inputs loaded once for all the rows. */
+#define ROWS_SUM 4
+__attribute__((always_inline)) static inline void rows_sum(double *acc, const double *alpha, int64_t alpha_stride,
+                                                           const double *x, int64_t x_stride, int64_t count,
+                                                           int64_t n) {
+    int64_t j = 0;
+    for (; j + 2 * LANES <= n; j += 2 * LANES) {
+        lanes_t s0[ROWS_SUM], s1[ROWS_SUM], v0, v1;
+        for (int q = 0; q < ROWS_SUM; q++) {
+            memcpy(&s0[q], acc + q * n + j, sizeof v0);
+            memcpy(&s1[q], acc + q * n + j + LANES, sizeof v1);
+        }
+        for (int64_t t = 0; t < count; t++) {
+            memcpy(&v0, x + t * x_stride + j, sizeof v0);
+            memcpy(&v1, x + t * x_stride + j + LANES, sizeof v1);
+            for (int q = 0; q < ROWS_SUM; q++) {
+                const double al = alpha[t * alpha_stride + q];
+                s0[q] += al * v0;
+                s1[q] += al * v1;
+            }
+        }
+        for (int q = 0; q < ROWS_SUM; q++) {
+            memcpy(acc + q * n + j, &s0[q], sizeof v0);
+            memcpy(acc + q * n + j + LANES, &s1[q], sizeof v1);
+        }
+    }
+    for (; j < n; j++)
+        for (int q = 0; q < ROWS_SUM; q++) {
+            double sum = acc[q * n + j];
+            for (int64_t t = 0; t < count; t++) sum += alpha[t * alpha_stride + q] * x[t * x_stride + j];
+            acc[q * n + j] = sum;
+        }
+}
+
+/* The same for a gradient of `rows` rows (n numbers each), ROWS_SUM rows at a time, the last ones one by one. */
+__attribute__((always_inline)) static inline void matrix_sum(double *acc, int64_t rows, int64_t n, const double *alpha,
+                                                             int64_t alpha_stride, const double *x, int64_t x_stride,
+                                                             int64_t count) {
+    int64_t q = 0;
+    for (; q + ROWS_SUM <= rows; q += ROWS_SUM) rows_sum(acc + q * n, alpha + q, alpha_stride, x, x_stride, count, n);
+    for (; q < rows; q++)
+        for (int64_t t = 0; t < count; t++) {
+            const double al = alpha[t * alpha_stride + q];
+            for (int64_t j = 0; j < n; j++) acc[q * n + j] += al * x[t * x_stride + j];
+        }
+}
+
+static double *transposed(const double *w, int64_t heads, int64_t rows, int64_t cols, double *out) {
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t i = 0; i < rows; i++)
+            for (int64_t j = 0; j < cols; j++) out[(h * cols + j) * rows + i] = w[(h * rows + i) * cols + j];
+    return out;
+}
+
+/* Weights for p (float64 parameters), in one block returned for the caller to free (NULL without memory). */
+static double *backward_weights(const Parameters *p, Weights *w) {
+    const int64_t hk = p->num_key_heads, r = p->rotary_pairs, dc = p->chunk_dim, hidden = hk * dc, channels = hk * r;
+    const int64_t kind = p->projection, rank = p->proj_rank, width = p->gate_width, grank = p->gate_rank;
+    *w = (Weights){0};
+    if (kind == PROJ_LOW_RANK) *w = (Weights){hk, dc, rank, r};
+    if (kind == PROJ_DENSE_LOW_RANK) *w = (Weights){1, hidden, rank, channels};
+    if (kind == PROJ_FULL_RANK) *w = (Weights){hk, dc, 0, r};
+    if (kind == PROJ_SCALAR) *w = (Weights){hk, dc, 0, 1};
+    const int64_t proj = w->heads * (w->lows ? w->lows * w->ins + w->outs * w->lows : w->outs * w->ins);
+    const int64_t gate = (p->gate_layers == 1 ? width * hidden : grank * hidden + width * grank);
+    double *block = malloc(sizeof(double) * (size_t)(2 * proj + gate + channels + r + channels + channels * p->conv_size
+                                                     + 1));
+    if (!block) return NULL;
+    double *next = block;
+    if (w->lows) {  /* low rank, one head or each head */
+        w->down = (double *)p->proj_a, w->up = (double *)p->proj_b;
+        w->down_t = transposed(w->down, w->heads, w->lows, w->ins, next), next += w->heads * w->lows * w->ins;
+        w->up_t = transposed(w->up, w->heads, w->outs, w->lows, next), next += w->heads * w->outs * w->lows;
+    } else if (kind != PROJ_ONE) {  /* one matrix per head (full rank: weight-normalised) */
+        w->down = next, next += w->heads * w->outs * w->ins;
+        w->proj_norm = next, next += w->heads * w->outs;
+        for (int64_t o = 0; o < w->heads * w->outs; o++) {
+            const double *row = (const double *)p->proj_a + o * w->ins;
+            double norm = 0.0;
+            for (int64_t j = 0; j < w->ins; j++) norm += row[j] * row[j];
+            norm = sqrt(norm);
+            w->proj_norm[o] = norm > 1e-12 ? norm : 1e-12;
+            const double factor = kind == PROJ_FULL_RANK ? ((const double *)p->proj_b)[o] / w->proj_norm[o] : 1.0;
+            for (int64_t j = 0; j < w->ins; j++) w->down[o * w->ins + j] = factor * row[j];
+        }
+        w->down_t = transposed(w->down, w->heads, w->outs, w->ins, next), next += w->heads * w->outs * w->ins;
+    }
+    if (p->gate_layers == 1) {
+        w->gate1_t = transposed(p->gate_w1, 1, width, hidden, next), next += width * hidden;
+    } else if (p->gate_layers == 2) {
+        w->gate1_t = transposed(p->gate_w1, 1, grank, hidden, next), next += grank * hidden;
+        w->gate2_t = transposed(p->gate_w2, 1, width, grank, next), next += width * grank;
+    }
+    w->turns = next, next += r;
+    w->exp_bias = next, next += channels;
+    w->taps = next;
+    for (int64_t i = 0; i < r; i++) w->turns[i] = ((const double *)p->temperature)[i] / TWO_PI;
+    for (int64_t i = 0; p->bias && i < channels; i++) w->exp_bias[i] = exp(((const double *)p->bias)[i]);
+    for (int64_t i = 0; i < channels * p->conv_size; i++)  /* the difference: (-1, 1) */
+        w->taps[i] = p->convolution == CONV_LEARNED ? ((const double *)p->conv_taps)[i] : i % 2 ? 1.0 : -1.0;
+    return block;
+}
+
+/* One part's memory: the row's values (T tokens) and the part's parameter gradients. */
+typedef struct {
+    double *u, *den, *low, *a, *y, *g, *glow, *theta, *dy, *da, *dlow, *dglow;  /* (T, ...) each */
+    double *dcos, *dsin;  /* one token's: (Hk*R) x 2 */
+    double *grads;  /* (parameter count, then full rank's gradient of its effective weight) */
+    float *angle, *cos, *sin;  /* (LANES, Hk*R) */
+    lanes_t *lanes;  /* a block's values, token by lane: (2 hidden + low size + Hk*R + gate width + gate rank) */
+} RowMemory;
+
+static int64_t parameter_count(const Parameters *p) {
+    Parameters copy = *p;
+    Block blocks[PARAMETER_BLOCKS];
+    parameter_blocks(&copy, blocks);
+    int64_t total = 0;
+    for (int i = 0; i < PARAMETER_BLOCKS; i++) total += *blocks[i].field ? blocks[i].count : 0;
+    return total;
+}
+
+/* The gradient block's length: every parameter's, then (full rank) the effective weight's (Hk*R, Dc). */
+static int64_t gradient_count(const Parameters *p) {
+    const int64_t extra = p->projection == PROJ_FULL_RANK ? p->num_key_heads * p->rotary_pairs * p->chunk_dim : 0;
+    return parameter_count(p) + extra;
+}
+
+/* Where each parameter's gradient starts in a gradient block (NULL: no such parameter). */
+static void gradient_fields(const Parameters *p, double *grads, double *at[PARAMETER_BLOCKS]) {
+    Parameters copy = *p;
+    Block blocks[PARAMETER_BLOCKS];
+    parameter_blocks(&copy, blocks);
+    for (int i = 0; i < PARAMETER_BLOCKS; i++) {
+        at[i] = *blocks[i].field ? grads : NULL;
+        grads += *blocks[i].field ? blocks[i].count : 0;
+    }
+}
+
+static void row_memory_free(RowMemory *m) {
+    free(m->u);
+    free(m->angle);
+    free(m->lanes);
+}
+
+static int row_memory_alloc(const Parameters *p, const Weights *w, int64_t seq_len, RowMemory *m) {
+    const int64_t hk = p->num_key_heads, channels = hk * p->rotary_pairs, hidden = hk * p->chunk_dim;
+    const int64_t lows = w->heads * (w->lows ? w->lows : w->outs), width = p->gate_width, grank = p->gate_rank;
+    const int64_t per_token = hidden + hk + 2 * lows + 5 * channels + width + 2 * grank;
+    const int64_t total = seq_len * per_token + 2 * channels + gradient_count(p);
+    m->u = calloc((size_t)total, sizeof(double));
+    m->angle = malloc(sizeof(float) * 3 * (size_t)(LANES * channels));
+    m->lanes = aligned_alloc(sizeof(lanes_t), sizeof(lanes_t) * (size_t)(2 * hidden + lows + channels + width + grank));
+    if (!m->u || !m->angle || !m->lanes) { row_memory_free(m); return 1; }
+    double *next = m->u + seq_len * hidden;
+#define TAKE(field, size) m->field = next, next += (size)
+    TAKE(den, seq_len * hk); TAKE(low, seq_len * lows); TAKE(a, seq_len * channels); TAKE(y, seq_len * channels);
+    TAKE(g, seq_len * width); TAKE(glow, seq_len * grank); TAKE(theta, seq_len * channels);
+    TAKE(dy, seq_len * channels); TAKE(da, seq_len * channels); TAKE(dlow, seq_len * lows);
+    TAKE(dglow, seq_len * grank); TAKE(dcos, channels); TAKE(dsin, channels);
+    TAKE(grads, gradient_count(p));
+#undef TAKE
+    m->cos = m->angle + LANES * channels;
+    m->sin = m->cos + LANES * channels;
+    return 0;
+}
+
+/* Step 1 for the tokens [t0, t0 + n) of row b, LANES at a time as the forward's `increments` (each weight read once
+   for all of them): u, its norms, the projection's values (low rank: the rank's too, in low; full rank and scalar:
+   w·u in low), the gate's (sigmoid), into the row buffers. */
+HOT static void block_phase_inputs(const Parameters *p, const Weights *w, const Backward *a, RowMemory *m, int64_t b,
+                                   int64_t t0, int64_t n) {
+    const int64_t hk = p->num_key_heads, r = p->rotary_pairs, dc = p->chunk_dim, hidden = hk * dc;
+    const int64_t channels = hk * r, lows = w->heads * (w->lows ? w->lows : w->outs);
+    const int64_t width = p->gate_width, grank = p->gate_rank;
+    lanes_t *u = m->lanes, *low = u + hidden, *c = low + lows, *g = c + channels, *glow = g + width;
+    for (int64_t l = 0; l < LANES; l++) {  /* unused lanes 0 */
+        const int64_t row = b * a->x_stride_b + (t0 + l) * a->x_stride_t;
+        for (int64_t j = 0; j < hidden; j++) u[j][l] = l < n ? load(a->x, (int)a->x_dtype, row + j) : 0.0;
+    }
+    for (int64_t h = 0; h < hk; h++) {
+        lanes_t norm = {0}, denominator;
+        for (int64_t j = h * dc; j < (h + 1) * dc; j++) norm += u[j] * u[j];
+        for (int64_t l = 0; l < LANES; l++) denominator[l] = sqrt(norm[l]) > 1e-12 ? sqrt(norm[l]) : 1e-12;
+        for (int64_t j = h * dc; j < (h + 1) * dc; j++) u[j] /= denominator;
+        for (int64_t l = 0; l < n; l++) m->den[(t0 + l) * hk + h] = denominator[l];
+    }
+    if (w->lows) {
+        for (int64_t h = 0; h < w->heads; h++) {
+            matvec(w->down, F64, h * w->lows * w->ins, u + h * w->ins, NULL, w->ins, w->lows, NULL, low + h * w->lows,
+                   LANES);
+            matvec(w->up, F64, h * w->outs * w->lows, low + h * w->lows, NULL, w->lows, w->outs, NULL,
+                   c + h * w->outs, LANES);
+        }
+    } else if (p->projection != PROJ_ONE) {
+        for (int64_t h = 0; h < w->heads; h++)
+            matvec(w->down, F64, h * w->outs * w->ins, u + h * w->ins, NULL, w->ins, w->outs, NULL, low + h * w->outs,
+                   LANES);
+        for (int64_t i = 0; i < channels; i++) c[i] = low[p->projection == PROJ_SCALAR ? i / r : i];
+    }
+    if (p->gate_layers == 1) {
+        matvec(p->gate_w1, F64, 0, u, NULL, hidden, width, p->gate_b1, g, LANES);
+    } else if (p->gate_layers == 2) {
+        matvec(p->gate_w1, F64, 0, u, NULL, hidden, grank, NULL, glow, LANES);
+        matvec(p->gate_w2, F64, 0, glow, NULL, grank, width, p->gate_b2, g, LANES);
+    }
+    for (int64_t l = 0; l < n; l++) {  /* into the row buffers, token by token */
+        const int64_t t = t0 + l;
+        for (int64_t j = 0; j < hidden; j++) m->u[t * hidden + j] = u[j][l];
+        for (int64_t i = 0; i < lows; i++) m->low[t * lows + i] = low[i][l];
+        for (int64_t i = 0; i < channels; i++) m->a[t * channels + i] = c[i][l];
+        for (int64_t o = 0; o < width; o++) m->g[t * width + o] = sigmoid(g[o][l]);
+        for (int64_t q = 0; q < grank; q++) m->glow[t * grank + q] = glow[q][l];
+    }
+}
+
+/* Step 3's input gradients for the tokens [t0, t0 + n) of row b, LANES at a time: d low (and the gate's d low) into
+   the row buffers, du through the projection and the gate, and dx through the normalisation. */
+HOT static void block_input_gradients(const Parameters *p, const Weights *w, const Backward *a, RowMemory *m,
+                                      const double *da, int64_t b, int64_t seq_len, int64_t t0, int64_t n) {
+    const int64_t hk = p->num_key_heads, r = p->rotary_pairs, dc = p->chunk_dim, hidden = hk * dc;
+    const int64_t channels = hk * r, lows = w->heads * (w->lows ? w->lows : w->outs);
+    const int64_t width = p->gate_width, grank = p->gate_rank;
+    lanes_t *du = m->lanes, *dlow = du + hidden, *d_a = dlow + lows, *dz = d_a + channels, *dglow = dz + width;
+    lanes_t *part = dglow + grank;  /* (hidden) */
+    for (int64_t l = 0; l < LANES; l++) {
+        const int64_t t = t0 + l;
+        for (int64_t i = 0; i < channels; i++) d_a[i][l] = l < n ? da[t * channels + i] : 0.0;
+        for (int64_t o = 0; o < width; o++) dz[o][l] = l < n ? m->g[t * width + o] : 0.0;
+    }
+    if (w->lows) {  /* d low = up^T d a, du = down^T d low */
+        for (int64_t h = 0; h < w->heads; h++) {
+            matvec(w->up_t, F64, h * w->lows * w->outs, d_a + h * w->outs, NULL, w->outs, w->lows, NULL,
+                   dlow + h * w->lows, LANES);
+            matvec(w->down_t, F64, h * w->ins * w->lows, dlow + h * w->lows, NULL, w->lows, w->ins, NULL,
+                   du + h * w->ins, LANES);
+        }
+    } else if (p->projection != PROJ_ONE) {  /* full rank and scalar: d (w·u) in dlow, du = W^T d (w·u) */
+        for (int64_t i = 0; i < lows; i++) dlow[i] = (lanes_t){0};
+        for (int64_t i = 0; i < channels; i++) dlow[p->projection == PROJ_SCALAR ? i / r : i] += d_a[i];
+        for (int64_t h = 0; h < w->heads; h++)
+            matvec(w->down_t, F64, h * w->ins * w->outs, dlow + h * w->outs, NULL, w->outs, w->ins, NULL,
+                   du + h * w->ins, LANES);
+    }
+    if (p->gate_layers == 1) {
+        matvec(w->gate1_t, F64, 0, dz, NULL, width, hidden, NULL, part, LANES);
+    } else if (p->gate_layers == 2) {
+        matvec(w->gate2_t, F64, 0, dz, NULL, width, grank, NULL, dglow, LANES);
+        matvec(w->gate1_t, F64, 0, dglow, NULL, grank, hidden, NULL, part, LANES);
+    }
+    if (p->gate_layers > 0)
+        for (int64_t j = 0; j < hidden; j++) du[j] += part[j];
+    const int xd = (int)a->x_dtype;
+    for (int64_t l = 0; l < n; l++) {
+        const int64_t t = t0 + l;
+        const double *u = m->u + t * hidden;
+        for (int64_t i = 0; i < lows; i++) m->dlow[t * lows + i] = dlow[i][l];
+        for (int64_t q = 0; q < grank; q++) m->dglow[t * grank + q] = dglow[q][l];
+        for (int64_t h = 0; h < hk; h++) {  /* dx = (du - u (u . du)) / |x|, or du / 1e-12 under the clamp */
+            const double denominator = m->den[t * hk + h];
+            double along = 0.0;
+            for (int64_t j = h * dc; denominator > 1e-12 && j < (h + 1) * dc; j++) along += u[j] * du[j][l];
+            for (int64_t j = h * dc; j < (h + 1) * dc; j++)
+                store(a->dx, xd, (b * seq_len + t) * hidden + j, (float)((du[j][l] - u[j] * along) / denominator));
+        }
+    }
+}
+
+/* Step 2 for up to LANES tokens [t0, t0 + n) of row b: dq, dk, and d θ_t (into dy) from the rows' gradients. */
+HOT static void tokens_rotation_backward(const Parameters *p, const Backward *a, RowMemory *m, const double *turns,
+                                         double *d_temperature, int64_t b, int64_t seq_len, int64_t t0, int64_t n) {
+    const int64_t hq = p->num_query_heads, hk = p->num_key_heads, head_dim = p->head_dim, r = p->rotary_pairs;
+    const int64_t channels = hk * r, groups = hq / hk;
+    const int qd = (int)a->qk_dtype;
+    cos_sin(m->theta + t0 * channels, turns, n, r, channels, m->angle, m->cos, m->sin);
+    for (int64_t l = 0; l < n; l++) {
+        const int64_t t = t0 + l;
+        for (int64_t i = 0; i < channels; i++) m->dcos[i] = m->dsin[i] = 0.0;
+        for (int64_t head = 0; head < hq + hk; head++) {  /* query heads, then key heads */
+            const int is_query = head < hq;
+            const int64_t key_head = is_query ? head / groups : head - hq;
+            const int64_t src = is_query ? b * a->q_stride_b + t * a->q_stride_t + head * a->q_stride_h
+                                         : b * a->k_stride_b + t * a->k_stride_t + key_head * a->k_stride_h;
+            const int64_t dst = is_query ? ((b * seq_len + t) * hq + head) * head_dim
+                                         : ((b * seq_len + t) * hk + key_head) * head_dim;
+            const void *x = is_query ? a->q : a->k, *dy = is_query ? a->grad_q : a->grad_k;
+            void *dx = is_query ? a->dq : a->dk;
+            const float *cos = m->cos + l * channels + key_head * r, *sin = m->sin + l * channels + key_head * r;
+            double *dcos = m->dcos + key_head * r, *dsin = m->dsin + key_head * r;
+            if (qd == F32) {  /* y1 = x1 cos - x2 sin, y2 = x1 sin + x2 cos, in float32 */
+                const float *x1 = (const float *)x + src, *x2 = x1 + r, *g1 = (const float *)dy + dst, *g2 = g1 + r;
+                float *d1 = (float *)dx + dst, *d2 = d1 + r;
+                for (int64_t i = 0; i < r; i++) {
+                    d1[i] = g1[i] * cos[i] + g2[i] * sin[i];
+                    d2[i] = g2[i] * cos[i] - g1[i] * sin[i];
+                    dcos[i] += (double)(g1[i] * x1[i] + g2[i] * x2[i]);
+                    dsin[i] += (double)(g2[i] * x1[i] - g1[i] * x2[i]);
+                }
+                for (int64_t i = 2 * r; i < head_dim; i++) ((float *)dx)[dst + i] = ((const float *)dy)[dst + i];
+                continue;
+            }
+            for (int64_t i = 0; i < r; i++) {
+                const float x1 = (float)load(x, qd, src + i), x2 = (float)load(x, qd, src + r + i);
+                const float g1 = (float)load(dy, qd, dst + i), g2 = (float)load(dy, qd, dst + r + i);
+                store(dx, qd, dst + i, g1 * cos[i] + g2 * sin[i]);
+                store(dx, qd, dst + r + i, g2 * cos[i] - g1 * sin[i]);
+                dcos[i] += (double)(g1 * x1 + g2 * x2);
+                dsin[i] += (double)(g2 * x1 - g1 * x2);
+            }
+            for (int64_t i = 2 * r; i < head_dim; i++) store(dx, qd, dst + i, (float)load(dy, qd, dst + i));
+        }
+        const double *theta = m->theta + t * channels;
+        double *d_theta = m->dy + t * channels;
+        for (int64_t h = 0; h < hk; h++)
+            for (int64_t i = 0; i < r; i++) {  /* angle = 2π frac(θ τ / 2π): d angle / d θ = τ, / d τ = θ */
+                const int64_t at = l * channels + h * r + i;
+                const double d_angle = (double)m->cos[at] * m->dsin[h * r + i] - (double)m->sin[at] * m->dcos[h * r + i];
+                d_theta[h * r + i] = d_angle * turns[i] * TWO_PI;
+                d_temperature[i] += d_angle * theta[h * r + i];
+            }
+    }
+}
+
+/* Row b, all three steps; the parameters' gradients added to m->grads. */
+HOT static void row_backward(const Parameters *p, const Weights *w, const Backward *a, RowMemory *m, int64_t b,
+                             int64_t seq_len) {
+    const int64_t hk = p->num_key_heads, r = p->rotary_pairs, dc = p->chunk_dim, hidden = hk * dc;
+    const int64_t channels = hk * r, lows = w->heads * (w->lows ? w->lows : w->outs), size = p->conv_size;
+    const int64_t width = p->gate_width, grank = p->gate_rank, per_gate = width == hk ? r : 1;
+    const int64_t length = a->lengths ? (a->lengths[b] < seq_len ? a->lengths[b] : seq_len) : seq_len;
+    const int selective = p->projection != PROJ_ONE;
+    const double *taps = w->taps, *exp_bias = w->exp_bias;
+    double *at[PARAMETER_BLOCKS];
+    gradient_fields(p, m->grads, at);
+    /* step 1 */
+    for (int64_t t0 = 0; selective && t0 < length; t0 += LANES)
+        block_phase_inputs(p, w, a, m, b, t0, length - t0 < LANES ? length - t0 : LANES);
+    for (int64_t t = 0; selective && t < length; t++)
+        for (int64_t i = 0; i < channels; i++) {  /* the convolution's output, pre-activation */
+            double y = 0.0;
+            if (p->convolution == CONV_NONE) y = m->a[t * channels + i];
+            for (int64_t j = 0; p->convolution != CONV_NONE && j < size; j++) {
+                const int64_t s = t - (size - 1) + j;
+                if (s >= 0) y += m->a[s * channels + i] * taps[i * size + j];
+            }
+            m->y[t * channels + i] = y;
+        }
+    for (int64_t t = 0; t < seq_len; t++)
+        for (int64_t i = 0; i < channels; i++) {
+            const double before = t > 0 ? m->theta[(t - 1) * channels + i]
+                                  : a->phase ? a->phase[b * a->phase_stride_b + (i / r) * a->phase_stride_h
+                                                        + (i % r) * a->phase_stride_r] : 0.0;
+            m->theta[t * channels + i] = (double)a->inc[(b * seq_len + t) * channels + i] + before;
+        }
+    /* step 2: d θ_t into dy, then its reverse cumulative sum (with the final phase's gradient on the last token) */
+    for (int64_t t0 = 0; t0 < seq_len; t0 += LANES)
+        tokens_rotation_backward(p, a, m, w->turns, at[0], b, seq_len, t0, seq_len - t0 < LANES ? seq_len - t0 : LANES);
+    for (int64_t i = 0; i < channels; i++) {
+        double sum = a->grad_final ? a->grad_final[b * channels + i] : 0.0;
+        for (int64_t t = seq_len - 1; t >= 0; t--) m->dy[t * channels + i] = sum += m->dy[t * channels + i];
+        if (a->d_phase) a->d_phase[b * channels + i] = sum;
+    }
+    if (!selective) return;
+    for (int64_t j = length * hidden; j < seq_len * hidden; j++)  /* pads: x does not reach the phase */
+        store(a->dx, (int)a->x_dtype, b * seq_len * hidden + j, 0.0f);
+    /* step 3: d c_t -> d (activation output + bias), d gate logits (into g), d convolution output (into dy) */
+    double *d_bias = at[4], *d_taps = at[3];
+    for (int64_t t = 0; t < length; t++) {
+        double *dy = m->dy + t * channels, *g = m->g + t * width;
+        const double *y = m->y + t * channels;
+        for (int64_t o = 0; o < (width > 0 ? width : 1); o++) {  /* the channels of gate o (all, without a gate) */
+            double d_gate = 0.0;
+            const double gate = width > 0 ? g[o] : 1.0;
+            for (int64_t i = o * per_gate; i < (width > 0 ? (o + 1) * per_gate : channels); i++) {
+                double out = y[i], slope = 1.0;
+                if (p->conv_silu) {
+                    const double s = sigmoid(y[i]);
+                    out = y[i] * s;
+                    slope = s * (1.0 + y[i] * (1.0 - s));
+                }
+                if (p->bias) out += exp_bias[i];
+                d_gate += dy[i] * out;
+                const double d_pre = dy[i] * gate;
+                if (p->bias) d_bias[i] += d_pre * exp_bias[i];  /* d b = d exp(b) · exp(b) */
+                dy[i] = d_pre * slope;
+            }
+            if (width > 0) g[o] = d_gate * gate * (1.0 - gate);  /* σ' = σ (1 - σ) */
+        }
+    }
+    /* the convolution's backward: d a_s = Σ_j tap_j d y_{s+K-1-j}, d tap_j = Σ_t d y_t a_{t-K+1+j} */
+    double *da = m->dy;
+    if (p->convolution != CONV_NONE) {
+        da = m->da;
+        for (int64_t t = 0; t < length; t++) {  /* (over the channels innermost: contiguous, vectorised) */
+            double *d_a = da + t * channels;
+            for (int64_t i = 0; i < channels; i++) d_a[i] = 0.0;
+            for (int64_t j = 0; j < size; j++) {
+                const int64_t later = t + size - 1 - j, earlier = t - (size - 1) + j;
+                const double *dy_later = m->dy + later * channels, *dy = m->dy + t * channels;
+                const double *a_earlier = m->a + earlier * channels;
+                if (later < length)
+                    for (int64_t i = 0; i < channels; i++) d_a[i] += taps[i * size + j] * dy_later[i];
+                if (d_taps && earlier >= 0)
+                    for (int64_t i = 0; i < channels; i++) d_taps[i * size + j] += dy[i] * a_earlier[i];
+            }
+        }
+    }
+    /* the projection's and the gate's input gradients, then the normalisation's: dx */
+    for (int64_t t0 = 0; t0 < length; t0 += LANES)
+        block_input_gradients(p, w, a, m, da, b, seq_len, t0, length - t0 < LANES ? length - t0 : LANES);
+    /* the weights' gradients, summed over the row's tokens */
+    if (w->lows) {
+        for (int64_t h = 0; h < w->heads; h++) {  /* d down = Σ_t d low_t u_t^T, d up = Σ_t d a_t low_t^T */
+            matrix_sum(at[1] + h * w->lows * w->ins, w->lows, w->ins, m->dlow + h * w->lows, lows, m->u + h * w->ins,
+                       hidden, length);
+            matrix_sum(at[2] + h * w->outs * w->lows, w->outs, w->lows, da + h * w->outs, channels,
+                       m->low + h * w->lows, lows, length);
+        }
+    } else if (p->projection != PROJ_ONE) {  /* full rank: the effective weight's gradient (after the parameters') */
+        double *d_weight = p->projection == PROJ_FULL_RANK ? m->grads + parameter_count(p) : at[1];
+        for (int64_t h = 0; h < w->heads; h++)
+            matrix_sum(d_weight + h * w->outs * w->ins, w->outs, w->ins, m->dlow + h * w->outs, lows,
+                       m->u + h * w->ins, hidden, length);
+    }
+    if (p->gate_layers > 0) {
+        double *d_bias_gate = p->gate_layers == 1 ? at[6] : at[8];
+        for (int64_t o = 0; o < width; o++)
+            for (int64_t t = 0; t < length; t++) d_bias_gate[o] += m->g[t * width + o];
+    }
+    if (p->gate_layers == 1) {
+        matrix_sum(at[5], width, hidden, m->g, width, m->u, hidden, length);
+    } else if (p->gate_layers == 2) {
+        matrix_sum(at[7], width, grank, m->g, width, m->glow, grank, length);
+        matrix_sum(at[5], grank, hidden, m->dglow, grank, m->u, hidden, length);
+    }
+}
+
+/* Full rank: the gradients of scale and w from the effective weight's, scale · w / max(|w|, 1e-12). */
+static void full_rank_gradients(const Parameters *p, const Weights *w, double *grads) {
+    double *at[PARAMETER_BLOCKS];
+    gradient_fields(p, grads, at);
+    const double *d_effective = grads + parameter_count(p), *weight = p->proj_a, *scale = p->proj_b;
+    for (int64_t o = 0; o < w->heads * w->outs; o++) {
+        const double *row = weight + o * w->ins, *d_row = d_effective + o * w->ins, norm = w->proj_norm[o];
+        const double along = dot(row, d_row, w->ins) / norm;  /* d scale = d W_eff · w / |w| */
+        at[2][o] = along;
+        const double unclamped = norm > 1e-12 ? along / norm : 0.0;  /* d normalize: (g - n (n·g)) / |w| */
+        for (int64_t j = 0; j < w->ins; j++) at[1][o * w->ins + j] = scale[o] * (d_row[j] - row[j] * unclamped) / norm;
+    }
+}
+
+#define BACKWARD_PARTS 16  /* rows are split into at most this many parts, whatever the number of threads */
+
+/* The entry point of the backward. `call` as selective_rope_rotary's for B, T, x, q, k and their strides (entries
+   0-14, the same order), then: grad_q, grad_k, inc, phase and its strides (B, H, R), grad_final, lengths, dx, dq, dk,
+   d_phase, d_params (0 for NULL), threads. Returns 0, or 1 without memory. */
+int selective_rope_rotary_backward(const Parameters *given, const int64_t *call) {
+#define POINTER(i) ((void *)(intptr_t)call[i])
+    const Backward a = {POINTER(2), POINTER(6), POINTER(7), call[3], call[8], call[4], call[5], call[9], call[10],
+                        call[11], call[12], call[13], call[14], POINTER(15), POINTER(16), POINTER(17), POINTER(18),
+                        call[19], call[20], call[21], POINTER(22), POINTER(23), POINTER(24), POINTER(25), POINTER(26),
+                        POINTER(27), POINTER(28)};
+#undef POINTER
+    const int64_t batch = call[0], seq_len = call[1];
+    int64_t threads = call[29];
+    Parameters wide;
+    double *widened = NULL;
+    if (given->param_dtype == F32) {
+        widened = widen_parameters(given, &wide);
+        if (!widened) return 1;
+    }
+    const Parameters *p = widened ? &wide : given;
+    Weights w;
+    double *weights = backward_weights(p, &w);
+    const int64_t count = gradient_count(p);
+    const int parts = batch < BACKWARD_PARTS ? (int)batch : BACKWARD_PARTS;
+    double *sums = calloc((size_t)(parts * count > 0 ? parts * count : 1), sizeof(double));
+    int failed = !sums || !weights;
+#ifndef _OPENMP
+    threads = 1;
+#endif
+    threads = threads < parts ? threads : parts;
+#pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static, 1) reduction(| : failed)
+    for (int part = 0; part < parts; part++) {
+        RowMemory m;
+        if (failed || row_memory_alloc(p, &w, seq_len, &m)) { failed = 1; continue; }
+        for (int64_t b = batch * part / parts; b < batch * (part + 1) / parts; b++) row_backward(p, &w, &a, &m, b, seq_len);
+        memcpy(sums + part * count, m.grads, sizeof(double) * (size_t)count);
+        row_memory_free(&m);
+    }
+    if (!failed) {
+        for (int64_t j = 1; j < parts; j++)  /* the parts' sums, in order */
+            for (int64_t i = 0; i < count; i++) sums[i] += sums[j * count + i];
+        if (p->projection == PROJ_FULL_RANK) full_rank_gradients(p, &w, sums);
+        memcpy(a.d_params, sums, sizeof(double) * (size_t)parameter_count(p));
+    }
+    free(sums);
+    free(weights);
+    free(widened);
+    return failed;
+}
+
 """
 
 
@@ -675,6 +1277,7 @@ _OPENMP_FLAG = "-fopenmp"
 
 _lock = threading.Lock()
 _kernel = None  # the loaded C function, False once loading failed, None before the first try
+_training = {}  # the training forward and backward of the same library, by name, once it is loaded
 
 
 def enabled() -> bool:
@@ -761,8 +1364,13 @@ def load_kernel():
             try:
                 if compiler is None:
                     raise RuntimeError("no C compiler found (set $CC, or install cc, gcc or clang)")
-                function = ctypes.CDLL(str(build(cache_dir(), compiler))).selective_rope_rotary
+                library = ctypes.CDLL(str(build(cache_dir(), compiler)))
+                function = library.selective_rope_rotary
                 function.argtypes, function.restype = _ARGTYPES, ctypes.c_int
+                for name, argtypes in (("selective_rope_rotary_train", _ARGTYPES + [ctypes.c_void_p]),
+                                       ("selective_rope_rotary_backward", _ARGTYPES)):
+                    _training[name] = getattr(library, name)
+                    _training[name].argtypes, _training[name].restype = argtypes, ctypes.c_int
                 _kernel = function
             # AttributeError: a library that loads but lacks our function
             except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as error:
@@ -882,6 +1490,8 @@ class RotaryPlan:
             _pointer(w1), _pointer(b1), _pointer(w2), _pointer(b2))
         self.parameters_ref = ctypes.byref(self.parameters)
         self.has_conv = conv_kind is not None
+        # Every parameter in the order of the C code's gradient blocks (``parameter_blocks``; None where absent)
+        self.gradient_order = (temperature, proj_a, proj_b, conv_weight, bias, w1, b1, w2, b2)
 
     def current(self) -> bool:
         """Whether every parameter tensor still has the storage it had when planned."""
@@ -892,12 +1502,9 @@ class RotaryPlan:
 
     def try_call(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, phase: torch.Tensor | None = None,
                  conv_state: torch.Tensor | None = None, lengths: torch.Tensor | None = None, *,
-                 overwrite_state: bool = False):
+                 overwrite_state: bool = False, increments: torch.Tensor | None = None):
         """The rotary module's inference forward for every row, or ``None`` where this plan does not take the call
-        (the caller then runs its torch path): x, q or k not plain CPU tensors (``readable``) of a dtype it reads
-        (float32, float64, bfloat16; q and k alike) with a contiguous last dim, a state or lengths not plain
-        (``readable``), no tokens, a parameter's storage replaced since planning (``current``), or no compiled
-        library.
+        (the caller then runs its torch path; see ``takes``) or there are no tokens.
 
         Args:
             x: ``(B, T, hidden_size)`` the mixer input (read by Selective RoPE only); q: ``(B, T, Hq, D)``;
@@ -912,25 +1519,19 @@ class RotaryPlan:
                 are contiguous (else into new tensors), for a caller that owns them and keeps only the new state (the
                 model's cache). In a decoding step this saves two allocations and frees per layer, measurably (~2 %
                 of a GLA step, issue 21).
+            increments: a contiguous ``(B, T, Hk*R)`` float32 tensor to receive the increments ``c_t`` the phase
+                summed (a training forward keeps them for ``backward``), or ``None``.
 
         Returns:
             Rotated q and k (new contiguous tensors, input dtype), the new phase ``(B, Hk, R)`` and the new history
             ``(B, K-1, Hk*R)`` (``None`` without convolution), float64: new tensors, or ``phase`` and ``conv_state``
             themselves where overwritten. Raises ``ValueError`` for shapes or states that do not fit the plan.
         """
-        qk_dtype, x_dtype = DTYPE_CODES.get(q.dtype), DTYPE_CODES.get(x.dtype)
-        if (qk_dtype is None or x_dtype is None or k.dtype != q.dtype or not (readable(x) and readable(q)
-                                                                               and readable(k))):
+        if not self.takes(x, q, k, phase, conv_state, lengths):
             return None
+        kernel = load_kernel() if increments is None else _training["selective_rope_rotary_train"]
+        qk_dtype, x_dtype = DTYPE_CODES[q.dtype], DTYPE_CODES[x.dtype]
         x_strides, q_strides, k_strides = x.stride(), q.stride(), k.stride()  # (each call costs: a decoding step)
-        if x_strides[-1] != 1 or q_strides[-1] != 1 or k_strides[-1] != 1 or not self.current():
-            return None
-        for state in (phase, conv_state, lengths):  # values the C code cannot read as they are: the torch path
-            if state is not None and not readable(state):
-                return None
-        kernel = load_kernel()
-        if kernel is None:
-            return None
         num_query_heads, num_key_heads, head_dim, rotary_pairs, hidden_size, history = self.sizes
         batch, seq_len = q.shape[:2]
         if (q.shape, k.shape, x.shape) != ((batch, seq_len, num_query_heads, head_dim),
@@ -966,7 +1567,87 @@ class RotaryPlan:
                                  *((0, 0, 0, 0) if phase is None else (phase.data_ptr(), *phase.stride())),
                                  new_phase.data_ptr(), _pointer(conv_state), _pointer(new_history), _pointer(lengths),
                                  torch.get_num_threads() if seq_len > 1 else 1))
-        status = kernel(self.parameters_ref, call.buffer_info()[0])  # (the C entry point lists the order)
+        if increments is None:
+            status = kernel(self.parameters_ref, call.buffer_info()[0])  # (the C entry point lists the order)
+        else:
+            if increments.shape != (batch, seq_len, num_key_heads * rotary_pairs) or not increments.is_contiguous():
+                raise ValueError(f"increments must be a contiguous ({batch}, {seq_len}, "
+                                 f"{num_key_heads * rotary_pairs}) float32 tensor")
+            status = kernel(self.parameters_ref, call.buffer_info()[0], increments.data_ptr())
         if status != 0:
             raise MemoryError("the compiled CPU rotary kernel could not allocate its scratch memory")
         return q_out, k_out, new_phase, new_history
+
+    def parameters_at(self, tensors: tuple) -> _Parameters | None:
+        """This plan's parameters read from ``tensors`` (in ``gradient_order``) where they are now, or ``None`` where
+        one is not what the plan can read: not ``readable``, another shape or dtype, or not contiguous."""
+        current = _Parameters.from_buffer_copy(self.parameters)
+        for (name, _), planned, tensor in zip(_Parameters._fields_[-len(self.gradient_order):], self.gradient_order,
+                                              tensors):
+            if planned is None:
+                continue
+            if (tensor is None or not readable(tensor) or tensor.shape != planned.shape or tensor.dtype != planned.dtype
+                    or not tensor.is_contiguous()):
+                return None
+            setattr(current, name, tensor.data_ptr())
+        return current
+
+    def takes(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *states: torch.Tensor | None) -> bool:
+        """Whether ``try_call`` takes these tensors (else it returns ``None``): x, q and k plain CPU tensors
+        (``readable``) of a dtype it reads (float32, float64, bfloat16; q and k alike) with a contiguous last dim,
+        the states and lengths plain (``readable``) or ``None``, every parameter's storage the planned one
+        (``current``), and the compiled library loaded."""
+        if (DTYPE_CODES.get(q.dtype) is None or DTYPE_CODES.get(x.dtype) is None or k.dtype != q.dtype
+                or not (readable(x) and readable(q) and readable(k))):
+            return False
+        if x.stride()[-1] != 1 or q.stride()[-1] != 1 or k.stride()[-1] != 1 or not self.current():
+            return False
+        for state in states:  # values the C code cannot read as they are: the torch path
+            if state is not None and not readable(state):
+                return False
+        return load_kernel() is not None
+
+    def backward(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, grad_q: torch.Tensor,
+                 grad_k: torch.Tensor, increments: torch.Tensor, phase: torch.Tensor | None,
+                 grad_final_phase: torch.Tensor | None, lengths: torch.Tensor | None, parameters: tuple, *,
+                 phase_grad: bool):
+        """The gradients of a training forward (``try_call`` with ``increments``, no convolution state) that took
+        x, q, k, ``phase`` and ``lengths`` and kept ``increments``: from those of the rotated q and k (``grad_q``,
+        ``grad_k``: contiguous, q's dtype) and of the final phase (``(B, Hk, R)`` float64, or ``None``).
+        ``parameters``: the parameter tensors the forward read, in ``gradient_order``, read where they are now (a
+        sharded model, e.g. FSDP, frees a parameter's memory after the forward and gathers it anew for the backward).
+
+        Returns ``None`` where a parameter is no longer what the plan can read (``readable``, the planned shape and
+        dtype, contiguous), else ``dx`` (x's dtype), ``dq``, ``dk`` (q's), ``d phase`` (``(B, Hk, R)`` float64; ``None`` unless
+        ``phase_grad``) and the parameters' gradients in float64, one per ``gradient_order`` entry (``None`` where
+        absent). Runs on ``torch.get_num_threads()`` threads; the results do not depend on their number."""
+        current = self.parameters_at(parameters)
+        if current is None:
+            return None
+        num_query_heads, num_key_heads, head_dim, rotary_pairs, hidden_size, _ = self.sizes
+        batch, seq_len = q.shape[:2]
+        for name, tensor in (("grad_q", grad_q), ("grad_k", grad_k), ("increments", increments)):
+            if not tensor.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
+        if grad_final_phase is not None and (grad_final_phase.dtype != torch.float64
+                                             or not grad_final_phase.is_contiguous()):
+            raise ValueError("grad_final_phase must be a contiguous float64 tensor")
+        dx = torch.empty((batch, seq_len, hidden_size), dtype=x.dtype, device="cpu")
+        dq, dk = torch.empty_like(grad_q), torch.empty_like(grad_k)
+        d_phase = torch.empty((batch, num_key_heads, rotary_pairs), dtype=torch.float64) if phase_grad else None
+        sizes = [0 if t is None else t.numel() for t in self.gradient_order]
+        d_params = torch.empty(max(sum(sizes), 1), dtype=torch.float64)
+        call = array.array("q", (batch, seq_len, x.data_ptr(), DTYPE_CODES[x.dtype], *x.stride()[:2], q.data_ptr(),
+                                 k.data_ptr(), DTYPE_CODES[q.dtype], *q.stride()[:3], *k.stride()[:3],
+                                 grad_q.data_ptr(), grad_k.data_ptr(), increments.data_ptr(),
+                                 *((0, 0, 0, 0) if phase is None else (phase.data_ptr(), *phase.stride())),
+                                 _pointer(grad_final_phase), _pointer(lengths), dx.data_ptr(), dq.data_ptr(),
+                                 dk.data_ptr(), _pointer(d_phase), d_params.data_ptr(), torch.get_num_threads()))
+        status = _training["selective_rope_rotary_backward"](ctypes.byref(current), call.buffer_info()[0])
+        if status != 0:
+            raise MemoryError("the compiled CPU rotary backward could not allocate its scratch memory")
+        grads, offset = [], 0
+        for tensor, size in zip(self.gradient_order, sizes):
+            grads.append(None if tensor is None else d_params[offset:offset + size].view(tensor.shape))
+            offset += size
+        return dx, dq, dk, d_phase, grads

@@ -320,7 +320,7 @@ def assert_rotary_computed_in_float32(seen: dict, init: Path) -> None:
         for param_name, value in module.named_parameters():
             assert record["params"][param_name].dtype == torch.float32
             assert torch.equal(record["params"][param_name], value), (module_name, param_name)
-        with torch.enable_grad():  # the path training took (the compiled CPU kernel serves inference only)
+        with torch.enable_grad():  # the path training took (on the CPU: the compiled training path)
             q_out, k_out, state = module(x, q, k)
         q_out, k_out, state = q_out.detach(), k_out.detach(), {n: t.detach() for n, t in state.items()}
         assert state["phase"].dtype == phase_dtype(x.device)

@@ -300,15 +300,17 @@ def test_a_compiler_without_openmp_gives_a_one_thread_library_with_the_same_resu
     assert all(torch.equal(one_thread[2][name], threaded[2][name]) for name in threaded[2])
 
 
-def test_training_takes_the_torch_path(monkeypatch, compiled_steps):
-    """With autograd on, a prefill runs the torch path (the C kernel has no backward), and gradients reach the
-    inputs and the phase parameters."""
+def test_training_takes_the_compiled_training_path(monkeypatch, compiled_steps):
+    """With autograd on, a sequence runs the compiled training path (rotary_cpu_train: this forward, and a C
+    backward; its gradients are tested in test_rotary_cpu_train.py), and gradients reach the inputs and the phase
+    parameters."""
     module = make_rotary(4, 2, dtype=torch.float32)
     x = torch.randn(2, 12, HIDDEN, requires_grad=True)
     q, k = torch.randn(2, 12, 4, 8), torch.randn(2, 12, 2, 8)
     q_out, k_out, _ = module(x, q, k)
     (q_out.square().sum() + k_out.square().sum() + (q_out * k_out.repeat_interleave(2, 2)).sum()).backward()
-    assert compiled_steps.prefills == 0 and compiled_steps.count == 0
+    assert compiled_steps.prefills == 1 and compiled_steps.count == 0
+    assert type(q_out.grad_fn).__name__ == "CompiledRotaryTrainingBackward"
     assert x.grad.abs().sum() > 0 and module.phase_proj.down.grad.abs().sum() > 0
 
 

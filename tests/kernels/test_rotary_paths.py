@@ -20,7 +20,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None and not torch.cuda.i
 
 @pytest.fixture
 def paths(monkeypatch):
-    """The paths taken, in order: ``"c"``, ``"c_entry"``, ``"step_torch"``, ``"step_triton"``, ``"sequence_torch"``,
+    """The paths taken, in order: ``"c"``, ``"c_entry"``, ``"c_train"`` (the compiled training path), ``"step_torch"``, ``"step_triton"``, ``"sequence_torch"``,
     ``"sequence_triton"``, ``"sequence_from_input_triton"`` (the fused op from the input)."""
     taken = []
     monkeypatch.setenv(rotary_cpu.ENV_SWITCH, "1")
@@ -37,6 +37,7 @@ def paths(monkeypatch):
         monkeypatch.setattr(rotary, name, counted)
 
     wrap("cpu_kernel_call", "c")
+    wrap("cpu_training_call", "c_train")
     make = rotary.CachedPlan.make
 
     def make_counted(cls, module, sizes):
@@ -70,9 +71,13 @@ def inputs(seq_len, batch=2, heads=(4, 2), seed=0):
 
 
 def run(module, paths, backend, seq_len, grad=False, lengths=None):
-    """The module's forward on ``backend`` after a 3-token prefill, and the same on ``"torch"`` (``paths``: theirs)."""
+    """The module's forward on ``backend`` after a 3-token prefill, and the same on ``"torch"`` (``paths``: theirs).
+    With autograd, from the prefill's phase only: the compiled training path starts each row's convolution afresh
+    (test_rotary_cpu_train.py checks that a history sends a call to the torch path)."""
     with torch.no_grad():
         _, _, state = module(*inputs(3, seed=1), backend="torch")
+    if grad:
+        state = {"phase": state["phase"]}
     paths.clear()
     results = []
     for name in (backend, "torch"):
@@ -101,8 +106,9 @@ CASES = [  # backend, tokens, autograd, padded, expected paths (the call on the 
     ("torch+c", 5, False, True, ["c", "sequence_torch"]),
     ("torch+c", 1, False, False, ["c", "step_torch"]),
     ("torch+c", 1, False, True, ["c", "step_torch"]),
-    ("torch+c", 5, True, False, ["sequence_torch", "sequence_torch"]),  # training: the reference
-    ("torch+c", 1, True, False, ["sequence_torch", "sequence_torch"]),
+    ("torch+c", 5, True, False, ["c_train", "sequence_torch"]),  # training: the compiled training path
+    ("torch+c", 1, True, False, ["c_train", "sequence_torch"]),
+    ("torch+c", 5, True, True, ["c_train", "sequence_torch"]),
 ]
 
 
