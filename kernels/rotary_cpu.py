@@ -861,6 +861,7 @@ typedef struct {
     double *dcos, *dsin;  /* one token's: (Hk*R) x 2 */
     double *grads;  /* (parameter count, then full rank's gradient of its effective weight) */
     float *angle, *cos, *sin;  /* (LANES, Hk*R) */
+    float *pair;  /* (2 R): one head's products for d cos and d sin (rotate_head_backward) */
     lanes_t *lanes;  /* a block's values, token by lane: (2 hidden + low size + Hk*R + gate width + gate rank) */
 } RowMemory;
 
@@ -902,7 +903,7 @@ static int row_memory_alloc(const Parameters *p, const Weights *w, int64_t seq_l
     const int64_t per_token = hidden + hk + 2 * lows + 5 * channels + width + 2 * grank;
     const int64_t total = seq_len * per_token + 2 * channels + gradient_count(p);
     m->u = calloc((size_t)total, sizeof(double));
-    m->angle = malloc(sizeof(float) * 3 * (size_t)(LANES * channels));
+    m->angle = malloc(sizeof(float) * (size_t)(3 * LANES * channels + 2 * p->rotary_pairs));
     m->lanes = aligned_alloc(sizeof(lanes_t), sizeof(lanes_t) * (size_t)(2 * hidden + lows + channels + width + grank));
     if (!m->u || !m->angle || !m->lanes) { row_memory_free(m); return 1; }
     double *next = m->u + seq_len * hidden;
@@ -915,6 +916,7 @@ static int row_memory_alloc(const Parameters *p, const Weights *w, int64_t seq_l
 #undef TAKE
     m->cos = m->angle + LANES * channels;
     m->sin = m->cos + LANES * channels;
+    m->pair = m->sin + LANES * channels;
     return 0;
 }
 
@@ -1019,6 +1021,25 @@ HOT static void block_input_gradients(const Parameters *p, const Weights *w, con
     }
 }
 
+/* One float32 head of one token in step 2: d x from d y (the rotation transposed) and the products for d cos and
+   d sin, added to dcos and dsin. `pair` is room for 2 R floats. In two loops, each of one width, so that both are
+   vectorised (one loop mixing float and double products is left scalar); the same values as one loop. */
+__attribute__((always_inline)) static inline void rotate_head_backward(
+        const float *restrict x1, const float *restrict x2, const float *restrict g1, const float *restrict g2,
+        const float *restrict cos, const float *restrict sin, float *restrict d1, float *restrict d2,
+        double *restrict dcos, double *restrict dsin, float *restrict pair, int64_t r) {
+    for (int64_t i = 0; i < r; i++) {
+        d1[i] = g1[i] * cos[i] + g2[i] * sin[i];
+        d2[i] = g2[i] * cos[i] - g1[i] * sin[i];
+        pair[i] = g1[i] * x1[i] + g2[i] * x2[i];
+        pair[r + i] = g2[i] * x1[i] - g1[i] * x2[i];
+    }
+    for (int64_t i = 0; i < r; i++) {
+        dcos[i] += (double)pair[i];
+        dsin[i] += (double)pair[r + i];
+    }
+}
+
 /* Step 2 for up to LANES tokens [t0, t0 + n) of row b: dq, dk, and d θ_t (into dy) from the rows' gradients. */
 HOT static void tokens_rotation_backward(const Parameters *p, const Backward *a, RowMemory *m, const double *turns,
                                          double *d_temperature, int64_t b, int64_t seq_len, int64_t t0, int64_t n) {
@@ -1041,14 +1062,9 @@ HOT static void tokens_rotation_backward(const Parameters *p, const Backward *a,
             const float *cos = m->cos + l * channels + key_head * r, *sin = m->sin + l * channels + key_head * r;
             double *dcos = m->dcos + key_head * r, *dsin = m->dsin + key_head * r;
             if (qd == F32) {  /* y1 = x1 cos - x2 sin, y2 = x1 sin + x2 cos, in float32 */
-                const float *x1 = (const float *)x + src, *x2 = x1 + r, *g1 = (const float *)dy + dst, *g2 = g1 + r;
-                float *d1 = (float *)dx + dst, *d2 = d1 + r;
-                for (int64_t i = 0; i < r; i++) {
-                    d1[i] = g1[i] * cos[i] + g2[i] * sin[i];
-                    d2[i] = g2[i] * cos[i] - g1[i] * sin[i];
-                    dcos[i] += (double)(g1[i] * x1[i] + g2[i] * x2[i]);
-                    dsin[i] += (double)(g2[i] * x1[i] - g1[i] * x2[i]);
-                }
+                const float *x1 = (const float *)x + src, *g1 = (const float *)dy + dst;
+                rotate_head_backward(x1, x1 + r, g1, g1 + r, cos, sin, (float *)dx + dst, (float *)dx + dst + r,
+                                     dcos, dsin, m->pair, r);
                 for (int64_t i = 2 * r; i < head_dim; i++) ((float *)dx)[dst + i] = ((const float *)dy)[dst + i];
                 continue;
             }
@@ -1088,16 +1104,21 @@ HOT static void row_backward(const Parameters *p, const Weights *w, const Backwa
     /* step 1 */
     for (int64_t t0 = 0; selective && t0 < length; t0 += LANES)
         block_phase_inputs(p, w, a, m, b, t0, length - t0 < LANES ? length - t0 : LANES);
-    for (int64_t t = 0; selective && t < length; t++)
-        for (int64_t i = 0; i < channels; i++) {  /* the convolution's output, pre-activation */
-            double y = 0.0;
-            if (p->convolution == CONV_NONE) y = m->a[t * channels + i];
-            for (int64_t j = 0; p->convolution != CONV_NONE && j < size; j++) {
-                const int64_t s = t - (size - 1) + j;
-                if (s >= 0) y += m->a[s * channels + i] * taps[i * size + j];
-            }
-            m->y[t * channels + i] = y;
+    for (int64_t t = 0; selective && t < length; t++) {  /* the convolution's output, pre-activation */
+        double *y = m->y + t * channels;
+        if (p->convolution == CONV_NONE) {
+            memcpy(y, m->a + t * channels, sizeof(double) * (size_t)channels);
+            continue;
         }
+        /* each y_i summed over the taps in order, as the forward; the channels innermost (vectorised) */
+        for (int64_t i = 0; i < channels; i++) y[i] = 0.0;
+        for (int64_t j = 0; j < size; j++) {
+            const int64_t s = t - (size - 1) + j;
+            if (s < 0) continue;  /* before the row's start: nothing (no history in training) */
+            const double *earlier = m->a + s * channels;
+            for (int64_t i = 0; i < channels; i++) y[i] += earlier[i] * taps[i * size + j];
+        }
+    }
     for (int64_t t = 0; t < seq_len; t++)
         for (int64_t i = 0; i < channels; i++) {
             const double before = t > 0 ? m->theta[(t - 1) * channels + i]
