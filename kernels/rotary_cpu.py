@@ -1005,19 +1005,25 @@ HOT static void block_input_gradients(const Parameters *p, const Weights *w, con
     }
     if (p->gate_layers > 0)
         for (int64_t j = 0; j < hidden; j++) du[j] += part[j];
+    /* dx = (du - u (u . du)) / |x|, or du / 1e-12 under the clamp: by lanes (each token's sums in the same order as
+       one token at a time), u taken back into lanes from the row buffer (into `part`, added to du already) */
+    lanes_t *u = part, *den = d_a;  /* d_a is read already: one denominator per head */
+    for (int64_t l = 0; l < LANES; l++) {
+        for (int64_t j = 0; j < hidden; j++) u[j][l] = l < n ? m->u[(t0 + l) * hidden + j] : 0.0;
+        for (int64_t h = 0; h < hk; h++) den[h][l] = l < n ? m->den[(t0 + l) * hk + h] : 1.0;
+    }
+    for (int64_t h = 0; h < hk; h++) {
+        lanes_t along = {0};
+        for (int64_t j = h * dc; j < (h + 1) * dc; j++) along += u[j] * du[j];
+        for (int64_t l = 0; l < LANES; l++) along[l] = den[h][l] > 1e-12 ? along[l] : 0.0;
+        for (int64_t j = h * dc; j < (h + 1) * dc; j++) du[j] = (du[j] - u[j] * along) / den[h];
+    }
     const int xd = (int)a->x_dtype;
     for (int64_t l = 0; l < n; l++) {
         const int64_t t = t0 + l;
-        const double *u = m->u + t * hidden;
         for (int64_t i = 0; i < lows; i++) m->dlow[t * lows + i] = dlow[i][l];
         for (int64_t q = 0; q < grank; q++) m->dglow[t * grank + q] = dglow[q][l];
-        for (int64_t h = 0; h < hk; h++) {  /* dx = (du - u (u . du)) / |x|, or du / 1e-12 under the clamp */
-            const double denominator = m->den[t * hk + h];
-            double along = 0.0;
-            for (int64_t j = h * dc; denominator > 1e-12 && j < (h + 1) * dc; j++) along += u[j] * du[j][l];
-            for (int64_t j = h * dc; j < (h + 1) * dc; j++)
-                store(a->dx, xd, (b * seq_len + t) * hidden + j, (float)((du[j][l] - u[j] * along) / denominator));
-        }
+        for (int64_t j = 0; j < hidden; j++) store(a->dx, xd, (b * seq_len + t) * hidden + j, (float)du[j][l]);
     }
 }
 
