@@ -11,12 +11,12 @@ history or from a sequence start:
 
 in float64, rounded once to float32, zero at padding (``lengths``, right-padded rows) and restarting at packed
 sequences' boundaries (``cu_seqlens``), with the convolution's new history (the last K - 1 real inputs). One launch,
-one program per (sequence x key head, time chunk), walking its chunk in 16-token tiles; each tile recomputes the
-projection of the K - 1 tokens before it (the convolution's window) rather than reading another program's. For the
-fused op the chunks are the rotary scan's (``rotary_triton._plan``) and the kernel also writes each chunk's total
-(the scan's pass 1), so the forward is this launch and the rotation's. The sums run in another order than the torch
-path's matrix products: equal within float64 rounding, which the rounding to float32 absorbs
-(``tests/kernels/test_phase_triton.py``).
+one program per (sequence x key head, time chunk), walking its chunk in 16-token tiles and each input chunk 64 dims
+at a time; each tile recomputes the projection of the K - 1 tokens before it (the convolution's window) rather than
+reading another program's. For the fused op the chunks are the rotary scan's (``rotary_triton._plan``) and the
+kernel also writes each chunk's total (the scan's pass 1), so the forward is this launch and the rotation's. The
+sums run in another order than the torch path's matrix products: equal within float64 rounding, which the rounding
+to float32 absorbs (``tests/kernels/test_phase_triton.py``).
 
 ``phase_increment_backward_triton`` gives the gradients of those increments with respect to the input and every
 weight (projection, taps, bias, gate), recomputing the forward instead of keeping anything from it. One launch, one
@@ -56,6 +56,7 @@ except ImportError as error:
 __all__ = ["phase_increment_backward_triton", "phase_increment_triton"]
 
 _BLOCK_T = 16
+_BLOCK_D = 64  # chunk dims per step of the forward's walk over a chunk: a power of 2, >= 16
 
 
 # Reductions through our own combine function and zeros from tl.full, as in rotary_triton (its comment says why).
@@ -65,25 +66,16 @@ def _sum1(x):
 
 
 @triton.jit
-def _normalized_chunk(x_ptr, b, ts, mask_t, chunk, sx_b, sx_t, Dc, BLOCK_DC: tl.constexpr):
-    """``(BLOCK_T, BLOCK_DC)`` float64: input chunk ``chunk`` of tokens ``ts`` L2-normalised (zeros where masked)."""
-    ds = tl.arange(0, BLOCK_DC)
-    mask = mask_t[:, None] & (ds < Dc)[None, :]
-    x = tl.load(x_ptr + b * sx_b + ts[:, None] * sx_t + chunk * Dc + ds[None, :], mask=mask, other=0.0)
-    x = x.to(tl.float64)
-    norm = tl.maximum(tl.sqrt(_sum1(x * x)), 1e-12)  # F.normalize's denominator
-    return x / norm[:, None]
-
-
-@triton.jit
 def _projection(x_ptr, down_ptr, up_ptr, b, hk, ts, mask_t, sx_b, sx_t, Dc, RANK, R,
                 BLOCK_T: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RANK: tl.constexpr):
-    """``a = up_h (down_h u)`` of tokens ``ts``: ``(BLOCK_T, BLOCK_R)`` float64, zero where ``mask_t`` is False. Two
-    float64 ``tl.dot`` products (every block >= 16), as the backward computes them: a loop over the rank cost the
-    interpreter (the CPU tests' Triton) ~10x the model's whole training step."""
-    u = _normalized_chunk(x_ptr, b, ts, mask_t, hk, sx_b, sx_t, Dc, BLOCK_DC)
-    u = tl.gather(u, tl.broadcast_to(tl.arange(0, BLOCK_T)[:, None], u.shape), 0)  # (see _unit_block: Triton 3.6)
-    low = _dot(u, tl.trans(_down_block(down_ptr, hk, 0, Dc, RANK, BLOCK_RANK, BLOCK_DC)))  # (BLOCK_T, BLOCK_RANK)
+    """``a = up_h (down_h u)`` of tokens ``ts``: ``(BLOCK_T, BLOCK_R)`` float64, zero where ``mask_t`` is False. The
+    chunk walked BLOCK_DC dims at a time (its norm, then ``down_h u``: a whole (16, 256) float64 tile spills), and
+    float64 ``tl.dot`` products as the backward computes them: a loop over the rank cost the interpreter (the CPU
+    tests' Triton) ~10x the model's whole training step."""
+    x_rows = x_ptr + b * sx_b
+    denom, _ = _chunk_norms(x_rows, ts, mask_t, hk, sx_t, Dc, BLOCK_T, BLOCK_DC)
+    low, _ = _low_projection(x_rows, down_ptr, down_ptr, hk, ts, mask_t, denom, sx_t, 1, Dc, RANK, False, BLOCK_T,
+                             BLOCK_DC, BLOCK_RANK, 16)  # (BLOCK_T, BLOCK_RANK)
     return _dot(low, tl.trans(_up_tile(up_ptr, hk, 0, R, RANK, BLOCK_R, BLOCK_RANK)))
 
 
@@ -118,12 +110,15 @@ def _increment_tile(x_ptr, down_ptr, up_ptr, conv_ptr, bias_ptr, gw_ptr, gb_ptr,
     if HAS_BIAS:
         c += tl.exp(tl.load(bias_ptr + hk * R + rs, mask=mask_r, other=0.0).to(tl.float64))[None, :]
     if HAS_GATE:  # the per-head gate reads every chunk, each normalised by its own norm
-        ds = tl.arange(0, BLOCK_DC)
+        x_rows = x_ptr + b * sx_b
         logit = tl.full([BLOCK_T], 0.0, tl.float64)
         for chunk in range(Hk):
-            u = _normalized_chunk(x_ptr, b, ts, mask_t, chunk, sx_b, sx_t, Dc, BLOCK_DC)
-            w = tl.load(gw_ptr + hk * Hk * Dc + chunk * Dc + ds, mask=ds < Dc, other=0.0).to(tl.float64)
-            logit += _sum1(u * w[None, :])
+            denom, _ = _chunk_norms(x_rows, ts, mask_t, chunk, sx_t, Dc, BLOCK_T, BLOCK_DC)
+            for d0 in range(0, Dc, BLOCK_DC):
+                ds = d0 + tl.arange(0, BLOCK_DC)
+                u = _x_block(x_rows, ts, mask_t, chunk, d0, sx_t, Dc, BLOCK_DC) / denom[:, None]
+                w = tl.load(gw_ptr + hk * Hk * Dc + chunk * Dc + ds, mask=ds < Dc, other=0.0).to(tl.float64)
+                logit += _sum1(u * w[None, :])
         c *= _sigmoid(logit + tl.load(gb_ptr + hk).to(tl.float64))[:, None]
     return tl.where(mask_t[:, None], c, 0.0)  # padding advances no phase
 
@@ -280,7 +275,7 @@ def _launch(x, down, up, conv_weight, silu: bool, bias, gate_weight, gate_bias, 
         IS_VARLEN=cu_seqlens is not None, HAS_STATE=conv_state is not None, WRITE_STATE=conv_k > 1,
         WRITE_TOTALS=totals is not None, HAS_INIT=initial_phase is not None,
         # (every block >= 16: tl.dot's minimum; the history's K - 1 slots too)
-        BLOCK_T=_BLOCK_T, BLOCK_DC=max(_next_power_of_2(chunk_dim), 16),
+        BLOCK_T=_BLOCK_T, BLOCK_DC=max(min(_next_power_of_2(chunk_dim), _BLOCK_D), 16),
         BLOCK_R=max(_next_power_of_2(rotary_pairs), 16), BLOCK_RANK=max(_next_power_of_2(rank), 16),
         BLOCK_S=max(_next_power_of_2(conv_k - 1), 16), num_warps=8,
     )
