@@ -19,7 +19,9 @@ from rotary_reference import HIDDEN, make_rotary  # noqa: E402
 from selective_rope.kernels import phase_triton  # noqa: E402
 from selective_rope.kernels.backends import interpreting  # noqa: E402
 from selective_rope.kernels.phase_triton import phase_increment_backward_triton, phase_increment_triton  # noqa: E402
+from selective_rope import SelectiveRopeGLAConfig  # noqa: E402
 from selective_rope.modeling.layout import valid_mask  # noqa: E402
+from selective_rope.modeling.rotary import SelectiveRotaryEmbedding  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -347,3 +349,30 @@ def test_the_backward_is_one_launch_and_its_outputs_allocations(monkeypatch):
         grad, x, module.phase_proj.down, module.phase_proj.up, **weights, lengths=lengths))
     assert launches == {"backward": 1}
     assert ops == {"aten::empty": 7, "aten::zeros": 1}
+
+
+def wide_rotary(hidden: int, **options):
+    """``make_rotary``'s module over ``hidden`` inputs: 2 key heads of ``hidden / 2`` dims each (the chunk each head
+    normalises), float64, on ``DEVICE``."""
+    config = SelectiveRopeGLAConfig(hidden_size=hidden, num_heads=2, num_kv_heads=2, expand_k=16 / hidden, **options)
+    module = SelectiveRotaryEmbedding(config, 2, 2, 8).to(device=DEVICE, dtype=torch.float64)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if name != "temperature":
+                param.add_(0.3 * torch.randn_like(param))
+    return module
+
+
+@pytest.mark.parametrize("name", ["default", "bias-silu"])
+def test_chunks_wider_than_one_step_of_the_walk(name):
+    """Chunks of 100 dims: the kernels walk each chunk 64 dims at a time (a full step and a partial one), the norm,
+    the projection and the gate's logit summed over the steps, forward and backward (the other tests' chunks fit
+    in one step)."""
+    module = wide_rotary(200, **OPTIONS[name])
+    assert module.phase_proj.down.shape[-1] == 100
+    x = torch.randn(2, 19, 200, dtype=torch.float64, device=DEVICE)
+    lengths = torch.tensor([19, 11], device=DEVICE)
+    assert_same_increments(kernel_increment(module, x, lengths=lengths), torch_increment(module, x, lengths))
+    grad = torch.randn(2, 19, module.num_key_heads, module.rotary_pairs, device=DEVICE)
+    assert_same_gradients(kernel_gradients(module, grad, x, lengths=lengths),
+                          torch_gradients(module, grad, x, lengths=lengths))
