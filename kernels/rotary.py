@@ -218,18 +218,14 @@ def cpu_kernel_call(module: PhasePath, x, q, k, state, lengths, overwrite_state=
     plan = cpu_plan(module, (x.shape[-1], q.shape[2], q.shape[3]))
     if plan is None:
         return None
-    phase, history = state.get("phase"), state.get("phase_conv")
-    if phase is not None and phase.dtype != torch.float64:
-        phase = phase.to(torch.float64)
+    phase, lengths = _kernel_phase_and_lengths(state, lengths)
+    history = state.get("phase_conv")
     if history is not None and (history.dtype != torch.float64 or not history.is_contiguous()):
         history = history.to(torch.float64).contiguous()
-    if lengths is not None and (lengths.dtype != torch.int64 or not lengths.is_contiguous()):
-        lengths = lengths.to(torch.int64).contiguous()
     result = plan.try_call(x, q, k, phase, history, lengths, overwrite_state=overwrite_state)
-    if result is None:
-        if plan.current():  # inputs the C kernel does not take
+    if result is None:  # inputs the C kernel does not take, or a stale plan: plan again
+        if not _dropped_stale(module, plan):
             return None
-        del module.__dict__["_cpu_plan"]  # a parameter's storage was replaced: plan again
         return cpu_kernel_call(module, x, q, k, state, lengths, overwrite_state)
     return result[0], result[1], rotary_state(result[2], result[3])
 
@@ -244,19 +240,31 @@ def cpu_training_call(module: PhasePath, x, q, k, state, lengths):
     plan = cpu_plan(module, (x.shape[-1], q.shape[2], q.shape[3]))
     if plan is None or (plan.has_conv and state.get("phase_conv") is not None):
         return None
+    phase, lengths = _kernel_phase_and_lengths(state, lengths)
+    if not plan.takes(x, q, k, phase, lengths):  # inputs the C kernel does not take, or a stale plan: plan again
+        return cpu_training_call(module, x, q, k, state, lengths) if _dropped_stale(module, plan) else None
+    q_out, k_out, phase, conv_state = CompiledRotaryTraining.apply(plan, module, lengths, x, q, k, phase,
+                                                                   *plan.gradient_order)
+    return q_out, k_out, rotary_state(phase, conv_state)
+
+
+def _kernel_phase_and_lengths(state, lengths):
+    """The cached phase as float64 and ``lengths`` as contiguous int64, as the compiled kernel reads them."""
     phase = state.get("phase")
     if phase is not None and phase.dtype != torch.float64:
         phase = phase.to(torch.float64)
     if lengths is not None and (lengths.dtype != torch.int64 or not lengths.is_contiguous()):
         lengths = lengths.to(torch.int64).contiguous()
-    if not plan.takes(x, q, k, phase, lengths):
-        if plan.current():  # inputs the C kernel does not take
-            return None
-        del module.__dict__["_cpu_plan"]  # a parameter's storage was replaced: plan again
-        return cpu_training_call(module, x, q, k, state, lengths)
-    q_out, k_out, phase, conv_state = CompiledRotaryTraining.apply(plan, module, lengths, x, q, k, phase,
-                                                                   *plan.gradient_order)
-    return q_out, k_out, rotary_state(phase, conv_state)
+    return phase, lengths
+
+
+def _dropped_stale(module: PhasePath, plan: RotaryPlan) -> bool:
+    """After the compiled kernel declined a call: drop ``module``'s plan if a parameter's storage was replaced since
+    it was made (the caller then plans again) and say so; ``False``: the inputs were what it declined."""
+    if plan.current():
+        return False
+    del module.__dict__["_cpu_plan"]
+    return True
 
 
 def cpu_plan(module: PhasePath, sizes: tuple[int, int, int]) -> RotaryPlan | None:
