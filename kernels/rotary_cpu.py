@@ -192,6 +192,46 @@ typedef struct {
     const void *temperature, *proj_a, *proj_b, *conv_taps, *bias, *gate_w1, *gate_b1, *gate_w2, *gate_b2;
 } Parameters;
 
+/* The phase path's values a training forward keeps for its backward, which then need not compute them again
+   (~a quarter of its time at hidden 256): float64, each one plane over the call's tokens (token b * seq_len + t),
+   one after another in this order in one block of selective_rope_saved_per_token(p) * B * T values. Per token: the
+   normalisation's denominators (Hk), the low-rank projection's rank values (Hk * rank per head, rank dense; none for
+   the other projections), the projection's output before the convolution (Hk*R), the gate after its sigmoid (gate
+   width) and the two-layer gate's rank values (gate rank). Exactly the forward's numbers. */
+typedef struct {
+    double *den, *low, *a, *g, *glow;
+    int64_t seq_len;
+} Saved;
+
+static int64_t saved_lows(const Parameters *p) {
+    return p->projection == PROJ_LOW_RANK ? p->num_key_heads * p->proj_rank
+           : p->projection == PROJ_DENSE_LOW_RANK ? p->proj_rank : 0;
+}
+
+int64_t selective_rope_saved_per_token(const Parameters *p) {  /* (the Python wrapper sizes the block by it) */
+    if (p->projection == PROJ_ONE) return 0;  /* RoPE: no phase path */
+    return p->num_key_heads + saved_lows(p) + p->num_key_heads * p->rotary_pairs + p->gate_width + p->gate_rank;
+}
+
+/* The planes of a block of saved values for `batch` rows of `seq_len` tokens (all NULL for a NULL block). */
+static Saved saved_planes(const Parameters *p, double *block, int64_t batch, int64_t seq_len) {
+    if (!block) return (Saved){0};
+    const int64_t tokens = batch * seq_len;
+    Saved s = {block, NULL, NULL, NULL, NULL, seq_len};
+    s.low = s.den + tokens * p->num_key_heads;
+    s.a = s.low + tokens * saved_lows(p);
+    s.g = s.a + tokens * p->num_key_heads * p->rotary_pairs;
+    s.glow = s.g + tokens * p->gate_width;
+    return s;
+}
+
+/* Lanes [0, n) of `count` vectors, token l's into plane + (token + l) * stride (+ offset). */
+static void save_lanes(double *plane, int64_t token, int64_t stride, int64_t offset, const lanes_t *values,
+                       int64_t count, int64_t n) {
+    for (int64_t l = 0; l < n; l++)
+        for (int64_t i = 0; i < count; i++) plane[(token + l) * stride + offset + i] = values[i][l];
+}
+
 /* A call's tensors: x (B, T, hidden), q (B, T, Hq, D), k (B, T, Hk, D) by strides, the outputs contiguous. */
 typedef struct {
     const void *x, *q, *k;
@@ -205,6 +245,7 @@ typedef struct {
     double *new_conv_state;  /* (B, K-1, Hk*R), or NULL without convolution */
     const int64_t *lengths;  /* (B,): tokens t >= lengths[b] are pads; NULL: none */
     float *inc_out;  /* (B, T, Hk*R): the increments c_t, kept for a training backward; NULL: not kept */
+    Saved saved;  /* the phase path's values, kept for a training backward; den NULL: not kept */
 } Tensors;
 
 /* Scratch memory of one thread, in lanes (float64 vectors), doubles and floats. */
@@ -229,8 +270,10 @@ static const double *single(const lanes_t *lanes, int64_t count, double *out, in
 /* c_t for up to LANES consecutive tokens of one row (rounded to float32, 0 for pads), from x; advances the
    convolution history `window` ((K-1) values per channel, oldest first, in place). */
 HOT static void increments(const Parameters *p, const Tensors *a, const Scratch *s, int64_t b, int64_t t0, int64_t n,
-                       int64_t valid, double *history) {
+                       int64_t valid, double *history, int save) {
     const int64_t hk = p->num_key_heads, r = p->rotary_pairs, dc = p->chunk_dim, channels = hk * r;
+    const Saved *kept = save && a->saved.den ? &a->saved : NULL;  /* where this block's values are kept, if they are */
+    const int64_t token = b * a->saved.seq_len + t0, lows = saved_lows(p);
     const int wd = (int)p->param_dtype;
     lanes_t *u = s->u, *c = s->c, *low = s->low, *gate = s->gate;
     double *u1 = s->u1;  /* a single token's normalised input, in a row */
@@ -251,6 +294,7 @@ HOT static void increments(const Parameters *p, const Tensors *a, const Scratch 
             }
             const double denominator = sqrt(norm) > 1e-12 ? sqrt(norm) : 1e-12;
             for (int64_t j = h * dc; j < (h + 1) * dc; j++) u1[j] /= denominator;
+            if (kept) kept->den[token * hk + h] = denominator;
         }
     } else {
         for (int64_t l = 0; l < LANES; l++) {  /* unused lanes 0 */
@@ -267,16 +311,19 @@ HOT static void increments(const Parameters *p, const Tensors *a, const Scratch 
             for (int64_t j = h * dc; j < (h + 1) * dc; j++) norm += u[j] * u[j];
             for (int64_t l = 0; l < LANES; l++) denominator[l] = sqrt(norm[l]) > 1e-12 ? sqrt(norm[l]) : 1e-12;
             for (int64_t j = h * dc; j < (h + 1) * dc; j++) u[j] /= denominator;
+            if (kept) save_lanes(kept->den, token, hk, h, &denominator, 1, n);
         }
     }
     if (p->projection == PROJ_LOW_RANK) {  /* per head: up_h (R, rank) @ down_h (rank, Dc) @ u_h */
         for (int64_t h = 0; h < hk; h++) {
             matvec(p->proj_a, wd, h * p->proj_rank * dc, u + h * dc, u1 + h * dc, dc, p->proj_rank, NULL, low, n);
+            if (kept) save_lanes(kept->low, token, lows, h * p->proj_rank, low, p->proj_rank, n);
             matvec(p->proj_b, wd, h * r * p->proj_rank, low, single(low, p->proj_rank, s->low1, n), p->proj_rank, r,
                    NULL, c + h * r, n);
         }
     } else if (p->projection == PROJ_DENSE_LOW_RANK) {  /* up (Hk*R, rank) @ down (rank, Hk*Dc) @ u */
         matvec(p->proj_a, wd, 0, u, u1, hk * dc, p->proj_rank, NULL, low, n);
+        if (kept) save_lanes(kept->low, token, lows, 0, low, p->proj_rank, n);
         matvec(p->proj_b, wd, 0, low, single(low, p->proj_rank, s->low1, n), p->proj_rank, channels, NULL, c, n);
     } else if (p->projection == PROJ_FULL_RANK) {  /* per row: scale * (w . u_h) / max(|w|, 1e-12) */
         for (int64_t h = 0; h < hk; h++) {
@@ -298,6 +345,7 @@ HOT static void increments(const Parameters *p, const Tensors *a, const Scratch 
         }
     }
     for (int64_t i = 0; i < channels; i++) c[i] *= keep;  /* pads never enter the history */
+    if (kept) save_lanes(kept->a, token, channels, 0, c, channels, n);
     if (p->convolution != CONV_NONE) {  /* causal, over the history then these tokens, oldest first */
         const int64_t size = p->conv_size, past = size - 1;
         const int64_t span = past + LANES;
@@ -328,12 +376,14 @@ HOT static void increments(const Parameters *p, const Tensors *a, const Scratch 
             matvec(p->gate_w1, wd, 0, u, u1, hk * dc, p->gate_width, p->gate_b1, gate, n);
         } else {
             matvec(p->gate_w1, wd, 0, u, u1, hk * dc, p->gate_rank, NULL, low, n);
+            if (kept) save_lanes(kept->glow, token, p->gate_rank, 0, low, p->gate_rank, n);
             matvec(p->gate_w2, wd, 0, low, single(low, p->gate_rank, s->low1, n), p->gate_rank, p->gate_width,
                    p->gate_b2, gate, n);
         }
         const int64_t per_gate = p->gate_width == hk ? r : 1;  /* one gate per head, or per channel */
         for (int64_t g = 0; g < p->gate_width; g++)
             for (int64_t l = 0; l < n; l++) gate[g][l] = sigmoid(gate[g][l]);
+        if (kept) save_lanes(kept->g, token, p->gate_width, 0, gate, p->gate_width, n);
         for (int64_t i = 0; i < channels; i++) c[i] *= gate[i / per_gate];
     }
     for (int64_t i = 0; i < channels; i++)  /* rounded once */
@@ -486,7 +536,7 @@ static void row_increments(const Parameters *p, const Tensors *a, const Scratch 
     for (int64_t t0 = start; t0 < stop; t0 += LANES) {
         const int64_t n = stop - t0 < LANES ? stop - t0 : LANES;
         const int64_t valid = length <= t0 ? 0 : length - t0 < n ? length - t0 : n;
-        increments(p, a, s, b, t0, n, valid, history);
+        increments(p, a, s, b, t0, n, valid, history, inc != NULL);
         if (inc)
             for (int64_t l = 0; l < n; l++)
                 for (int64_t i = 0; i < channels; i++) inc[(t0 - start + l) * channels + i] = (float)s->c[i][l];
@@ -681,25 +731,26 @@ int selective_rope_rotary(const Parameters *p, const int64_t *call) {
 #define POINTER(i) ((void *)(intptr_t)call[i])
     const Tensors tensors = {POINTER(2), POINTER(6), POINTER(7), call[3], call[8], call[4], call[5], call[9], call[10],
                              call[11], call[12], call[13], call[14], POINTER(15), POINTER(16), POINTER(17), call[18],
-                             call[19], call[20], POINTER(21), POINTER(22), POINTER(23), POINTER(24), NULL};
+                             call[19], call[20], POINTER(21), POINTER(22), POINTER(23), POINTER(24), NULL, {0}};
 #undef POINTER
     return rotary(p, &tensors, call[0], call[1], call[25]);
 }
 
 /* A training forward: selective_rope_rotary's call, which also keeps the increments in `inc` ((B, T, Hk*R) float32,
-   exactly the ones the phase summed) for selective_rope_rotary_backward. */
-int selective_rope_rotary_train(const Parameters *p, const int64_t *call, float *inc) {
+   exactly the ones the phase summed) and the phase path's values in `saved` (see Saved; NULL for RoPE) for selective_rope_rotary_backward. */
+int selective_rope_rotary_train(const Parameters *p, const int64_t *call, float *inc, double *saved) {
 #define POINTER(i) ((void *)(intptr_t)call[i])
     const Tensors tensors = {POINTER(2), POINTER(6), POINTER(7), call[3], call[8], call[4], call[5], call[9], call[10],
                              call[11], call[12], call[13], call[14], POINTER(15), POINTER(16), POINTER(17), call[18],
-                             call[19], call[20], POINTER(21), POINTER(22), POINTER(23), POINTER(24), inc};
+                             call[19], call[20], POINTER(21), POINTER(22), POINTER(23), POINTER(24), inc,
+                             saved_planes(p, saved, call[0], call[1])};
 #undef POINTER
     return rotary(p, &tensors, call[0], call[1], call[25]);
 }
 /* ---- Training: the backward of the forward above (selective_rope_rotary_train). ----
-   Per row, in three steps: (1) the phase path recomputed token by token from x (u, the projection, the convolution,
-   the gate: float64, as the forward; the phase itself is summed from the forward's own increments, so every angle,
-   cos and sin is the one the forward used); (2) backwards over the tokens, the rotation's gradient (dq, dk and
+   Per row, in three steps: (1) the phase path's values: those the forward kept (Saved), u = x / |x| from its
+   denominators, the convolution's output from its kept inputs, and the phase summed from its increments (so every
+   value, angle, cos and sin is the one the forward used); (2) backwards over the tokens, the rotation's gradient (dq, dk and
    d angle), d θ = τ d angle and its reverse cumulative sum, d c_t; (3) d c_t back through the gate, bias,
    activation, convolution, projection and normalisation to dx, then the weights' gradients as sums over the row's
    tokens (each gradient row held in registers while the tokens stream past). Everything in float64. The rows are
@@ -720,6 +771,7 @@ typedef struct {
     void *dx, *dq, *dk;  /* contiguous, x's and q's dtypes */
     double *d_phase;  /* d θ_0 (B, Hk*R), or NULL (not asked for) */
     double *d_params;  /* every parameter's gradient, one after another in parameter_blocks' order */
+    Saved saved;  /* what the forward kept (planes NULL for RoPE) */
 } Backward;
 
 /* The weights as the backward reads them, float64: the projection as (heads, outs, ins) matrices (low rank: down
@@ -857,7 +909,8 @@ static double *backward_weights(const Parameters *p, Weights *w) {
 
 /* One part's memory: the row's values (T tokens) and the part's parameter gradients. */
 typedef struct {
-    double *u, *den, *low, *a, *y, *g, *glow, *theta, *dy, *da, *dlow, *dglow;  /* (T, ...) each */
+    const double *den, *low, *a, *g, *glow;  /* (T, ...) each: the row's saved values (Saved), read only */
+    double *u, *y, *theta, *dy, *da, *dg, *dlow, *dglow;  /* (T, ...) each */
     double *dcos, *dsin;  /* one token's: (Hk*R) x 2 */
     double *grads;  /* (parameter count, then full rank's gradient of its effective weight) */
     float *angle, *cos, *sin;  /* (LANES, Hk*R) */
@@ -900,7 +953,7 @@ static void row_memory_free(RowMemory *m) {
 static int row_memory_alloc(const Parameters *p, const Weights *w, int64_t seq_len, RowMemory *m) {
     const int64_t hk = p->num_key_heads, channels = hk * p->rotary_pairs, hidden = hk * p->chunk_dim;
     const int64_t lows = w->heads * (w->lows ? w->lows : w->outs), width = p->gate_width, grank = p->gate_rank;
-    const int64_t per_token = hidden + hk + 2 * lows + 5 * channels + width + 2 * grank;
+    const int64_t per_token = hidden + lows + 4 * channels + width + grank;
     const int64_t total = seq_len * per_token + 2 * channels + gradient_count(p);
     m->u = calloc((size_t)total, sizeof(double));
     m->angle = malloc(sizeof(float) * (size_t)(3 * LANES * channels + 2 * p->rotary_pairs));
@@ -908,9 +961,8 @@ static int row_memory_alloc(const Parameters *p, const Weights *w, int64_t seq_l
     if (!m->u || !m->angle || !m->lanes) { row_memory_free(m); return 1; }
     double *next = m->u + seq_len * hidden;
 #define TAKE(field, size) m->field = next, next += (size)
-    TAKE(den, seq_len * hk); TAKE(low, seq_len * lows); TAKE(a, seq_len * channels); TAKE(y, seq_len * channels);
-    TAKE(g, seq_len * width); TAKE(glow, seq_len * grank); TAKE(theta, seq_len * channels);
-    TAKE(dy, seq_len * channels); TAKE(da, seq_len * channels); TAKE(dlow, seq_len * lows);
+    TAKE(y, seq_len * channels); TAKE(theta, seq_len * channels); TAKE(dy, seq_len * channels);
+    TAKE(da, seq_len * channels); TAKE(dg, seq_len * width); TAKE(dlow, seq_len * lows);
     TAKE(dglow, seq_len * grank); TAKE(dcos, channels); TAKE(dsin, channels);
     TAKE(grads, gradient_count(p));
 #undef TAKE
@@ -920,52 +972,21 @@ static int row_memory_alloc(const Parameters *p, const Weights *w, int64_t seq_l
     return 0;
 }
 
-/* Step 1 for the tokens [t0, t0 + n) of row b, LANES at a time as the forward's `increments` (each weight read once
-   for all of them): u, its norms, the projection's values (low rank: the rank's too, in low; full rank and scalar:
-   w·u in low), the gate's (sigmoid), into the row buffers. */
-HOT static void block_phase_inputs(const Parameters *p, const Weights *w, const Backward *a, RowMemory *m, int64_t b,
-                                   int64_t t0, int64_t n) {
-    const int64_t hk = p->num_key_heads, r = p->rotary_pairs, dc = p->chunk_dim, hidden = hk * dc;
-    const int64_t channels = hk * r, lows = w->heads * (w->lows ? w->lows : w->outs);
-    const int64_t width = p->gate_width, grank = p->gate_rank;
-    lanes_t *u = m->lanes, *low = u + hidden, *c = low + lows, *g = c + channels, *glow = g + width;
-    for (int64_t l = 0; l < LANES; l++) {  /* unused lanes 0 */
-        const int64_t row = b * a->x_stride_b + (t0 + l) * a->x_stride_t;
-        for (int64_t j = 0; j < hidden; j++) u[j][l] = l < n ? load(a->x, (int)a->x_dtype, row + j) : 0.0;
-    }
-    for (int64_t h = 0; h < hk; h++) {
-        lanes_t norm = {0}, denominator;
-        for (int64_t j = h * dc; j < (h + 1) * dc; j++) norm += u[j] * u[j];
-        for (int64_t l = 0; l < LANES; l++) denominator[l] = sqrt(norm[l]) > 1e-12 ? sqrt(norm[l]) : 1e-12;
-        for (int64_t j = h * dc; j < (h + 1) * dc; j++) u[j] /= denominator;
-        for (int64_t l = 0; l < n; l++) m->den[(t0 + l) * hk + h] = denominator[l];
-    }
-    if (w->lows) {
-        for (int64_t h = 0; h < w->heads; h++) {
-            matvec(w->down, F64, h * w->lows * w->ins, u + h * w->ins, NULL, w->ins, w->lows, NULL, low + h * w->lows,
-                   LANES);
-            matvec(w->up, F64, h * w->outs * w->lows, low + h * w->lows, NULL, w->lows, w->outs, NULL,
-                   c + h * w->outs, LANES);
+/* Step 1's u_t = x_t / |x_t| per head for row b's real tokens, divided by the forward's own denominators (its u,
+   exactly). */
+HOT static void row_normalised_inputs(const Parameters *p, const Backward *a, RowMemory *m, int64_t b,
+                                      int64_t length) {
+    const int64_t hk = p->num_key_heads, dc = p->chunk_dim, hidden = hk * dc;
+    for (int64_t t = 0; t < length; t++) {
+        const int64_t row = b * a->x_stride_b + t * a->x_stride_t;
+        double *u = m->u + t * hidden;
+        for (int64_t h = 0; h < hk; h++) {
+            const double denominator = m->den[t * hk + h];
+            if (a->x_dtype == F32)
+                for (int64_t j = h * dc; j < (h + 1) * dc; j++) u[j] = ((const float *)a->x)[row + j] / denominator;
+            else
+                for (int64_t j = h * dc; j < (h + 1) * dc; j++) u[j] = load(a->x, (int)a->x_dtype, row + j) / denominator;
         }
-    } else if (p->projection != PROJ_ONE) {
-        for (int64_t h = 0; h < w->heads; h++)
-            matvec(w->down, F64, h * w->outs * w->ins, u + h * w->ins, NULL, w->ins, w->outs, NULL, low + h * w->outs,
-                   LANES);
-        for (int64_t i = 0; i < channels; i++) c[i] = low[p->projection == PROJ_SCALAR ? i / r : i];
-    }
-    if (p->gate_layers == 1) {
-        matvec(p->gate_w1, F64, 0, u, NULL, hidden, width, p->gate_b1, g, LANES);
-    } else if (p->gate_layers == 2) {
-        matvec(p->gate_w1, F64, 0, u, NULL, hidden, grank, NULL, glow, LANES);
-        matvec(p->gate_w2, F64, 0, glow, NULL, grank, width, p->gate_b2, g, LANES);
-    }
-    for (int64_t l = 0; l < n; l++) {  /* into the row buffers, token by token */
-        const int64_t t = t0 + l;
-        for (int64_t j = 0; j < hidden; j++) m->u[t * hidden + j] = u[j][l];
-        for (int64_t i = 0; i < lows; i++) m->low[t * lows + i] = low[i][l];
-        for (int64_t i = 0; i < channels; i++) m->a[t * channels + i] = c[i][l];
-        for (int64_t o = 0; o < width; o++) m->g[t * width + o] = sigmoid(g[o][l]);
-        for (int64_t q = 0; q < grank; q++) m->glow[t * grank + q] = glow[q][l];
     }
 }
 
@@ -981,7 +1002,7 @@ HOT static void block_input_gradients(const Parameters *p, const Weights *w, con
     for (int64_t l = 0; l < LANES; l++) {
         const int64_t t = t0 + l;
         for (int64_t i = 0; i < channels; i++) d_a[i][l] = l < n ? da[t * channels + i] : 0.0;
-        for (int64_t o = 0; o < width; o++) dz[o][l] = l < n ? m->g[t * width + o] : 0.0;
+        for (int64_t o = 0; o < width; o++) dz[o][l] = l < n ? m->dg[t * width + o] : 0.0;
     }
     if (w->lows) {  /* d low = up^T d a, du = down^T d low */
         for (int64_t h = 0; h < w->heads; h++) {
@@ -1108,8 +1129,13 @@ HOT static void row_backward(const Parameters *p, const Weights *w, const Backwa
     double *at[PARAMETER_BLOCKS];
     gradient_fields(p, m->grads, at);
     /* step 1 */
-    for (int64_t t0 = 0; selective && t0 < length; t0 += LANES)
-        block_phase_inputs(p, w, a, m, b, t0, length - t0 < LANES ? length - t0 : LANES);
+    if (selective) {
+        const int64_t first = b * seq_len;  /* the row's first token in the saved planes */
+        m->den = a->saved.den + first * hk, m->low = a->saved.low + first * saved_lows(p);
+        m->a = a->saved.a + first * channels, m->g = a->saved.g + first * width;
+        m->glow = a->saved.glow + first * grank;
+        row_normalised_inputs(p, a, m, b, length);
+    }
     for (int64_t t = 0; selective && t < length; t++) {  /* the convolution's output, pre-activation */
         double *y = m->y + t * channels;
         if (p->convolution == CONV_NONE) {
@@ -1146,8 +1172,8 @@ HOT static void row_backward(const Parameters *p, const Weights *w, const Backwa
     /* step 3: d c_t -> d (activation output + bias), d gate logits (into g), d convolution output (into dy) */
     double *d_bias = at[4], *d_taps = at[3];
     for (int64_t t = 0; t < length; t++) {
-        double *dy = m->dy + t * channels, *g = m->g + t * width;
-        const double *y = m->y + t * channels;
+        double *dy = m->dy + t * channels, *d_gate_logit = m->dg + t * width;
+        const double *y = m->y + t * channels, *g = m->g + t * width;
         for (int64_t o = 0; o < (width > 0 ? width : 1); o++) {  /* the channels of gate o (all, without a gate) */
             double d_gate = 0.0;
             const double gate = width > 0 ? g[o] : 1.0;
@@ -1164,7 +1190,7 @@ HOT static void row_backward(const Parameters *p, const Weights *w, const Backwa
                 if (p->bias) d_bias[i] += d_pre * exp_bias[i];  /* d b = d exp(b) · exp(b) */
                 dy[i] = d_pre * slope;
             }
-            if (width > 0) g[o] = d_gate * gate * (1.0 - gate);  /* σ' = σ (1 - σ) */
+            if (width > 0) d_gate_logit[o] = d_gate * gate * (1.0 - gate);  /* σ' = σ (1 - σ) */
         }
     }
     /* the convolution's backward: d a_s = Σ_j tap_j d y_{s+K-1-j}, d tap_j = Σ_t d y_t a_{t-K+1+j} */
@@ -1205,12 +1231,12 @@ HOT static void row_backward(const Parameters *p, const Weights *w, const Backwa
     if (p->gate_layers > 0) {
         double *d_bias_gate = p->gate_layers == 1 ? at[6] : at[8];
         for (int64_t o = 0; o < width; o++)
-            for (int64_t t = 0; t < length; t++) d_bias_gate[o] += m->g[t * width + o];
+            for (int64_t t = 0; t < length; t++) d_bias_gate[o] += m->dg[t * width + o];
     }
     if (p->gate_layers == 1) {
-        matrix_sum(at[5], width, hidden, m->g, width, m->u, hidden, length);
+        matrix_sum(at[5], width, hidden, m->dg, width, m->u, hidden, length);
     } else if (p->gate_layers == 2) {
-        matrix_sum(at[7], width, grank, m->g, width, m->glow, grank, length);
+        matrix_sum(at[7], width, grank, m->dg, width, m->glow, grank, length);
         matrix_sum(at[5], grank, hidden, m->dglow, grank, m->u, hidden, length);
     }
 }
@@ -1233,13 +1259,14 @@ static void full_rank_gradients(const Parameters *p, const Weights *w, double *g
 
 /* The entry point of the backward. `call` as selective_rope_rotary's for B, T, x, q, k and their strides (entries
    0-14, the same order), then: grad_q, grad_k, inc, phase and its strides (B, H, R), grad_final, lengths, dx, dq, dk,
-   d_phase, d_params (0 for NULL), threads. Returns 0, or 1 without memory. */
+   d_phase, d_params (0 for NULL), threads, then the forward's saved values (0 for RoPE). Returns 0, or 1 without
+   memory. */
 int selective_rope_rotary_backward(const Parameters *given, const int64_t *call) {
 #define POINTER(i) ((void *)(intptr_t)call[i])
     const Backward a = {POINTER(2), POINTER(6), POINTER(7), call[3], call[8], call[4], call[5], call[9], call[10],
                         call[11], call[12], call[13], call[14], POINTER(15), POINTER(16), POINTER(17), POINTER(18),
                         call[19], call[20], call[21], POINTER(22), POINTER(23), POINTER(24), POINTER(25), POINTER(26),
-                        POINTER(27), POINTER(28)};
+                        POINTER(27), POINTER(28), saved_planes(given, POINTER(30), call[0], call[1])};
 #undef POINTER
     const int64_t batch = call[0], seq_len = call[1];
     int64_t threads = call[29];
@@ -1394,10 +1421,13 @@ def load_kernel():
                 library = ctypes.CDLL(str(build(cache_dir(), compiler)))
                 function = library.selective_rope_rotary
                 function.argtypes, function.restype = _ARGTYPES, ctypes.c_int
-                for name, argtypes in (("selective_rope_rotary_train", _ARGTYPES + [ctypes.c_void_p]),
+                for name, argtypes in (("selective_rope_rotary_train", _ARGTYPES + [ctypes.c_void_p] * 2),
                                        ("selective_rope_rotary_backward", _ARGTYPES)):
                     _training[name] = getattr(library, name)
                     _training[name].argtypes, _training[name].restype = argtypes, ctypes.c_int
+                _training["saved_per_token"] = library.selective_rope_saved_per_token
+                _training["saved_per_token"].argtypes = [ctypes.POINTER(_Parameters)]
+                _training["saved_per_token"].restype = ctypes.c_int64
                 _kernel = function
             # AttributeError: a library that loads but lacks our function
             except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as error:
@@ -1529,7 +1559,8 @@ class RotaryPlan:
 
     def try_call(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, phase: torch.Tensor | None = None,
                  conv_state: torch.Tensor | None = None, lengths: torch.Tensor | None = None, *,
-                 overwrite_state: bool = False, increments: torch.Tensor | None = None):
+                 overwrite_state: bool = False, increments: torch.Tensor | None = None,
+                 saved: torch.Tensor | None = None):
         """The rotary module's inference forward for every row, or ``None`` where this plan does not take the call
         (the caller then runs its torch path; see ``takes``) or there are no tokens.
 
@@ -1548,6 +1579,8 @@ class RotaryPlan:
                 of a GLA step, issue 21).
             increments: a contiguous ``(B, T, Hk*R)`` float32 tensor to receive the increments ``c_t`` the phase
                 summed (a training forward keeps them for ``backward``), or ``None``.
+            saved: with ``increments``, a contiguous float64 tensor of ``saved_size(B, T)`` elements to receive the
+                phase path's values the backward reads (``Saved`` in ``C_SOURCE``).
 
         Returns:
             Rotated q and k (new contiguous tensors, input dtype), the new phase ``(B, Hk, R)`` and the new history
@@ -1600,10 +1633,19 @@ class RotaryPlan:
             if increments.shape != (batch, seq_len, num_key_heads * rotary_pairs) or not increments.is_contiguous():
                 raise ValueError(f"increments must be a contiguous ({batch}, {seq_len}, "
                                  f"{num_key_heads * rotary_pairs}) float32 tensor")
-            status = kernel(self.parameters_ref, call.buffer_info()[0], increments.data_ptr())
+            if (saved is None or saved.numel() != self.saved_size(batch, seq_len) or saved.dtype != torch.float64
+                    or not saved.is_contiguous()):
+                raise ValueError(f"saved must be a contiguous float64 tensor of {self.saved_size(batch, seq_len)} "
+                                 "elements")
+            status = kernel(self.parameters_ref, call.buffer_info()[0], increments.data_ptr(), _pointer(saved))
         if status != 0:
             raise MemoryError("the compiled CPU rotary kernel could not allocate its scratch memory")
         return q_out, k_out, new_phase, new_history
+
+    def saved_size(self, batch: int, seq_len: int) -> int:
+        """How many float64 values a training forward of ``batch`` rows of ``seq_len`` tokens keeps for the backward
+        (``try_call``'s ``saved``; 0 for RoPE). Needs the library loaded (``takes`` loads it)."""
+        return _training["saved_per_token"](self.parameters_ref) * batch * seq_len
 
     def parameters_at(self, tensors: tuple) -> _Parameters | None:
         """This plan's parameters read from ``tensors`` (in ``gradient_order``) where they are now, or ``None`` where
@@ -1635,11 +1677,11 @@ class RotaryPlan:
         return load_kernel() is not None
 
     def backward(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, grad_q: torch.Tensor,
-                 grad_k: torch.Tensor, increments: torch.Tensor, phase: torch.Tensor | None,
+                 grad_k: torch.Tensor, increments: torch.Tensor, saved: torch.Tensor, phase: torch.Tensor | None,
                  grad_final_phase: torch.Tensor | None, lengths: torch.Tensor | None, parameters: tuple, *,
                  phase_grad: bool):
         """The gradients of a training forward (``try_call`` with ``increments``, no convolution state) that took
-        x, q, k, ``phase`` and ``lengths`` and kept ``increments``: from those of the rotated q and k (``grad_q``,
+        x, q, k, ``phase`` and ``lengths`` and kept ``increments`` and ``saved``: from those of the rotated q and k (``grad_q``,
         ``grad_k``: contiguous, q's dtype) and of the final phase (``(B, Hk, R)`` float64, or ``None``).
         ``parameters``: the parameter tensors the forward read, in ``gradient_order``, read where they are now (a
         sharded model, e.g. FSDP, frees a parameter's memory after the forward and gathers it anew for the backward).
@@ -1653,9 +1695,11 @@ class RotaryPlan:
             return None
         num_query_heads, num_key_heads, head_dim, rotary_pairs, hidden_size, _ = self.sizes
         batch, seq_len = q.shape[:2]
-        for name, tensor in (("grad_q", grad_q), ("grad_k", grad_k), ("increments", increments)):
+        for name, tensor in (("grad_q", grad_q), ("grad_k", grad_k), ("increments", increments), ("saved", saved)):
             if not tensor.is_contiguous():
                 raise ValueError(f"{name} must be contiguous")
+        if saved.numel() != self.saved_size(batch, seq_len) or saved.dtype != torch.float64:
+            raise ValueError(f"saved must hold {self.saved_size(batch, seq_len)} float64 values")
         if grad_final_phase is not None and (grad_final_phase.dtype != torch.float64
                                              or not grad_final_phase.is_contiguous()):
             raise ValueError("grad_final_phase must be a contiguous float64 tensor")
@@ -1669,7 +1713,8 @@ class RotaryPlan:
                                  grad_q.data_ptr(), grad_k.data_ptr(), increments.data_ptr(),
                                  *((0, 0, 0, 0) if phase is None else (phase.data_ptr(), *phase.stride())),
                                  _pointer(grad_final_phase), _pointer(lengths), dx.data_ptr(), dq.data_ptr(),
-                                 dk.data_ptr(), _pointer(d_phase), d_params.data_ptr(), torch.get_num_threads()))
+                                 dk.data_ptr(), _pointer(d_phase), d_params.data_ptr(), torch.get_num_threads(),
+                                 _pointer(saved)))
         status = _training["selective_rope_rotary_backward"](ctypes.byref(current), call.buffer_info()[0])
         if status != 0:
             raise MemoryError("the compiled CPU rotary backward could not allocate its scratch memory")

@@ -3,10 +3,12 @@ kernel's own code, which also keeps the float32 increments) and its compiled bac
 
 Why. The torch path's phase path is float64 by design (``modeling/rotary.py``); with autograd its forward and
 backward are ~40 float64 passes over ``(B, T, Hk, R)`` and ``(B, T, D)`` tensors, 4-6x RoPE's module in a training
-step at small widths (docs/cpu_performance.md, issue 51). The C backward recomputes the phase path token by token
-from x and walks each row once backwards (the rotation's gradient, the reverse cumulative sum of ``d θ``) and once
-forwards (the gate, bias, activation, convolution, projection and normalisation), summing the parameters' gradients
-in float64. See ``rotary_cpu.C_SOURCE`` (``selective_rope_rotary_backward``).
+step at small widths (docs/cpu_performance.md, issue 51). The C forward keeps the phase path's float64 values (the
+normalisation's denominators, the projection's, the gate's: ``RotaryPlan.saved_size`` values, ~2 KB a token at
+hidden 256) so that the backward need not compute them again (a quarter of its time). The backward walks each row
+once backwards (the rotation's gradient, the reverse cumulative sum of ``d θ``) and once forwards (the gate, bias,
+activation, convolution, projection and normalisation), summing the parameters' gradients in float64. See
+``rotary_cpu.C_SOURCE`` (``selective_rope_rotary_backward``).
 
 What it computes: exactly the forward of the inference path (the same q, k and phase, bit for bit) and the gradients
 of the torch path to rounding (float64 sums in another order; tests: ``tests/kernels/test_rotary_cpu_train.py``), the
@@ -35,12 +37,13 @@ class CompiledRotaryTraining(torch.autograd.Function):
         batch, seq_len = q.shape[:2]
         channels = plan.sizes[1] * plan.sizes[3]
         increments = torch.empty((batch, seq_len, channels), dtype=torch.float32, device="cpu")
-        result = plan.try_call(x, q, k, phase, None, lengths, increments=increments)
+        saved = torch.empty(plan.saved_size(batch, seq_len), dtype=torch.float64, device="cpu")
+        result = plan.try_call(x, q, k, phase, None, lengths, increments=increments, saved=saved)
         if result is None:  # the caller checked `plan.takes` and `seq_len`
             raise RuntimeError("the compiled CPU rotary kernel declined a call it had accepted")
         q_out, k_out, new_phase, new_history = result
         ctx.plan, ctx.module, ctx.lengths = plan, module, lengths
-        ctx.save_for_backward(x, q, k, phase, increments, *parameters)
+        ctx.save_for_backward(x, q, k, phase, increments, saved, *parameters)
         if new_history is not None:
             ctx.mark_non_differentiable(new_history)
         ctx.set_materialize_grads(False)
@@ -48,7 +51,7 @@ class CompiledRotaryTraining(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_q, grad_k, grad_phase, _grad_history):
-        x, q, k, phase, increments, *parameters = ctx.saved_tensors  # (checks that nothing was modified in place)
+        x, q, k, phase, increments, saved, *parameters = ctx.saved_tensors  # (checks that nothing was modified in place)
         if torch.is_grad_enabled():  # create_graph=True: differentiate the torch path instead
             return (None, None, None) + torch_path_gradients(ctx, x, q, k, phase, grad_q, grad_k, grad_phase)
         grad_q = torch.zeros_like(q) if grad_q is None else grad_q.to(q.dtype).contiguous()
@@ -56,7 +59,7 @@ class CompiledRotaryTraining(torch.autograd.Function):
         if grad_phase is not None:
             grad_phase = grad_phase.to(torch.float64).contiguous()
         needs = ctx.needs_input_grad
-        result = ctx.plan.backward(x, q, k, grad_q, grad_k, increments, phase, grad_phase, ctx.lengths,
+        result = ctx.plan.backward(x, q, k, grad_q, grad_k, increments, saved, phase, grad_phase, ctx.lengths,
                                    tuple(parameters), phase_grad=phase is not None and needs[6])
         if result is None:  # a parameter the C code can no longer read: differentiate the torch path
             return (None, None, None) + torch_path_gradients(ctx, x, q, k, phase, grad_q, grad_k, grad_phase)

@@ -85,10 +85,12 @@ def test_gradients_equal_the_torch_paths(options, heads, param_dtype):
 def test_threads_give_the_same_results_bit_for_bit(options):
     """The forward shares many short rows out between threads, each row on one; the backward splits the rows into a
     fixed number of parts whatever the number of threads: 1 and 2 threads, 20 rows of 30 tokens (more rows than
-    parts, enough tokens to share out) and 3 rows of 11, give identical outputs and gradients."""
+    parts, enough tokens to share out), 3 rows of 11 and 2 rows of 1100 (long enough for the forward to split each
+    row between the threads, each part keeping its own tokens' values for the backward) give identical outputs and
+    gradients."""
     module = make_rotary(4, 2, dtype=torch.float32, **options)
     threads = torch.get_num_threads()
-    for batch, seq_len in ((20, 30), (3, 11)):
+    for batch, seq_len in ((20, 30), (3, 11), (2, 1100)):
         tensors, upstream = inputs(module, (4, 2), batch=batch, seq_len=seq_len)
         results = []
         try:
