@@ -737,7 +737,8 @@ int selective_rope_rotary(const Parameters *p, const int64_t *call) {
 }
 
 /* A training forward: selective_rope_rotary's call, which also keeps the increments in `inc` ((B, T, Hk*R) float32,
-   exactly the ones the phase summed) and the phase path's values in `saved` (see Saved; NULL for RoPE) for selective_rope_rotary_backward. */
+   exactly the ones the phase summed) and the phase path's values in `saved` (see Saved; NULL for RoPE) for
+   selective_rope_rotary_backward. */
 int selective_rope_rotary_train(const Parameters *p, const int64_t *call, float *inc, double *saved) {
 #define POINTER(i) ((void *)(intptr_t)call[i])
     const Tensors tensors = {POINTER(2), POINTER(6), POINTER(7), call[3], call[8], call[4], call[5], call[9], call[10],
@@ -750,8 +751,8 @@ int selective_rope_rotary_train(const Parameters *p, const int64_t *call, float 
 /* ---- Training: the backward of the forward above (selective_rope_rotary_train). ----
    Per row, in three steps: (1) the phase path's values: those the forward kept (Saved), u = x / |x| from its
    denominators, the convolution's output from its kept inputs, and the phase summed from its increments (so every
-   value, angle, cos and sin is the one the forward used); (2) backwards over the tokens, the rotation's gradient (dq, dk and
-   d angle), d θ = τ d angle and its reverse cumulative sum, d c_t; (3) d c_t back through the gate, bias,
+   value, angle, cos and sin is the one the forward used); (2) backwards over the tokens, the rotation's gradient
+   (dq, dk and d angle), d θ = τ d angle and its reverse cumulative sum, d c_t; (3) d c_t back through the gate, bias,
    activation, convolution, projection and normalisation to dx, then the weights' gradients as sums over the row's
    tokens (each gradient row held in registers while the tokens stream past). Everything in float64. The rows are
    split into a fixed number of parts (not one per thread), each summing its own gradients, added in part order: the
@@ -982,10 +983,11 @@ HOT static void row_normalised_inputs(const Parameters *p, const Backward *a, Ro
         double *u = m->u + t * hidden;
         for (int64_t h = 0; h < hk; h++) {
             const double denominator = m->den[t * hk + h];
+            const int64_t first = h * dc, stop = (h + 1) * dc;
             if (a->x_dtype == F32)
-                for (int64_t j = h * dc; j < (h + 1) * dc; j++) u[j] = ((const float *)a->x)[row + j] / denominator;
+                for (int64_t j = first; j < stop; j++) u[j] = ((const float *)a->x)[row + j] / denominator;
             else
-                for (int64_t j = h * dc; j < (h + 1) * dc; j++) u[j] = load(a->x, (int)a->x_dtype, row + j) / denominator;
+                for (int64_t j = first; j < stop; j++) u[j] = load(a->x, (int)a->x_dtype, row + j) / denominator;
         }
     }
 }
@@ -1110,7 +1112,8 @@ HOT static void tokens_rotation_backward(const Parameters *p, const Backward *a,
         for (int64_t h = 0; h < hk; h++)
             for (int64_t i = 0; i < r; i++) {  /* angle = 2π frac(θ τ / 2π): d angle / d θ = τ, / d τ = θ */
                 const int64_t at = l * channels + h * r + i;
-                const double d_angle = (double)m->cos[at] * m->dsin[h * r + i] - (double)m->sin[at] * m->dcos[h * r + i];
+                const double d_angle = (double)m->cos[at] * m->dsin[h * r + i]
+                                       - (double)m->sin[at] * m->dcos[h * r + i];
                 d_theta[h * r + i] = d_angle * turns[i] * TWO_PI;
                 d_temperature[i] += d_angle * theta[h * r + i];
             }
@@ -1291,7 +1294,8 @@ int selective_rope_rotary_backward(const Parameters *given, const int64_t *call)
     for (int part = 0; part < parts; part++) {
         RowMemory m;
         if (failed || row_memory_alloc(p, &w, seq_len, &m)) { failed = 1; continue; }
-        for (int64_t b = batch * part / parts; b < batch * (part + 1) / parts; b++) row_backward(p, &w, &a, &m, b, seq_len);
+        for (int64_t b = batch * part / parts; b < batch * (part + 1) / parts; b++)
+            row_backward(p, &w, &a, &m, b, seq_len);
         memcpy(sums + part * count, m.grads, sizeof(double) * (size_t)count);
         row_memory_free(&m);
     }
@@ -1681,15 +1685,15 @@ class RotaryPlan:
                  grad_final_phase: torch.Tensor | None, lengths: torch.Tensor | None, parameters: tuple, *,
                  phase_grad: bool):
         """The gradients of a training forward (``try_call`` with ``increments``, no convolution state) that took
-        x, q, k, ``phase`` and ``lengths`` and kept ``increments`` and ``saved``: from those of the rotated q and k (``grad_q``,
-        ``grad_k``: contiguous, q's dtype) and of the final phase (``(B, Hk, R)`` float64, or ``None``).
+        x, q, k, ``phase`` and ``lengths`` and kept ``increments`` and ``saved``: from those of the rotated q and k
+        (``grad_q``, ``grad_k``: contiguous, q's dtype) and of the final phase (``(B, Hk, R)`` float64, or ``None``).
         ``parameters``: the parameter tensors the forward read, in ``gradient_order``, read where they are now (a
         sharded model, e.g. FSDP, frees a parameter's memory after the forward and gathers it anew for the backward).
 
         Returns ``None`` where a parameter is no longer what the plan can read (``readable``, the planned shape and
-        dtype, contiguous), else ``dx`` (x's dtype), ``dq``, ``dk`` (q's), ``d phase`` (``(B, Hk, R)`` float64; ``None`` unless
-        ``phase_grad``) and the parameters' gradients in float64, one per ``gradient_order`` entry (``None`` where
-        absent). Runs on ``torch.get_num_threads()`` threads; the results do not depend on their number."""
+        dtype, contiguous), else ``dx`` (x's dtype), ``dq``, ``dk`` (q's), ``d phase`` (``(B, Hk, R)`` float64;
+        ``None`` unless ``phase_grad``) and the parameters' gradients in float64, one per ``gradient_order`` entry
+        (``None`` where absent). Runs on ``torch.get_num_threads()`` threads; the results do not depend on their number."""
         current = self.parameters_at(parameters)
         if current is None:
             return None
