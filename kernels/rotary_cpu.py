@@ -136,8 +136,9 @@ static inline double silu(double z) { return z / (1.0 + exp(-z)); }
    rows of w (out, in) from element `offset`. One token (n == 1) reads x1 instead, its `in` values in a row (see
    `single`). Each lane's sum runs over the inputs in order, so a token gets the same numbers whichever tokens share
    its call (a decoding step and a prefill agree exactly). */
-HOT static void matvec(const void *w, int wd, int64_t offset, const lanes_t *x, const double *x1, int64_t in,
-                       int64_t out, const void *b, lanes_t *y, int64_t n) {
+__attribute__((always_inline)) static inline void matvec_rows(const void *w, int wd, int64_t offset,
+                                                              const lanes_t *x, const double *x1, int64_t in,
+                                                              int64_t out, const void *b, lanes_t *y, int64_t n) {
     for (int64_t o = 0; o < out; o += ROWS) {
         const int64_t live = out - o < ROWS ? out - o : ROWS, first = offset + o * in;
         if (n == 1) {  /* one token (a decoding step): the same sums in scalars, without seven idle lanes */
@@ -153,6 +154,11 @@ HOT static void matvec(const void *w, int wd, int64_t offset, const lanes_t *x, 
             for (int q = 0; q < live; q++) y[o + q] = b ? sum[q] + load(b, wd, o + q) : sum[q];
         }
     }
+}
+
+HOT static void matvec(const void *w, int wd, int64_t offset, const lanes_t *x, const double *x1, int64_t in,
+                       int64_t out, const void *b, lanes_t *y, int64_t n) {
+    matvec_rows(w, wd, offset, x, x1, in, out, b, y, n);
 }
 
 /* sin and cos of float32 angles (|angle| <= 2π), in float64 and rounded to float32 (within rounding of the exact
@@ -748,7 +754,17 @@ int selective_rope_rotary_train(const Parameters *p, const int64_t *call, float 
 #undef POINTER
     return rotary(p, &tensors, call[0], call[1], call[25]);
 }
-/* ---- Training: the backward of the forward above (selective_rope_rotary_train). ----
+/* ---- Training: the backward of the forward above (selective_rope_rotary_train). ---- */
+
+/* The backward's float64 sums may use fused multiply-adds (GCC: on CPUs with them, i.e. the AVX-512 version;
+   the forward above stays without, its numbers are fixed): ~15 % of the backward's time at hidden 256. Its
+   gradients then differ in the last bits between CPUs with and without them, not between threads or runs. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+#endif
+
+/*
    Per row, in three steps: (1) the phase path's values: those the forward kept (Saved), u = x / |x| from its
    denominators, the convolution's output from its kept inputs, and the phase summed from its increments (so every
    value, angle, cos and sin is the one the forward used); (2) backwards over the tokens, the rotation's gradient
@@ -763,7 +779,7 @@ typedef struct {
     const void *x, *q, *k;  /* the forward's inputs, by strides as in Tensors */
     int64_t x_dtype, qk_dtype, x_stride_b, x_stride_t, q_stride_b, q_stride_t, q_stride_h, k_stride_b, k_stride_t,
         k_stride_h;
-    const void *grad_q, *grad_k;  /* d rotated q (B, T, Hq, D), k (B, T, Hk, D): contiguous, q's dtype */
+    const void *grad_q, *grad_k;  /* d rotated q (B, T, Hq, D), k (B, T, Hk, D): by strides below, q's dtype */
     const float *inc;  /* (B, T, Hk*R) the forward's increments */
     const double *phase;  /* θ_0 (B, Hk, R) by strides, or NULL (zeros) */
     int64_t phase_stride_b, phase_stride_h, phase_stride_r;
@@ -773,6 +789,9 @@ typedef struct {
     double *d_phase;  /* d θ_0 (B, Hk*R), or NULL (not asked for) */
     double *d_params;  /* every parameter's gradient, one after another in parameter_blocks' order */
     Saved saved;  /* what the forward kept (planes NULL for RoPE) */
+    /* grad_q's and grad_k's strides (B, T, H): they come as the attention's backward left them, often (B, H, T, D)
+       transposed; read where they are, they need no copy */
+    int64_t grad_q_stride_b, grad_q_stride_t, grad_q_stride_h, grad_k_stride_b, grad_k_stride_t, grad_k_stride_h;
 } Backward;
 
 /* The weights as the backward reads them, float64: the projection as (heads, outs, ins) matrices (low rank: down
@@ -783,7 +802,7 @@ typedef struct {
     int64_t heads, ins, lows, outs;  /* low rank: down (heads, lows, ins), up (heads, outs, lows); else proj (heads,
                                         outs, ins) with lows = 0 */
     double *down, *down_t, *up, *up_t, *gate1_t, *gate2_t, *proj_norm;  /* proj_norm: full rank's |w| (clamped) */
-    double *turns, *exp_bias, *taps;  /* τ / 2π (R); exp(b) (Hk*R); the taps (Hk*R, K) */
+    double *turns, *exp_bias, *taps;  /* τ / 2π (R); exp(b) (Hk*R); the taps, transposed: (K, Hk*R) */
 } Weights;
 
 __attribute__((always_inline)) static inline double dot(const double *a, const double *b, int64_t n) {
@@ -903,8 +922,10 @@ static double *backward_weights(const Parameters *p, Weights *w) {
     w->taps = next;
     for (int64_t i = 0; i < r; i++) w->turns[i] = ((const double *)p->temperature)[i] / TWO_PI;
     for (int64_t i = 0; p->bias && i < channels; i++) w->exp_bias[i] = exp(((const double *)p->bias)[i]);
-    for (int64_t i = 0; i < channels * p->conv_size; i++)  /* the difference: (-1, 1) */
-        w->taps[i] = p->convolution == CONV_LEARNED ? ((const double *)p->conv_taps)[i] : i % 2 ? 1.0 : -1.0;
+    for (int64_t i = 0; i < channels; i++)  /* the difference: (-1, 1) */
+        for (int64_t j = 0; j < p->conv_size; j++)
+            w->taps[j * channels + i] = p->convolution == CONV_LEARNED
+                                        ? ((const double *)p->conv_taps)[i * p->conv_size + j] : j % 2 ? 1.0 : -1.0;
     return block;
 }
 
@@ -912,7 +933,8 @@ static double *backward_weights(const Parameters *p, Weights *w) {
 typedef struct {
     const double *den, *low, *a, *g, *glow;  /* (T, ...) each: the row's saved values (Saved), read only */
     double *u, *y, *theta, *dy, *da, *dg, *dlow, *dglow;  /* (T, ...) each */
-    double *dcos, *dsin;  /* one token's: (Hk*R) x 2 */
+    double *dcos, *dsin, *running;  /* one token's: (Hk*R) x 2; a running sum (Hk*R) */
+    double *d_taps;  /* the part's gradient of the taps, transposed as Weights' (K, Hk*R) */
     double *grads;  /* (parameter count, then full rank's gradient of its effective weight) */
     float *angle, *cos, *sin;  /* (LANES, Hk*R) */
     float *pair;  /* (2 R): one head's products for d cos and d sin (rotate_head_backward) */
@@ -955,7 +977,7 @@ static int row_memory_alloc(const Parameters *p, const Weights *w, int64_t seq_l
     const int64_t hk = p->num_key_heads, channels = hk * p->rotary_pairs, hidden = hk * p->chunk_dim;
     const int64_t lows = w->heads * (w->lows ? w->lows : w->outs), width = p->gate_width, grank = p->gate_rank;
     const int64_t per_token = hidden + lows + 4 * channels + width + grank;
-    const int64_t total = seq_len * per_token + 2 * channels + gradient_count(p);
+    const int64_t total = seq_len * per_token + (3 + p->conv_size) * channels + gradient_count(p);
     m->u = calloc((size_t)total, sizeof(double));
     m->angle = malloc(sizeof(float) * (size_t)(3 * LANES * channels + 2 * p->rotary_pairs));
     m->lanes = aligned_alloc(sizeof(lanes_t), sizeof(lanes_t) * (size_t)(2 * hidden + lows + channels + width + grank));
@@ -965,6 +987,7 @@ static int row_memory_alloc(const Parameters *p, const Weights *w, int64_t seq_l
     TAKE(y, seq_len * channels); TAKE(theta, seq_len * channels); TAKE(dy, seq_len * channels);
     TAKE(da, seq_len * channels); TAKE(dg, seq_len * width); TAKE(dlow, seq_len * lows);
     TAKE(dglow, seq_len * grank); TAKE(dcos, channels); TAKE(dsin, channels);
+    TAKE(running, channels); TAKE(d_taps, p->conv_size * channels);
     TAKE(grads, gradient_count(p));
 #undef TAKE
     m->cos = m->angle + LANES * channels;
@@ -992,6 +1015,12 @@ HOT static void row_normalised_inputs(const Parameters *p, const Backward *a, Ro
     }
 }
 
+/* matvec in this section: the same sums, fused (see above). */
+HOT static void matvec_fused(const void *w, int wd, int64_t offset, const lanes_t *x, const double *x1, int64_t in,
+                             int64_t out, const void *b, lanes_t *y, int64_t n) {
+    matvec_rows(w, wd, offset, x, x1, in, out, b, y, n);
+}
+
 /* Step 3's input gradients for the tokens [t0, t0 + n) of row b, LANES at a time: d low (and the gate's d low) into
    the row buffers, du through the projection and the gate, and dx through the normalisation. */
 HOT static void block_input_gradients(const Parameters *p, const Weights *w, const Backward *a, RowMemory *m,
@@ -1008,23 +1037,23 @@ HOT static void block_input_gradients(const Parameters *p, const Weights *w, con
     }
     if (w->lows) {  /* d low = up^T d a, du = down^T d low */
         for (int64_t h = 0; h < w->heads; h++) {
-            matvec(w->up_t, F64, h * w->lows * w->outs, d_a + h * w->outs, NULL, w->outs, w->lows, NULL,
-                   dlow + h * w->lows, LANES);
-            matvec(w->down_t, F64, h * w->ins * w->lows, dlow + h * w->lows, NULL, w->lows, w->ins, NULL,
-                   du + h * w->ins, LANES);
+            matvec_fused(w->up_t, F64, h * w->lows * w->outs, d_a + h * w->outs, NULL, w->outs, w->lows, NULL,
+                         dlow + h * w->lows, LANES);
+            matvec_fused(w->down_t, F64, h * w->ins * w->lows, dlow + h * w->lows, NULL, w->lows, w->ins, NULL,
+                         du + h * w->ins, LANES);
         }
     } else if (p->projection != PROJ_ONE) {  /* full rank and scalar: d (w·u) in dlow, du = W^T d (w·u) */
         for (int64_t i = 0; i < lows; i++) dlow[i] = (lanes_t){0};
         for (int64_t i = 0; i < channels; i++) dlow[p->projection == PROJ_SCALAR ? i / r : i] += d_a[i];
         for (int64_t h = 0; h < w->heads; h++)
-            matvec(w->down_t, F64, h * w->ins * w->outs, dlow + h * w->outs, NULL, w->outs, w->ins, NULL,
-                   du + h * w->ins, LANES);
+            matvec_fused(w->down_t, F64, h * w->ins * w->outs, dlow + h * w->outs, NULL, w->outs, w->ins, NULL,
+                         du + h * w->ins, LANES);
     }
     if (p->gate_layers == 1) {
-        matvec(w->gate1_t, F64, 0, dz, NULL, width, hidden, NULL, part, LANES);
+        matvec_fused(w->gate1_t, F64, 0, dz, NULL, width, hidden, NULL, part, LANES);
     } else if (p->gate_layers == 2) {
-        matvec(w->gate2_t, F64, 0, dz, NULL, width, grank, NULL, dglow, LANES);
-        matvec(w->gate1_t, F64, 0, dglow, NULL, grank, hidden, NULL, part, LANES);
+        matvec_fused(w->gate2_t, F64, 0, dz, NULL, width, grank, NULL, dglow, LANES);
+        matvec_fused(w->gate1_t, F64, 0, dglow, NULL, grank, hidden, NULL, part, LANES);
     }
     if (p->gate_layers > 0)
         for (int64_t j = 0; j < hidden; j++) du[j] += part[j];
@@ -1086,26 +1115,29 @@ HOT static void tokens_rotation_backward(const Parameters *p, const Backward *a,
                                          : b * a->k_stride_b + t * a->k_stride_t + key_head * a->k_stride_h;
             const int64_t dst = is_query ? ((b * seq_len + t) * hq + head) * head_dim
                                          : ((b * seq_len + t) * hk + key_head) * head_dim;
+            const int64_t from = is_query
+                                 ? b * a->grad_q_stride_b + t * a->grad_q_stride_t + head * a->grad_q_stride_h
+                                 : b * a->grad_k_stride_b + t * a->grad_k_stride_t + key_head * a->grad_k_stride_h;
             const void *x = is_query ? a->q : a->k, *dy = is_query ? a->grad_q : a->grad_k;
             void *dx = is_query ? a->dq : a->dk;
             const float *cos = m->cos + l * channels + key_head * r, *sin = m->sin + l * channels + key_head * r;
             double *dcos = m->dcos + key_head * r, *dsin = m->dsin + key_head * r;
             if (qd == F32) {  /* y1 = x1 cos - x2 sin, y2 = x1 sin + x2 cos, in float32 */
-                const float *x1 = (const float *)x + src, *g1 = (const float *)dy + dst;
+                const float *x1 = (const float *)x + src, *g1 = (const float *)dy + from;
                 rotate_head_backward(x1, x1 + r, g1, g1 + r, cos, sin, (float *)dx + dst, (float *)dx + dst + r,
                                      dcos, dsin, m->pair, r);
-                for (int64_t i = 2 * r; i < head_dim; i++) ((float *)dx)[dst + i] = ((const float *)dy)[dst + i];
+                for (int64_t i = 2 * r; i < head_dim; i++) ((float *)dx)[dst + i] = g1[i];
                 continue;
             }
             for (int64_t i = 0; i < r; i++) {
                 const float x1 = (float)load(x, qd, src + i), x2 = (float)load(x, qd, src + r + i);
-                const float g1 = (float)load(dy, qd, dst + i), g2 = (float)load(dy, qd, dst + r + i);
+                const float g1 = (float)load(dy, qd, from + i), g2 = (float)load(dy, qd, from + r + i);
                 store(dx, qd, dst + i, g1 * cos[i] + g2 * sin[i]);
                 store(dx, qd, dst + r + i, g2 * cos[i] - g1 * sin[i]);
                 dcos[i] += (double)(g1 * x1 + g2 * x2);
                 dsin[i] += (double)(g2 * x1 - g1 * x2);
             }
-            for (int64_t i = 2 * r; i < head_dim; i++) store(dx, qd, dst + i, (float)load(dy, qd, dst + i));
+            for (int64_t i = 2 * r; i < head_dim; i++) store(dx, qd, dst + i, (float)load(dy, qd, from + i));
         }
         const double *theta = m->theta + t * channels;
         double *d_theta = m->dy + t * channels;
@@ -1145,35 +1177,37 @@ HOT static void row_backward(const Parameters *p, const Weights *w, const Backwa
             memcpy(y, m->a + t * channels, sizeof(double) * (size_t)channels);
             continue;
         }
-        /* each y_i summed over the taps in order, as the forward; the channels innermost (vectorised) */
+        /* each y_i summed over the taps in order; the channels innermost (contiguous, vectorised) */
         for (int64_t i = 0; i < channels; i++) y[i] = 0.0;
         for (int64_t j = 0; j < size; j++) {
             const int64_t s = t - (size - 1) + j;
             if (s < 0) continue;  /* before the row's start: nothing (no history in training) */
-            const double *earlier = m->a + s * channels;
-            for (int64_t i = 0; i < channels; i++) y[i] += earlier[i] * taps[i * size + j];
+            const double *earlier = m->a + s * channels, *tap = taps + j * channels;
+            for (int64_t i = 0; i < channels; i++) y[i] += earlier[i] * tap[i];
         }
     }
-    for (int64_t t = 0; t < seq_len; t++)
-        for (int64_t i = 0; i < channels; i++) {
-            const double before = t > 0 ? m->theta[(t - 1) * channels + i]
-                                  : a->phase ? a->phase[b * a->phase_stride_b + (i / r) * a->phase_stride_h
-                                                        + (i % r) * a->phase_stride_r] : 0.0;
-            m->theta[t * channels + i] = (double)a->inc[(b * seq_len + t) * channels + i] + before;
-        }
-    /* step 2: d θ_t into dy, then its reverse cumulative sum (with the final phase's gradient on the last token) */
+    /* θ_t = θ_{t-1} + c_t, as the forward summed it (token by token; the channels innermost) */
+    const float *inc = a->inc + b * seq_len * channels;
+    for (int64_t i = 0; i < channels; i++)
+        m->theta[i] = (double)inc[i] + (a->phase ? a->phase[b * a->phase_stride_b + (i / r) * a->phase_stride_h
+                                                            + (i % r) * a->phase_stride_r] : 0.0);
+    for (int64_t t = 1; t < seq_len; t++)
+        for (int64_t i = 0; i < channels; i++)
+            m->theta[t * channels + i] = (double)inc[t * channels + i] + m->theta[(t - 1) * channels + i];
+    /* step 2: d θ_t into dy, then its reverse cumulative sum (with the final phase's gradient on the last token),
+       token by token, the channels innermost */
     for (int64_t t0 = 0; t0 < seq_len; t0 += LANES)
         tokens_rotation_backward(p, a, m, w->turns, at[0], b, seq_len, t0, seq_len - t0 < LANES ? seq_len - t0 : LANES);
-    for (int64_t i = 0; i < channels; i++) {
-        double sum = a->grad_final ? a->grad_final[b * channels + i] : 0.0;
-        for (int64_t t = seq_len - 1; t >= 0; t--) m->dy[t * channels + i] = sum += m->dy[t * channels + i];
-        if (a->d_phase) a->d_phase[b * channels + i] = sum;
-    }
+    double *sum = m->running;
+    for (int64_t i = 0; i < channels; i++) sum[i] = a->grad_final ? a->grad_final[b * channels + i] : 0.0;
+    for (int64_t t = seq_len - 1; t >= 0; t--)
+        for (int64_t i = 0; i < channels; i++) m->dy[t * channels + i] = sum[i] += m->dy[t * channels + i];
+    for (int64_t i = 0; a->d_phase && i < channels; i++) a->d_phase[b * channels + i] = sum[i];
     if (!selective) return;
     for (int64_t j = length * hidden; j < seq_len * hidden; j++)  /* pads: x does not reach the phase */
         store(a->dx, (int)a->x_dtype, b * seq_len * hidden + j, 0.0f);
     /* step 3: d c_t -> d (activation output + bias), d gate logits (into g), d convolution output (into dy) */
-    double *d_bias = at[4], *d_taps = at[3];
+    double *d_bias = at[4];
     for (int64_t t = 0; t < length; t++) {
         double *dy = m->dy + t * channels, *d_gate_logit = m->dg + t * width;
         const double *y = m->y + t * channels, *g = m->g + t * width;
@@ -1207,10 +1241,12 @@ HOT static void row_backward(const Parameters *p, const Weights *w, const Backwa
                 const int64_t later = t + size - 1 - j, earlier = t - (size - 1) + j;
                 const double *dy_later = m->dy + later * channels, *dy = m->dy + t * channels;
                 const double *a_earlier = m->a + earlier * channels;
+                const double *tap = taps + j * channels;
+                double *d_tap = m->d_taps + j * channels;
                 if (later < length)
-                    for (int64_t i = 0; i < channels; i++) d_a[i] += taps[i * size + j] * dy_later[i];
-                if (d_taps && earlier >= 0)
-                    for (int64_t i = 0; i < channels; i++) d_taps[i * size + j] += dy[i] * a_earlier[i];
+                    for (int64_t i = 0; i < channels; i++) d_a[i] += tap[i] * dy_later[i];
+                if (at[3] && earlier >= 0)
+                    for (int64_t i = 0; i < channels; i++) d_tap[i] += dy[i] * a_earlier[i];
             }
         }
     }
@@ -1244,6 +1280,15 @@ HOT static void row_backward(const Parameters *p, const Weights *w, const Backwa
     }
 }
 
+/* The part's gradient of the learned taps, summed transposed (m->d_taps), into its place among m->grads. */
+static void taps_gradient(const Parameters *p, RowMemory *m) {
+    double *at[PARAMETER_BLOCKS];
+    gradient_fields(p, m->grads, at);
+    const int64_t channels = p->num_key_heads * p->rotary_pairs, size = p->conv_size;
+    for (int64_t i = 0; at[3] && i < channels; i++)
+        for (int64_t j = 0; j < size; j++) at[3][i * size + j] = m->d_taps[j * channels + i];
+}
+
 /* Full rank: the gradients of scale and w from the effective weight's, scale · w / max(|w|, 1e-12). */
 static void full_rank_gradients(const Parameters *p, const Weights *w, double *grads) {
     double *at[PARAMETER_BLOCKS];
@@ -1262,14 +1307,15 @@ static void full_rank_gradients(const Parameters *p, const Weights *w, double *g
 
 /* The entry point of the backward. `call` as selective_rope_rotary's for B, T, x, q, k and their strides (entries
    0-14, the same order), then: grad_q, grad_k, inc, phase and its strides (B, H, R), grad_final, lengths, dx, dq, dk,
-   d_phase, d_params (0 for NULL), threads, then the forward's saved values (0 for RoPE). Returns 0, or 1 without
-   memory. */
+   d_phase, d_params (0 for NULL), threads, then the forward's saved values (0 for RoPE), grad_q's strides (B, T, H)
+   and grad_k's. Returns 0, or 1 without memory. */
 int selective_rope_rotary_backward(const Parameters *given, const int64_t *call) {
 #define POINTER(i) ((void *)(intptr_t)call[i])
     const Backward a = {POINTER(2), POINTER(6), POINTER(7), call[3], call[8], call[4], call[5], call[9], call[10],
                         call[11], call[12], call[13], call[14], POINTER(15), POINTER(16), POINTER(17), POINTER(18),
                         call[19], call[20], call[21], POINTER(22), POINTER(23), POINTER(24), POINTER(25), POINTER(26),
-                        POINTER(27), POINTER(28), saved_planes(given, POINTER(30), call[0], call[1])};
+                        POINTER(27), POINTER(28), saved_planes(given, POINTER(30), call[0], call[1]), call[31],
+                        call[32], call[33], call[34], call[35], call[36]};
 #undef POINTER
     const int64_t batch = call[0], seq_len = call[1];
     int64_t threads = call[29];
@@ -1296,6 +1342,7 @@ int selective_rope_rotary_backward(const Parameters *given, const int64_t *call)
         if (failed || row_memory_alloc(p, &w, seq_len, &m)) { failed = 1; continue; }
         for (int64_t b = batch * part / parts; b < batch * (part + 1) / parts; b++)
             row_backward(p, &w, &a, &m, b, seq_len);
+        taps_gradient(p, &m);
         memcpy(sums + part * count, m.grads, sizeof(double) * (size_t)count);
         row_memory_free(&m);
     }
@@ -1310,6 +1357,10 @@ int selective_rope_rotary_backward(const Parameters *given, const int64_t *call)
     free(widened);
     return failed;
 }
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
 
 """
 
@@ -1686,7 +1737,7 @@ class RotaryPlan:
                  phase_grad: bool):
         """The gradients of a training forward (``try_call`` with ``increments``, no convolution state) that took
         x, q, k, ``phase`` and ``lengths`` and kept ``increments`` and ``saved``: from those of the rotated q and k
-        (``grad_q``, ``grad_k``: contiguous, q's dtype) and of the final phase (``(B, Hk, R)`` float64, or ``None``).
+        (``grad_q``, ``grad_k``: q's dtype, any strides but a contiguous last dim) and of the final phase (``(B, Hk, R)`` float64, or ``None``).
         ``parameters``: the parameter tensors the forward read, in ``gradient_order``, read where they are now (a
         sharded model, e.g. FSDP, frees a parameter's memory after the forward and gathers it anew for the backward).
 
@@ -1699,16 +1750,18 @@ class RotaryPlan:
             return None
         num_query_heads, num_key_heads, head_dim, rotary_pairs, hidden_size, _ = self.sizes
         batch, seq_len = q.shape[:2]
-        for name, tensor in (("grad_q", grad_q), ("grad_k", grad_k), ("increments", increments), ("saved", saved)):
+        for name, tensor in (("increments", increments), ("saved", saved)):
             if not tensor.is_contiguous():
                 raise ValueError(f"{name} must be contiguous")
+        if (grad_q.shape, grad_k.shape) != (q.shape, k.shape) or grad_q.stride(-1) != 1 or grad_k.stride(-1) != 1:
+            raise ValueError("grad_q and grad_k must have q's and k's shapes and a contiguous last dim")
         if saved.numel() != self.saved_size(batch, seq_len) or saved.dtype != torch.float64:
             raise ValueError(f"saved must hold {self.saved_size(batch, seq_len)} float64 values")
         if grad_final_phase is not None and (grad_final_phase.dtype != torch.float64
                                              or not grad_final_phase.is_contiguous()):
             raise ValueError("grad_final_phase must be a contiguous float64 tensor")
         dx = torch.empty((batch, seq_len, hidden_size), dtype=x.dtype, device="cpu")
-        dq, dk = torch.empty_like(grad_q), torch.empty_like(grad_k)
+        dq, dk = (torch.empty(t.shape, dtype=t.dtype, device="cpu") for t in (q, k))
         d_phase = torch.empty((batch, num_key_heads, rotary_pairs), dtype=torch.float64) if phase_grad else None
         sizes = [0 if t is None else t.numel() for t in self.gradient_order]
         d_params = torch.empty(max(sum(sizes), 1), dtype=torch.float64)
@@ -1718,7 +1771,7 @@ class RotaryPlan:
                                  *((0, 0, 0, 0) if phase is None else (phase.data_ptr(), *phase.stride())),
                                  _pointer(grad_final_phase), _pointer(lengths), dx.data_ptr(), dq.data_ptr(),
                                  dk.data_ptr(), _pointer(d_phase), d_params.data_ptr(), torch.get_num_threads(),
-                                 _pointer(saved)))
+                                 _pointer(saved), *grad_q.stride()[:3], *grad_k.stride()[:3]))
         status = _training["selective_rope_rotary_backward"](ctypes.byref(current), call.buffer_info()[0])
         if status != 0:
             raise MemoryError("the compiled CPU rotary backward could not allocate its scratch memory")

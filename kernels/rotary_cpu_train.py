@@ -54,8 +54,8 @@ class CompiledRotaryTraining(torch.autograd.Function):
         x, q, k, phase, increments, saved, *parameters = ctx.saved_tensors  # (checks that nothing was modified in place)
         if torch.is_grad_enabled():  # create_graph=True: differentiate the torch path instead
             return (None, None, None) + torch_path_gradients(ctx, x, q, k, phase, grad_q, grad_k, grad_phase)
-        grad_q = torch.zeros_like(q) if grad_q is None else grad_q.to(q.dtype).contiguous()
-        grad_k = torch.zeros_like(k) if grad_k is None else grad_k.to(k.dtype).contiguous()
+        grad_q, grad_k = (torch.zeros_like(x) if g is None else last_dim_contiguous(g.to(x.dtype))
+                          for g, x in ((grad_q, q), (grad_k, k)))
         if grad_phase is not None:
             grad_phase = grad_phase.to(torch.float64).contiguous()
         needs = ctx.needs_input_grad
@@ -69,6 +69,12 @@ class CompiledRotaryTraining(torch.autograd.Function):
         rope = ctx.plan.gradient_order[1] is None  # RoPE: x does not reach the phase
         return (None, None, None, dx if needs[3] and not rope else None, dq if needs[4] else None, dk if needs[5] else None,
                 None if d_phase is None else d_phase.to(phase.dtype), *grads)
+
+
+def last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as the C backward reads it: any strides but the last (the attention's backward leaves the gradients
+    of q and k (B, H, T, D) transposed; copying them would cost a pass over each)."""
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
 def torch_path_gradients(ctx, x, q, k, phase, grad_q, grad_k, grad_phase):

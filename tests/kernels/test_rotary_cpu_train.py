@@ -106,6 +106,27 @@ def test_threads_give_the_same_results_bit_for_bit(options):
             assert (one is None and two is None) or torch.equal(one, two)
 
 
+def test_gradients_that_arrive_transposed_are_read_where_they_are():
+    """An attention's backward leaves the gradients of q and k (B, H, T, D) transposed; the C backward reads them by
+    their strides: the same results, bit for bit, as from the same gradients laid out contiguously."""
+    module = make_rotary(4, 2, dtype=torch.float32)
+    tensors, upstream = inputs(module, (4, 2), batch=3, seq_len=11)
+    results = []
+    for transposed in (False, True):
+        leaves = [t.clone().requires_grad_() for t in tensors]
+        q_out, k_out, state = module(*leaves[:3], {"phase": leaves[3]}, backend="torch+c")
+        if transposed:  # the upstream gradients reach q_out and k_out as transposed views
+            q_out, k_out = q_out.transpose(1, 2), k_out.transpose(1, 2)
+            grads = [g.transpose(1, 2).contiguous() for g in upstream[:2]]
+        else:
+            grads = upstream[:2]
+        loss = (q_out * grads[0]).sum() + (k_out * grads[1]).sum() + (state["phase"] * upstream[2]).sum()
+        results.append(torch.autograd.grad(loss, leaves + list(module.parameters())))
+    assert type(q_out.grad_fn).__name__ == "TransposeBackward0"
+    for contiguous, transposed in zip(*results):
+        assert torch.equal(contiguous, transposed)
+
+
 @pytest.mark.parametrize("options", [dict(), dict(position_embedding="rope"),
                                      dict(phase_conv_type="difference", phase_gate_type="channel")], ids=str)
 def test_bfloat16_inputs(options):
