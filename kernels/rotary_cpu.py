@@ -1177,13 +1177,23 @@ HOT static void row_backward(const Parameters *p, const Weights *w, const Backwa
             memcpy(y, m->a + t * channels, sizeof(double) * (size_t)channels);
             continue;
         }
-        /* each y_i summed over the taps in order; the channels innermost (contiguous, vectorised) */
-        for (int64_t i = 0; i < channels; i++) y[i] = 0.0;
-        for (int64_t j = 0; j < size; j++) {
-            const int64_t s = t - (size - 1) + j;
-            if (s < 0) continue;  /* before the row's start: nothing (no history in training) */
-            const double *earlier = m->a + s * channels, *tap = taps + j * channels;
-            for (int64_t i = 0; i < channels; i++) y[i] += earlier[i] * tap[i];
+        /* each y_i summed over the taps in order (from the first within the row: no history in training), LANES
+           channels at a time in registers */
+        const int64_t first = t - (size - 1) < 0 ? size - 1 - t : 0;
+        int64_t i = 0;
+        for (; i + LANES <= channels; i += LANES) {
+            lanes_t sum = {0}, earlier, tap;
+            for (int64_t j = first; j < size; j++) {
+                memcpy(&earlier, m->a + (t - (size - 1) + j) * channels + i, sizeof earlier);
+                memcpy(&tap, taps + j * channels + i, sizeof tap);
+                sum += earlier * tap;
+            }
+            memcpy(y + i, &sum, sizeof sum);
+        }
+        for (; i < channels; i++) {
+            y[i] = 0.0;
+            for (int64_t j = first; j < size; j++)
+                y[i] += m->a[(t - (size - 1) + j) * channels + i] * taps[j * channels + i];
         }
     }
     /* θ_t = θ_{t-1} + c_t, as the forward summed it (token by token; the channels innermost) */
@@ -1206,28 +1216,26 @@ HOT static void row_backward(const Parameters *p, const Weights *w, const Backwa
     if (!selective) return;
     for (int64_t j = length * hidden; j < seq_len * hidden; j++)  /* pads: x does not reach the phase */
         store(a->dx, (int)a->x_dtype, b * seq_len * hidden + j, 0.0f);
-    /* step 3: d c_t -> d (activation output + bias), d gate logits (into g), d convolution output (into dy) */
-    double *d_bias = at[4];
+    /* step 3: d c_t -> d (activation output + bias), d gate logits (into dg), d convolution output (into dy); each
+       loop over the channels of one kind (vectorised), the gate's sum as `dot` sums */
+    double *d_bias = at[4], *out = m->running, *slope = m->dcos;  /* (Hk*R) each, free by now */
     for (int64_t t = 0; t < length; t++) {
         double *dy = m->dy + t * channels, *d_gate_logit = m->dg + t * width;
         const double *y = m->y + t * channels, *g = m->g + t * width;
+        for (int64_t i = 0; i < channels; i++) out[i] = y[i], slope[i] = 1.0;
+        for (int64_t i = 0; p->conv_silu && i < channels; i++) {
+            const double s = sigmoid(y[i]);
+            out[i] = y[i] * s;
+            slope[i] = s * (1.0 + y[i] * (1.0 - s));
+        }
+        for (int64_t i = 0; p->bias && i < channels; i++) out[i] += exp_bias[i];
         for (int64_t o = 0; o < (width > 0 ? width : 1); o++) {  /* the channels of gate o (all, without a gate) */
-            double d_gate = 0.0;
+            const int64_t first = width > 0 ? o * per_gate : 0, stop = width > 0 ? (o + 1) * per_gate : channels;
             const double gate = width > 0 ? g[o] : 1.0;
-            for (int64_t i = o * per_gate; i < (width > 0 ? (o + 1) * per_gate : channels); i++) {
-                double out = y[i], slope = 1.0;
-                if (p->conv_silu) {
-                    const double s = sigmoid(y[i]);
-                    out = y[i] * s;
-                    slope = s * (1.0 + y[i] * (1.0 - s));
-                }
-                if (p->bias) out += exp_bias[i];
-                d_gate += dy[i] * out;
-                const double d_pre = dy[i] * gate;
-                if (p->bias) d_bias[i] += d_pre * exp_bias[i];  /* d b = d exp(b) · exp(b) */
-                dy[i] = d_pre * slope;
-            }
-            if (width > 0) d_gate_logit[o] = d_gate * gate * (1.0 - gate);  /* σ' = σ (1 - σ) */
+            if (width > 0)  /* σ' = σ (1 - σ) */
+                d_gate_logit[o] = dot(dy + first, out + first, stop - first) * gate * (1.0 - gate);
+            for (int64_t i = first; p->bias && i < stop; i++) d_bias[i] += dy[i] * gate * exp_bias[i];  /* d exp(b) */
+            for (int64_t i = first; i < stop; i++) dy[i] = dy[i] * gate * slope[i];
         }
     }
     /* the convolution's backward: d a_s = Σ_j tap_j d y_{s+K-1-j}, d tap_j = Σ_t d y_t a_{t-K+1+j} */
@@ -1737,14 +1745,16 @@ class RotaryPlan:
                  phase_grad: bool):
         """The gradients of a training forward (``try_call`` with ``increments``, no convolution state) that took
         x, q, k, ``phase`` and ``lengths`` and kept ``increments`` and ``saved``: from those of the rotated q and k
-        (``grad_q``, ``grad_k``: q's dtype, any strides but a contiguous last dim) and of the final phase (``(B, Hk, R)`` float64, or ``None``).
+        (``grad_q``, ``grad_k``: q's dtype, any strides but a contiguous last dim) and of the final phase
+        (``(B, Hk, R)`` float64, or ``None``).
         ``parameters``: the parameter tensors the forward read, in ``gradient_order``, read where they are now (a
         sharded model, e.g. FSDP, frees a parameter's memory after the forward and gathers it anew for the backward).
 
         Returns ``None`` where a parameter is no longer what the plan can read (``readable``, the planned shape and
         dtype, contiguous), else ``dx`` (x's dtype), ``dq``, ``dk`` (q's), ``d phase`` (``(B, Hk, R)`` float64;
         ``None`` unless ``phase_grad``) and the parameters' gradients in float64, one per ``gradient_order`` entry
-        (``None`` where absent). Runs on ``torch.get_num_threads()`` threads; the results do not depend on their number."""
+        (``None`` where absent). Runs on ``torch.get_num_threads()`` threads; the results do not depend on their
+        number."""
         current = self.parameters_at(parameters)
         if current is None:
             return None
