@@ -379,14 +379,15 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     try:
-        rows = [bench_width(family, width, plan, args.before, args.sections, args.torch_path) for family in args.families
-                for width in widths]
+        rows = [bench_width(family, width, plan, args.before, args.sections, args.torch_path)
+                for family in args.families for width in widths]
         peers = [] if args.no_peer or "fox" not in args.families else [bench_peer(width, plan) for width in widths]
     finally:
         torch.set_num_threads(threads_before)
     results = {
         "benchmark": "bench_widths_cpu", "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
-        "plan": plan, "sections": args.sections, "threads": args.threads, "before_variant": args.before, "torch_path_variant": args.torch_path,
+        "plan": plan, "sections": args.sections, "threads": args.threads, "before_variant": args.before,
+        "torch_path_variant": args.torch_path,
         "layers": LAYERS, "vocab_size": VOCAB,
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                     "python": platform.python_version()},

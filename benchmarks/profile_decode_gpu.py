@@ -4,8 +4,8 @@ Issue 46's question: on an H200 (28 Nov 2026, benchmarks/results/gpu/2026-11-28-
 with Selective RoPE against 22.4 with NoPE (~1.2 ms more per layer and token), FoX's eager step costs ~0.46 ms more
 per layer, while on the CPU, with the Triton launches stubbed, both families' rotary step is the same single fused
 launch and ten aten ops (five since: tests/kernels/test_launch_budget.py, ``benchmarks/host_time_cpu.py --count``).
-So the extra time is not a missed fusion; this script measures where it goes. Per family and variant, one model at a time
-(``bench_models_gpu.py``'s 370M configurations, bf16 weights, batch 1, after a prefill of ``--context`` tokens):
+So the extra time is not a missed fusion; this script measures where it goes. Per family and variant, one model at a
+time (``bench_models_gpu.py``'s 370M configurations, bf16 weights, batch 1, after a prefill of ``--context`` tokens):
 
 - ``step``: ms per token synchronised after every step (what ``bench_models_gpu.py`` reports), ``enqueue``: host time
   until the step returns, ``device``: CUDA-event time of steps run back to back;

@@ -67,9 +67,9 @@ def requested_backend(config_value: str | None = None) -> str:
 
 def resolve_backend(config_value: str | None, device: torch.device | str) -> str:
     """``"torch"``, ``"torch+c"`` or ``"triton"`` (``backends.RESOLVED``): who runs our own ops (Selective RoPE) for
-    tensors on ``device``. ``"torch+c"`` is PyTorch with the rotary module's calls (inference, and training with its C backward) compiled
-    (``rotary_cpu``): on the CPU, unless ``"torch"`` was asked for by name or ``SELECTIVE_ROPE_CPU_KERNEL=0``. Both
-    environment variables are read here, once per model call.
+    tensors on ``device``. ``"torch+c"`` is PyTorch with the rotary module's calls (inference, and training with its C
+    backward) compiled (``rotary_cpu``): on the CPU, unless ``"torch"`` was asked for by name or
+    ``SELECTIVE_ROPE_CPU_KERNEL=0``. Both environment variables are read here, once per model call.
 
     The mixers use fla's kernels only where this says ``"triton"`` *and* the tensors are on CUDA (see ``fla_ops``);
     every other value runs their PyTorch ops.

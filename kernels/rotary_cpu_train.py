@@ -51,7 +51,8 @@ class CompiledRotaryTraining(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_q, grad_k, grad_phase, _grad_history):
-        x, q, k, phase, increments, saved, *parameters = ctx.saved_tensors  # (checks that nothing was modified in place)
+        # (saved_tensors checks that nothing was modified in place)
+        x, q, k, phase, increments, saved, *parameters = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: differentiate the torch path instead
             return (None, None, None) + torch_path_gradients(ctx, x, q, k, phase, grad_q, grad_k, grad_phase)
         grad_q, grad_k = (torch.zeros_like(x) if g is None else last_dim_contiguous(g.to(x.dtype))
@@ -67,8 +68,8 @@ class CompiledRotaryTraining(torch.autograd.Function):
         grads = [None if g is None or not need else g.to(p.dtype)
                  for g, p, need in zip(d_params, parameters, needs[7:])]
         rope = ctx.plan.gradient_order[1] is None  # RoPE: x does not reach the phase
-        return (None, None, None, dx if needs[3] and not rope else None, dq if needs[4] else None, dk if needs[5] else None,
-                None if d_phase is None else d_phase.to(phase.dtype), *grads)
+        return (None, None, None, dx if needs[3] and not rope else None, dq if needs[4] else None,
+                dk if needs[5] else None, None if d_phase is None else d_phase.to(phase.dtype), *grads)
 
 
 def last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:

@@ -27,12 +27,11 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton path cannot be counted")
 
-from rotary_reference import HIDDEN, make_rotary  # noqa: E402
-
 from selective_rope.kernels import rotary_triton  # noqa: E402
 from selective_rope.modeling import returned_cache  # noqa: E402
 
 from families import FAMILIES  # noqa: E402
+from rotary_reference import HIDDEN, make_rotary  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location(
     "host_time_cpu", Path(__file__).resolve().parents[2] / "benchmarks" / "host_time_cpu.py")

@@ -14,14 +14,14 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton phase kernel cannot be tested")
 
-from rotary_reference import HIDDEN, make_rotary  # noqa: E402
-
+from selective_rope import SelectiveRopeGLAConfig  # noqa: E402
 from selective_rope.kernels import phase_triton  # noqa: E402
 from selective_rope.kernels.backends import interpreting  # noqa: E402
 from selective_rope.kernels.phase_triton import phase_increment_backward_triton, phase_increment_triton  # noqa: E402
-from selective_rope import SelectiveRopeGLAConfig  # noqa: E402
 from selective_rope.modeling.layout import valid_mask  # noqa: E402
 from selective_rope.modeling.rotary import SelectiveRotaryEmbedding  # noqa: E402
+
+from rotary_reference import HIDDEN, make_rotary  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -21,10 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 from peft import LoraConfig, inject_adapter_in_model
-from rotary_reference import HEADS, HIDDEN, ROTATING_GRID, make_rotary, rotate_exactly
 
 from selective_rope.kernels import rotary_cpu, rotary_cpu_entry
 from selective_rope.modeling.rotary import PhaseLinear
+
+from rotary_reference import HEADS, HIDDEN, ROTATING_GRID, make_rotary, rotate_exactly
 
 pytestmark = pytest.mark.skipif(rotary_cpu.find_compiler() is None, reason="no C compiler")
 

@@ -11,10 +11,11 @@ import warnings
 
 import pytest
 import torch
-from rotary_reference import HIDDEN, ROTATING_GRID, make_rotary
 from torch import nn
 
 from selective_rope.kernels import rotary_cpu, rotary_cpu_entry
+
+from rotary_reference import HIDDEN, ROTATING_GRID, make_rotary
 
 pytestmark = [
     pytest.mark.skipif(rotary_cpu.find_compiler() is None, reason="no C compiler"),

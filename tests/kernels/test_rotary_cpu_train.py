@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from families import FAMILIES
-from rotary_reference import HEADS, HIDDEN, ROTATING_GRID, make_rotary
 
 from selective_rope.kernels import rotary_cpu
 from selective_rope.kernels.rotary_cpu_train import CompiledRotaryTraining
+
+from families import FAMILIES
+from rotary_reference import HEADS, HIDDEN, ROTATING_GRID, make_rotary
 
 pytestmark = pytest.mark.skipif(rotary_cpu.find_compiler() is None, reason="no C compiler")
 
@@ -52,7 +53,7 @@ def assert_close_gradients(compiled, reference, names, rtol=1e-5):
             continue
         assert got is not None and got.dtype == expected.dtype, name
         scale = expected.abs().max().item()
-        torch.testing.assert_close(got, expected, rtol=rtol, atol=rtol * scale, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got, expected, rtol=rtol, atol=rtol * scale, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.float64], ids=str)
@@ -250,4 +251,4 @@ def test_a_model_training_step_equals_the_torch_backend(family, monkeypatch):
     for name, grad in results[1][1].items():
         scale = grad.abs().max().item()
         torch.testing.assert_close(results[0][1][name], grad, rtol=1e-4, atol=1e-5 * max(scale, 1e-3),
-                                   msg=lambda m: f"{name}: {m}")
+                                   msg=lambda m, name=name: f"{name}: {m}")

@@ -1,8 +1,9 @@
 """The fused Selective RoPE op from the layer input (``kernels/rotary_fused_triton.py``, run on CPU by Triton's
-interpreter, compiled on a GPU where there is one) against the torch path: the rotary module on ``backend="triton"``, which takes the fused op for the
-default phase path, gives ``backend="torch"``'s rotated q and k, new state and every gradient (x, q, k, the projection,
-the convolution's taps, the gate, the bias, the temperature, the initial phase), with padding, GQA, a cached state,
-packed sequences, bf16 q and k, one time chunk a sequence or several (issue 46, item 1)."""
+interpreter, compiled on a GPU where there is one) against the torch path: the rotary module on ``backend="triton"``,
+which takes the fused op for the default phase path, gives ``backend="torch"``'s rotated q and k, new state and every
+gradient (x, q, k, the projection, the convolution's taps, the gate, the bias, the temperature, the initial phase),
+with padding, GQA, a cached state, packed sequences, bf16 q and k, one time chunk a sequence or several (issue 46,
+item 1)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: the fused Triton op cannot be tested")
 
-from rotary_reference import HIDDEN, make_rotary  # noqa: E402
-
 from selective_rope.kernels import dispatch, rotary, rotary_triton  # noqa: E402
+
+from rotary_reference import HIDDEN, make_rotary  # noqa: E402
 
 # On a GPU the compiled kernels; here Triton's interpreter (tests/conftest.py sets it)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

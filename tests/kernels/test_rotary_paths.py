@@ -10,9 +10,10 @@ import importlib.util
 
 import pytest
 import torch
-from rotary_reference import HIDDEN, make_rotary
 
 from selective_rope.kernels import rotary, rotary_cpu, rotary_cpu_entry
+
+from rotary_reference import HIDDEN, make_rotary
 
 HAS_C = rotary_cpu.find_compiler() is not None
 HAS_TRITON = importlib.util.find_spec("triton") is not None and not torch.cuda.is_available()  # (the interpreter)
@@ -20,7 +21,8 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None and not torch.cuda.i
 
 @pytest.fixture
 def paths(monkeypatch):
-    """The paths taken, in order: ``"c"``, ``"c_entry"``, ``"c_train"`` (the compiled training path), ``"step_torch"``, ``"step_triton"``, ``"sequence_torch"``,
+    """The paths taken, in order: ``"c"``, ``"c_entry"``, ``"c_train"`` (the compiled training path),
+    ``"step_torch"``, ``"step_triton"``, ``"sequence_torch"``,
     ``"sequence_triton"``, ``"sequence_from_input_triton"`` (the fused op from the input)."""
     taken = []
     monkeypatch.setenv(rotary_cpu.ENV_SWITCH, "1")

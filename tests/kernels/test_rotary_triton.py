@@ -15,11 +15,12 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton rotary
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from rotary_reference import HIDDEN, make_rotary, rotate_exactly  # noqa: E402
 
 from selective_rope.kernels import rotary_triton  # noqa: E402
 from selective_rope.kernels.conv_torch import causal_conv1d  # noqa: E402
 from selective_rope.kernels.rotary_torch import selective_rotary  # noqa: E402
+
+from rotary_reference import HIDDEN, make_rotary, rotate_exactly  # noqa: E402
 
 selective_rotary_triton = rotary_triton.selective_rotary_triton
 selective_rotary_decode_triton = rotary_triton.selective_rotary_decode_triton

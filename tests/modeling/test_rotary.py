@@ -6,10 +6,11 @@ import math
 
 import pytest
 import torch
-from rotary_reference import HEADS, HIDDEN, OPTION_GRID, ROTATING_GRID, make_rotary, rotate_exactly
 
 from selective_rope import SelectiveRopeGLAConfig
 from selective_rope.modeling.rotary import PhaseDifference, SelectiveRotaryEmbedding, rotary_temperature
+
+from rotary_reference import HEADS, HIDDEN, OPTION_GRID, ROTATING_GRID, make_rotary, rotate_exactly
 
 
 @torch.no_grad()
