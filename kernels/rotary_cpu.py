@@ -767,7 +767,7 @@ int selective_rope_rotary_train(const Parameters *p, const int64_t *call, float 
 /*
    Per row, in three steps: (1) the phase path's values: those the forward kept (Saved), u = x / |x| from its
    denominators, the convolution's output from its kept inputs, and the phase summed from its increments (so every
-   value, angle, cos and sin is the one the forward used); (2) backwards over the tokens, the rotation's gradient
+   angle, cos and sin is the one the forward used); (2) backwards over the tokens, the rotation's gradient
    (dq, dk and d angle), d θ = τ d angle and its reverse cumulative sum, d c_t; (3) d c_t back through the gate, bias,
    activation, convolution, projection and normalisation to dx, then the weights' gradients as sums over the row's
    tokens (each gradient row held in registers while the tokens stream past). Everything in float64. The rows are
@@ -996,8 +996,8 @@ static int row_memory_alloc(const Parameters *p, const Weights *w, int64_t seq_l
     return 0;
 }
 
-/* Step 1's u_t = x_t / |x_t| per head for row b's real tokens, divided by the forward's own denominators (its u,
-   exactly). */
+/* Step 1's u_t = x_t / |x_t| per head for row b's real tokens, from the forward's own denominators (its u to
+   rounding: times the reciprocal, one division per head rather than one per value). */
 HOT static void row_normalised_inputs(const Parameters *p, const Backward *a, RowMemory *m, int64_t b,
                                       int64_t length) {
     const int64_t hk = p->num_key_heads, dc = p->chunk_dim, hidden = hk * dc;
@@ -1005,12 +1005,12 @@ HOT static void row_normalised_inputs(const Parameters *p, const Backward *a, Ro
         const int64_t row = b * a->x_stride_b + t * a->x_stride_t;
         double *u = m->u + t * hidden;
         for (int64_t h = 0; h < hk; h++) {
-            const double denominator = m->den[t * hk + h];
+            const double inverse = 1.0 / m->den[t * hk + h];
             const int64_t first = h * dc, stop = (h + 1) * dc;
             if (a->x_dtype == F32)
-                for (int64_t j = first; j < stop; j++) u[j] = ((const float *)a->x)[row + j] / denominator;
+                for (int64_t j = first; j < stop; j++) u[j] = ((const float *)a->x)[row + j] * inverse;
             else
-                for (int64_t j = first; j < stop; j++) u[j] = load(a->x, (int)a->x_dtype, row + j) / denominator;
+                for (int64_t j = first; j < stop; j++) u[j] = load(a->x, (int)a->x_dtype, row + j) * inverse;
         }
     }
 }
@@ -1068,7 +1068,8 @@ HOT static void block_input_gradients(const Parameters *p, const Weights *w, con
         lanes_t along = {0};
         for (int64_t j = h * dc; j < (h + 1) * dc; j++) along += u[j] * du[j];
         for (int64_t l = 0; l < LANES; l++) along[l] = den[h][l] > 1e-12 ? along[l] : 0.0;
-        for (int64_t j = h * dc; j < (h + 1) * dc; j++) du[j] = (du[j] - u[j] * along) / den[h];
+        const lanes_t inverse = 1.0 / den[h];  /* (one division, not dc: divisions were a quarter of this function) */
+        for (int64_t j = h * dc; j < (h + 1) * dc; j++) du[j] = (du[j] - u[j] * along) * inverse;
     }
     const int xd = (int)a->x_dtype;
     for (int64_t l = 0; l < n; l++) {
