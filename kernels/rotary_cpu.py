@@ -794,14 +794,13 @@ typedef struct {
     int64_t grad_q_stride_b, grad_q_stride_t, grad_q_stride_h, grad_k_stride_b, grad_k_stride_t, grad_k_stride_h;
 } Backward;
 
-/* The weights as the backward reads them, float64: the projection as (heads, outs, ins) matrices (low rank: down
-   and up per head; dense: one head; full rank: scale · w / |w|, one matrix per head; scalar: (Hk, 1, Dc)) and every
-   matrix also transposed, so that a product over a token's inputs is a sum of rows (vectorised, no horizontal sums;
-   each output summed over its inputs in order, as the forward's matvec). */
+/* The weights as the backward reads them, float64: the projection's (heads, outs, ins) matrices (low rank: down
+   and up per head; dense: one head; full rank: scale · w / |w|, one matrix per head; scalar: (Hk, 1, Dc)) and the
+   gate's, transposed, so that a product over a token's outputs is a sum of rows (vectorised, no horizontal sums). */
 typedef struct {
     int64_t heads, ins, lows, outs;  /* low rank: down (heads, lows, ins), up (heads, outs, lows); else proj (heads,
                                         outs, ins) with lows = 0 */
-    double *down, *down_t, *up, *up_t, *gate1_t, *gate2_t, *proj_norm;  /* proj_norm: full rank's |w| (clamped) */
+    double *down_t, *up_t, *gate1_t, *gate2_t, *proj_norm;  /* proj_norm: full rank's |w| (clamped) */
     double *turns, *exp_bias, *taps;  /* τ / 2π (R); exp(b) (Hk*R); the taps, transposed: (K, Hk*R) */
 } Weights;
 
@@ -894,11 +893,11 @@ static double *backward_weights(const Parameters *p, Weights *w) {
     if (!block) return NULL;
     double *next = block;
     if (w->lows) {  /* low rank, one head or each head */
-        w->down = (double *)p->proj_a, w->up = (double *)p->proj_b;
-        w->down_t = transposed(w->down, w->heads, w->lows, w->ins, next), next += w->heads * w->lows * w->ins;
-        w->up_t = transposed(w->up, w->heads, w->outs, w->lows, next), next += w->heads * w->outs * w->lows;
+        w->down_t = transposed(p->proj_a, w->heads, w->lows, w->ins, next), next += w->heads * w->lows * w->ins;
+        w->up_t = transposed(p->proj_b, w->heads, w->outs, w->lows, next), next += w->heads * w->outs * w->lows;
     } else if (kind != PROJ_ONE) {  /* one matrix per head (full rank: weight-normalised) */
-        w->down = next, next += w->heads * w->outs * w->ins;
+        double *weight = next;
+        next += w->heads * w->outs * w->ins;
         w->proj_norm = next, next += w->heads * w->outs;
         for (int64_t o = 0; o < w->heads * w->outs; o++) {
             const double *row = (const double *)p->proj_a + o * w->ins;
@@ -907,9 +906,9 @@ static double *backward_weights(const Parameters *p, Weights *w) {
             norm = sqrt(norm);
             w->proj_norm[o] = norm > 1e-12 ? norm : 1e-12;
             const double factor = kind == PROJ_FULL_RANK ? ((const double *)p->proj_b)[o] / w->proj_norm[o] : 1.0;
-            for (int64_t j = 0; j < w->ins; j++) w->down[o * w->ins + j] = factor * row[j];
+            for (int64_t j = 0; j < w->ins; j++) weight[o * w->ins + j] = factor * row[j];
         }
-        w->down_t = transposed(w->down, w->heads, w->outs, w->ins, next), next += w->heads * w->outs * w->ins;
+        w->down_t = transposed(weight, w->heads, w->outs, w->ins, next), next += w->heads * w->outs * w->ins;
     }
     if (p->gate_layers == 1) {
         w->gate1_t = transposed(p->gate_w1, 1, width, hidden, next), next += width * hidden;
