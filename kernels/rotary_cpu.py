@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -1708,7 +1709,13 @@ class RotaryPlan:
     def saved_size(self, batch: int, seq_len: int) -> int:
         """How many float64 values a training forward of ``batch`` rows of ``seq_len`` tokens keeps for the backward
         (``try_call``'s ``saved``; 0 for RoPE). Needs the library loaded (``takes`` loads it)."""
-        return _training["saved_per_token"](self.parameters_ref) * batch * seq_len
+        return self._saved_per_token * batch * seq_len
+
+    @functools.cached_property
+    def _saved_per_token(self) -> int:
+        """The C code's count (``selective_rope_saved_per_token``), asked once: it depends on the options only, and a
+        training step asks three times a layer."""
+        return _training["saved_per_token"](self.parameters_ref)
 
     def parameters_at(self, tensors: tuple) -> _Parameters | None:
         """This plan's parameters read from ``tensors`` (in ``gradient_order``) where they are now, or ``None`` where

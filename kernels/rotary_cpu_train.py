@@ -55,8 +55,8 @@ class CompiledRotaryTraining(torch.autograd.Function):
         x, q, k, phase, increments, saved, *parameters = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: differentiate the torch path instead
             return (None, None, None) + torch_path_gradients(ctx, x, q, k, phase, grad_q, grad_k, grad_phase)
-        grad_q, grad_k = (torch.zeros_like(x) if g is None else last_dim_contiguous(g.to(x.dtype))
-                          for g, x in ((grad_q, q), (grad_k, k)))
+        grad_q, grad_k = (torch.zeros_like(rotated) if grad is None else last_dim_contiguous(grad.to(rotated.dtype))
+                          for grad, rotated in ((grad_q, q), (grad_k, k)))
         if grad_phase is not None:
             grad_phase = grad_phase.to(torch.float64).contiguous()
         needs = ctx.needs_input_grad
