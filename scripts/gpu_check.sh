@@ -35,7 +35,7 @@
 # Usage, from the repository root, with selective_rope, triton and flash-linear-attention importable:
 #   OUT=/tmp/gpu-check [AUTOTUNE_ARCHIVE=autotune.tgz from an earlier run, or empty for none] [DEADLINE_S=seconds] \
 #       [SECTIONS="tests models"] [MODELS_LIMIT=seconds] [MODEL_FAMILIES="gla fox"] [MODELS_EXTRA=--no-packed] \
-#       [GRAPHED_LIMIT=seconds] [GRAPHED_LAYERS=n] bash scripts/gpu_check.sh
+#       [GRAPHED_LIMIT=seconds] [GRAPHED_LAYERS=n] [CUDA_TEST_WORKERS=n, default 4] bash scripts/gpu_check.sh
 # Default SECTIONS: "tests models graphed bench profile module sweep".
 # On a machine without a package index (as the lent ones are), bring wheels: here, `pip wheel --no-deps -w .whl .`
 # and `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl
@@ -103,7 +103,7 @@ TESTS_LIMIT=$(limit 120)
 pytest_in_tmp "$TESTS_LIMIT" "$OUT/pytest_rotary.txt" -n 4 "$REPO/tests/kernels/test_rotary_triton.py" \
     "$REPO/tests/kernels/test_autotuning.py" &
 rotary_tests=$!
-pytest_in_tmp "$TESTS_LIMIT" "$OUT/pytest_cuda.txt" -m cuda -x -n 4 -v "$REPO/tests" &  # (-v: each result by name)
+pytest_in_tmp "$TESTS_LIMIT" "$OUT/pytest_cuda.txt" -m cuda -x -n "${CUDA_TEST_WORKERS:-4}" -v "$REPO/tests" &  # (-v: each result by name)
 cuda_tests=$!
 wait "$rotary_tests" "$cuda_tests"  # (a bare wait would also wait for the log's tee, which never ends first)
 for log in "$OUT/pytest_rotary.txt" "$OUT/pytest_cuda.txt"; do
