@@ -49,6 +49,7 @@ from pinned_autotuning import first_candidates, saved_or_first_configuration
 
 from selective_rope.families import FAMILIES
 from selective_rope.kernels import dispatch
+from selective_rope.kernels import rotary as rotary_op
 from selective_rope.modeling import returned_cache
 
 from harness.machine import source_provenance
@@ -64,6 +65,10 @@ SOURCES = ["kernels/dispatch.py", "kernels/rotary_triton.py", "kernels/gla.py", 
            "modeling/fox.py", "benchmarks/bench_models_gpu.py", "benchmarks/bench_rotary_gpu.py"]
 VARIANTS = ("nope", "rope", "selective_rope")
 ORDER = (*VARIANTS, "nope")  # NoPE again last: the run's drift
+# --unfused: Selective RoPE again with a sequence's phase increments computed by the module's PyTorch ops and then the
+# Triton rotary op, instead of the fused op from the input (kernels/rotary.py picks the fused op wherever it serves):
+# the two paths side by side in one run. The 28 Nov 2026 H200 module profile had the fused one slower on the device.
+UNFUSED = "selective_rope_unfused"
 SEED = 0
 SHARED_CONFIG = {"hidden_size": 1024, "num_hidden_layers": 24, "vocab_size": 32000, "tie_word_embeddings": False}
 MODEL_CONFIGS = {  # flash-linear-attention's 340M recipes; FoX as a Llama of the same width and depth
@@ -78,7 +83,7 @@ MODEL_CONFIGS = {  # flash-linear-attention's 340M recipes; FoX as a Llama of th
 def build_model(family: str, position_embedding: str, layers: int) -> torch.nn.Module:
     torch.manual_seed(SEED)
     config = FAMILIES[family].config_class(**{**MODEL_CONFIGS[family], "num_hidden_layers": layers},
-                                           position_embedding=position_embedding)
+                                           position_embedding=position_embedding.removesuffix("_unfused"))
     return FAMILIES[family].lm_class(config).cuda()
 
 
@@ -259,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-steps", type=int, default=None, help="timed training steps (default 20, quick 3)")
     parser.add_argument("--decode-steps", type=int, default=None, help="timed decoding steps (default 100, quick 10)")
     parser.add_argument("--no-packed", action="store_true", help="skip the packed training rows")
+    parser.add_argument("--unfused", action="store_true",
+                        help=f"add {UNFUSED}: Selective RoPE through the module's PyTorch phase ops and the rotary "
+                             "op instead of the fused op from the input")
     parser.add_argument("--autotune", action="store_true",
                         help="let fla's kernels autotune where no saved choice exists (default: their first candidate)")
     args = parser.parse_args(argv)
@@ -307,25 +315,49 @@ def run_family(family: str, args, layers: int, seq_len: int, context: int, train
                                                           "reason": reason})
             else:
                 train_rows(family, backend, args, layers, seq_len, train_steps, results, start)
+            order = variant_order(args)
             for batch in args.decode_batches:
-                for index, variant in enumerate(ORDER):
-                    results["decode"].append(bench_decode(family, variant, backend, layers, batch, context,
-                                                          decode_steps, ORDER[:index + 1].count(variant)))
+                for index, variant in enumerate(order):
+                    with rotary_path(variant):
+                        results["decode"].append(bench_decode(family, variant, backend, layers, batch, context,
+                                                              decode_steps, order[:index + 1].count(variant)))
                     record(results, start, args.output)
                     torch.cuda.empty_cache()
+
+
+def variant_order(args) -> tuple[str, ...]:
+    """``ORDER``, with ``UNFUSED`` after Selective RoPE under ``--unfused`` (on the auto backend's Triton path)."""
+    return (*VARIANTS, UNFUSED, "nope") if args.unfused else ORDER
 
 
 def train_rows(family: str, backend: str, args, layers: int, seq_len: int, train_steps: int, results: dict,
                start: float) -> None:
     """The training rows of one family and backend: each variant, dense then packed."""
-    for index, variant in enumerate(ORDER):
-        repeat = ORDER[:index + 1].count(variant)
+    order = variant_order(args)
+    for index, variant in enumerate(order):
+        repeat = order[:index + 1].count(variant)
         layouts = [False] + ([True] if backend == "auto" and not args.no_packed else [])
         for packed in layouts:
-            results["training"].append(bench_training(family, variant, backend, layers, args.batch_size, seq_len,
-                                                      train_steps, packed, repeat))
+            with rotary_path(variant):
+                results["training"].append(bench_training(family, variant, backend, layers, args.batch_size,
+                                                          seq_len, train_steps, packed, repeat))
             record(results, start, args.output)
             torch.cuda.empty_cache()  # the model and optimizer state of the previous row are gone
+
+
+@contextlib.contextmanager
+def rotary_path(variant: str):
+    """For ``UNFUSED``, the fused op from the input declines every call (``None``: kernels/rotary.py then takes the
+    module's increments and the rotary op); other variants as they are."""
+    if variant != UNFUSED:
+        yield
+        return
+    original = rotary_op.sequence_from_input_triton
+    rotary_op.sequence_from_input_triton = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        rotary_op.sequence_from_input_triton = original
 
 
 @contextlib.contextmanager
