@@ -37,7 +37,9 @@
 #       [SECTIONS="tests models"] [MODELS_LIMIT=seconds] [MODEL_FAMILIES="gla fox"] [MODELS_EXTRA=--no-packed] \
 #       [GRAPHED_LIMIT=seconds] [GRAPHED_LAYERS=n] [CUDA_TEST_WORKERS=n, default 4] bash scripts/gpu_check.sh
 # Default SECTIONS: "tests models graphed bench profile module sweep".
-# On a machine without a package index (as the lent ones are), bring wheels: here, `pip wheel --no-deps -w .whl .`
+# On a machine without a package index (as the lent ones are), bring wheels: here, from a fresh clone (a checkout's
+# stale build/ folder goes into the wheel: on 28 Nov 2026 it shadowed selective_rope/bench.py with an old package),
+# `pip wheel --no-deps -w .whl .`
 # and `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl
 # fla-core==0.6.0 flash-linear-attention==0.6.0`; there, `pip install --no-index --no-deps --target /tmp/site
 # .whl/*.whl && export PYTHONPATH=/tmp/site` before this script.
@@ -55,11 +57,11 @@ exec > >(tee -a "$OUT/log.txt") 2>&1
 # fla's autotuning results (Triton writes them under its cache dir as *.autotune.json) from an earlier run: with
 # them, fla's kernels compile only their chosen configuration instead of benchmarking every one. Triton's cache key
 # holds the arch ("90" for every H100 and H200), not the card's name, so on any sm_90 card the default is the archive
-# of the last run on an H200 (same image: torch 2.11, triton 3.6, fla 0.6.0).
+# of the last call on an H200 (same image: torch 2.11, triton 3.6, fla 0.6.0).
 TRITON_CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 COMPUTE_CAPABILITY=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1)
 if [ -z "${AUTOTUNE_ARCHIVE+set}" ] && [ "$COMPUTE_CAPABILITY" = "9.0" ]; then
-    AUTOTUNE_ARCHIVE=$REPO/benchmarks/results/gpu/2026-11-27-h200/run5-f27cc13/fla_autotune_h200.tgz
+    AUTOTUNE_ARCHIVE=$REPO/benchmarks/results/gpu/2026-11-28-h200/call4-54d029b/fla_autotune_h200.tgz
 fi
 if [ -n "${AUTOTUNE_ARCHIVE:-}" ] && [ -f "$AUTOTUNE_ARCHIVE" ]; then
     mkdir -p "$TRITON_CACHE" && tar xzf "$AUTOTUNE_ARCHIVE" -C "$TRITON_CACHE" \
