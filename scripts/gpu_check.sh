@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks in one call sized for a 15-minute lease. Sections, in this order (SECTIONS picks them):
 #   tests    correctness, two pytest runs side by side: our Triton rotary kernels' tests, and the CUDA parity tests
-#            (-m cuda: every family, fp32 and bf16, padding, cached decoding, generate, packing; -x). fla's kernels
-#            run their first configuration there (tests/autotuning.py), so nothing autotunes.
+#            (-m cuda: every family, fp32 and bf16, padding, cached decoding, generate, packing; at most 4
+#            failures). fla's kernels run their first configuration there (tests/autotuning.py), so nothing autotunes.
 #   suite    (not in the default) the rest of the default suite with the GPU visible.
 #   decode   (not in the default) where an eager decoding step's time goes, NoPE against Selective RoPE, 370M GLA and
 #            FoX (benchmarks/profile_decode_gpu.py; issue 46: GLA decodes at 2.28x NoPE although its rotary step is
@@ -100,12 +100,15 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem,tem
 (cd /tmp && "$PYTHON" "$REPO/scripts/gpu_machine.py")
 
 if wanted tests; then
-step "correctness: our Triton rotary kernels' tests and the CUDA parity tests (-m cuda, -x), side by side"
+step "correctness: our Triton rotary kernels' tests and the CUDA parity tests (-m cuda), side by side"
 TESTS_LIMIT=$(limit 120)
 pytest_in_tmp "$TESTS_LIMIT" "$OUT/pytest_rotary.txt" -n 4 "$REPO/tests/kernels/test_rotary_triton.py" \
     "$REPO/tests/kernels/test_autotuning.py" &
 rotary_tests=$!
-pytest_in_tmp "$TESTS_LIMIT" "$OUT/pytest_cuda.txt" -m cuda -x -n "${CUDA_TEST_WORKERS:-4}" -v "$REPO/tests" &  # (-v: each result by name)
+# --maxfail 4, not -x: on 28 Nov 2026 one test's failure under -x left 14 of the 31 unrun. --timeout: one hanging test
+# (fla autotuning, a compile) cannot hold the section. -rA: each result by name (pytest_in_tmp's -q hides -v's).
+pytest_in_tmp "$TESTS_LIMIT" "$OUT/pytest_cuda.txt" -m cuda --maxfail 4 --timeout 90 -n "${CUDA_TEST_WORKERS:-4}" \
+    -rA "$REPO/tests" &
 cuda_tests=$!
 wait "$rotary_tests" "$cuda_tests"  # (a bare wait would also wait for the log's tee, which never ends first)
 for log in "$OUT/pytest_rotary.txt" "$OUT/pytest_cuda.txt"; do
