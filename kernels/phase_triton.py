@@ -13,8 +13,10 @@ in float64, rounded once to float32, zero at padding (``lengths``, right-padded 
 sequences' boundaries (``cu_seqlens``), with the convolution's new history (the last K - 1 real inputs). One launch,
 one program per (sequence x key head, time chunk), walking its chunk in 16-token tiles and each input chunk 64 dims
 at a time; each tile recomputes the projection of the K - 1 tokens before it (the convolution's window) rather than
-reading another program's. For the fused op the chunks are the rotary scan's (``rotary_triton._plan``) and the
-kernel also writes each chunk's total (the scan's pass 1), so the forward is this launch and the rotation's. The
+reading another program's. With the gate, one launch before it (``_gate_kernel``, one program per 32 tokens of a
+row) computes every head's gate: each gate reads every input chunk, which each key head's program did again. For
+the fused op the chunks are the rotary scan's (``rotary_triton._plan``) and the kernel also writes each chunk's total
+(the scan's pass 1), so the forward is these launches and the rotation's. The
 sums run in another order than the torch path's matrix products: equal within float64 rounding, which the rounding
 to float32 absorbs (``tests/kernels/test_phase_triton.py``).
 
@@ -80,8 +82,8 @@ def _projection(x_ptr, down_ptr, up_ptr, b, hk, ts, mask_t, sx_b, sx_t, Dc, RANK
 
 
 @triton.jit
-def _increment_tile(x_ptr, down_ptr, up_ptr, conv_ptr, bias_ptr, gw_ptr, gb_ptr, state_ptr, b, n, hk, bos, ts,
-                    mask_t, Hk, R, Dc, RANK, sx_b, sx_t, CONV_K: tl.constexpr, SILU: tl.constexpr,
+def _increment_tile(x_ptr, down_ptr, up_ptr, conv_ptr, bias_ptr, gate_ptr, state_ptr, b, n, hk, bos, ts,
+                    mask_t, T, Hk, R, Dc, RANK, sx_b, sx_t, CONV_K: tl.constexpr, SILU: tl.constexpr,
                     HAS_BIAS: tl.constexpr, HAS_GATE: tl.constexpr, HAS_STATE: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RANK: tl.constexpr):
     """The increments of tokens ``ts`` (key head ``hk`` of sequence ``n``, batch row ``b``, first token ``bos``):
@@ -109,23 +111,14 @@ def _increment_tile(x_ptr, down_ptr, up_ptr, conv_ptr, bias_ptr, gw_ptr, gb_ptr,
                         BLOCK_R, BLOCK_RANK)
     if HAS_BIAS:
         c += tl.exp(tl.load(bias_ptr + hk * R + rs, mask=mask_r, other=0.0).to(tl.float64))[None, :]
-    if HAS_GATE:  # the per-head gate reads every chunk, each normalised by its own norm
-        x_rows = x_ptr + b * sx_b
-        logit = tl.full([BLOCK_T], 0.0, tl.float64)
-        for chunk in range(Hk):
-            denom, _ = _chunk_norms(x_rows, ts, mask_t, chunk, sx_t, Dc, BLOCK_T, BLOCK_DC)
-            for d0 in range(0, Dc, BLOCK_DC):
-                ds = d0 + tl.arange(0, BLOCK_DC)
-                u = _x_block(x_rows, ts, mask_t, chunk, d0, sx_t, Dc, BLOCK_DC) / denom[:, None]
-                w = tl.load(gw_ptr + hk * Hk * Dc + chunk * Dc + ds, mask=ds < Dc, other=0.0).to(tl.float64)
-                logit += _sum1(u * w[None, :])
-        c *= _sigmoid(logit + tl.load(gb_ptr + hk).to(tl.float64))[:, None]
+    if HAS_GATE:  # the per-head gate: every head's for these tokens, computed once by _gate_kernel
+        c *= tl.load(gate_ptr + (b * T + ts) * Hk + hk, mask=mask_t, other=0.0)[:, None]
     return tl.where(mask_t[:, None], c, 0.0)  # padding advances no phase
 
 
 @triton.jit
 def _phase_increment_kernel(
-    x_ptr, down_ptr, up_ptr, conv_ptr, bias_ptr, gw_ptr, gb_ptr, lengths_ptr, cu_ptr, state_ptr, init_ptr, out_ptr,
+    x_ptr, down_ptr, up_ptr, conv_ptr, bias_ptr, gate_ptr, lengths_ptr, cu_ptr, state_ptr, init_ptr, out_ptr,
     new_state_ptr, totals_ptr,
     T, Hk, R, Dc, RANK, NC, CHUNK,
     sx_b, sx_t,
@@ -155,8 +148,8 @@ def _phase_increment_kernel(
     total = tl.full([BLOCK_R], 0.0, tl.float64)
     for t0 in range(start, chunk_end, BLOCK_T):
         ts = t0 + tl.arange(0, BLOCK_T)
-        c = _increment_tile(x_ptr, down_ptr, up_ptr, conv_ptr, bias_ptr, gw_ptr, gb_ptr, state_ptr, b, n, hk, bos,
-                            ts, ts < real_end, Hk, R, Dc, RANK, sx_b, sx_t, CONV_K, SILU, HAS_BIAS, HAS_GATE,
+        c = _increment_tile(x_ptr, down_ptr, up_ptr, conv_ptr, bias_ptr, gate_ptr, state_ptr, b, n, hk, bos,
+                            ts, ts < real_end, T, Hk, R, Dc, RANK, sx_b, sx_t, CONV_K, SILU, HAS_BIAS, HAS_GATE,
                             HAS_STATE, BLOCK_T, BLOCK_DC, BLOCK_R, BLOCK_RANK).to(tl.float32)  # rounded once
         # (B, T, Hk, R) float32, contiguous
         offsets = ((b * T + ts[:, None]) * Hk + hk) * R + rs[None, :]
@@ -259,11 +252,10 @@ def _launch(x, down, up, conv_weight, silu: bool, bias, gate_weight, gate_bias, 
     num_seqs = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     x = x if x.stride(-1) == 1 else x.contiguous()
     placeholder = out  # for pointers a disabled branch never reads
+    gate = None if gate_weight is None else _gates(x, gate_weight, gate_bias)
     _phase_increment_kernel[(num_seqs * num_key_heads, chunks)](  # (chunk 0 writes the new history)
         x, _dense(down), _dense(up), _dense(conv_weight) if conv_weight is not None else placeholder,
-        _dense(bias) if bias is not None else placeholder,
-        _dense(gate_weight) if gate_weight is not None else placeholder,
-        _dense(gate_bias) if gate_bias is not None else placeholder,
+        _dense(bias) if bias is not None else placeholder, gate if gate is not None else placeholder,
         _dense(lengths, torch.int64) if lengths is not None else placeholder,
         _dense(cu_seqlens, torch.int32) if cu_seqlens is not None else placeholder,
         _dense(conv_state, torch.float64) if conv_state is not None else placeholder,
@@ -281,6 +273,23 @@ def _launch(x, down, up, conv_weight, silu: bool, bias, gate_weight, gate_bias, 
     )
 
 
+def _gates(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torch.Tensor) -> torch.Tensor:
+    """Every per-head gate of every token, ``(B, T, Hk)`` float64 (padding too: its increments are zeroed later), in
+    one launch of ``_gate_kernel``. Each gate reads every input chunk: computed once per token here, not once per key
+    head in ``_phase_increment_kernel``'s programs, where it was most of a tile's work (16 key heads of the 370M FoX:
+    the phase kernel took 3.19 ms of an H200 for 4 x 4096 tokens, docs/gpu_performance.md)."""
+    batch, seq_len = x.shape[:2]
+    num_key_heads = gate_bias.shape[0]
+    chunk_dim = x.shape[2] // num_key_heads
+    gate = x.new_empty(batch, seq_len, num_key_heads, dtype=torch.float64)
+    _gate_kernel[(batch, max(_cdiv(seq_len, _GATE_BLOCK_T), 1))](
+        x, _dense(gate_weight), _dense(gate_bias), gate, seq_len, num_key_heads, chunk_dim, x.stride(0), x.stride(1),
+        BLOCK_T=_GATE_BLOCK_T, BLOCK_D=max(min(_next_power_of_2(chunk_dim), _BACKWARD_BLOCK_D), 16),
+        BLOCK_H=max(_next_power_of_2(num_key_heads), 16), num_warps=4,
+    )
+    return gate
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # backward: recomputes the forward over each tile and its halos, one launch
 # --------------------------------------------------------------------------------------------------------------------
@@ -288,6 +297,7 @@ _BACKWARD_BLOCK_T = 32  # tokens per backward program, its halos included: a pow
 _BACKWARD_BLOCK_R = 16  # channels (rotary pairs) per step of the backward's walk over a head's: a power of 2, >= 16
 _BACKWARD_BLOCK_D = 64  # chunk dims per step of the backward's walk over a chunk: a power of 2, >= 16
 _COPY_BLOCK = 1024  # elements per step of the last program's copy of the weight gradients
+_GATE_BLOCK_T = 32  # tokens per program of _gate_kernel (every head's gate): a power of 2, >= 16
 
 
 @triton.jit
@@ -383,6 +393,28 @@ def _low_projection(x_rows, down_ptr, gw_ptr, h, es, real, denom, sx_t, Hk, Dc, 
         if GATE_LOGITS:
             logits += _dot(u, tl.trans(_gate_block(gw_ptr, h, d0, Hk, Dc, BLOCK_H, BLOCK_D)))
     return low, logits
+
+
+@triton.jit
+def _gate_kernel(x_ptr, gw_ptr, gb_ptr, gate_ptr, T, Hk, Dc, sx_b, sx_t,
+                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Every per-head gate ``sigmoid(w_h · u + g_h)`` of ``BLOCK_T`` tokens of row ``b`` (``u``: every input chunk
+    over its own norm), ``(BLOCK_T, Hk)`` float64 into ``gate_ptr`` ``(B, T, Hk)``: the logits as float64
+    ``tl.dot`` products over each chunk ``BLOCK_D`` dims at a time, as the backward computes them."""
+    b, tile = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    ts = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    real = ts < T
+    x_rows = x_ptr + b * sx_b
+    logits = tl.full([BLOCK_T, BLOCK_H], 0.0, tl.float64)
+    for chunk in range(Hk):
+        denom, _ = _chunk_norms(x_rows, ts, real, chunk, sx_t, Dc, BLOCK_T, BLOCK_D)
+        for d0 in range(0, Dc, BLOCK_D):
+            u = _unit_block(x_rows, ts, real, chunk, d0, denom, sx_t, Dc, BLOCK_D)
+            logits += _dot(u, tl.trans(_gate_block(gw_ptr, chunk, d0, Hk, Dc, BLOCK_H, BLOCK_D)))
+    hs = tl.arange(0, BLOCK_H)
+    mask_h = hs < Hk
+    gate = _sigmoid(logits + tl.load(gb_ptr + hs, mask=mask_h, other=0.0).to(tl.float64)[None, :])
+    tl.store(gate_ptr + (b * T + ts[:, None]) * Hk + hs[None, :], gate, mask=real[:, None] & mask_h[None, :])
 
 
 @triton.jit

@@ -138,8 +138,8 @@ def kernel_taps(conv: nn.Module, device: torch.device, channels: int) -> torch.T
 def sequence_from_input_triton(module: PhasePath, x, q, k, state, lengths, cu_seqlens):
     """A sequence (training or a prefill) with the default phase path (``fusable_phase_weights``) as one fused op
     from the input: ``rotary_fused_triton.selective_rotary_from_input_triton`` (the phase increments and the rotation
-    in two launches, and their backward). ``None`` where it does not serve the call (another phase path, or an empty
-    one): then the module's increments and ``selective_rotary``."""
+    in two launches, three with the per-head gate, and their backward). ``None`` where it does not serve the call
+    (another phase path, or an empty one): then the module's increments and ``selective_rotary``."""
     weights = module.fusable_phase_weights()
     if weights is None:
         return None

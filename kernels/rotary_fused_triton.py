@@ -1,13 +1,15 @@
 """Selective RoPE from the layer's input on Triton, for the default phase path (issue 46): the phase increments and
-the rotation in two launches, forward and backward through one op.
+the rotation in a few launches (two each way, and one for the per-head gates), forward and backward through one op.
 
 ``selective_rotary_from_input_triton`` computes what ``SelectiveRotaryEmbedding.phase_increment`` followed by
 ``rotary_triton.selective_rotary_triton`` compute, for a ``"low_rank"`` projection, the per-head gate or none, a
 causal convolution or none and the optional bias (``SelectiveRotaryEmbedding.fusable_phase_weights``):
 
-- forward: ``phase_triton._phase_increment_kernel`` writes the float32 increments and, as the rotary scan's pass 1,
-  every time chunk's total (float64, after the initial phase); ``rotary_triton._selective_rotary_fwd_kernel`` sums the
-  totals before its chunk itself and rotates q and k. Two launches; the only torch ops are the outputs' allocations.
+- forward: with the per-head gate, ``phase_triton._gate_kernel`` computes every head's gate once per token; then
+  ``phase_triton._phase_increment_kernel`` writes the float32 increments and, as the rotary scan's pass 1, every time
+  chunk's total (float64, after the initial phase); ``rotary_triton._selective_rotary_fwd_kernel`` sums the totals
+  before its chunk itself and rotates q and k. Two launches (three with the gate); the only torch ops are the
+  outputs' and the gates' allocations.
 - backward: the rotary backward's two walks (from the saved chunk totals: no pass 1 again) give ``dq``, ``dk``,
   ``d(increment)``, ``d(temperature)`` and ``d(initial phase)``; then ``phase_triton.phase_increment_backward_triton``
   recomputes the phase path from the input and gives the gradients of the input and of the phase weights.
@@ -212,7 +214,7 @@ def selective_rotary_from_input_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """Selective RoPE of a sequence from the layer's input, for the default phase path: what the module's
     ``phase_increment`` followed by ``rotary_triton.selective_rotary_triton`` compute (equal within float64 rounding,
-    which the increments' rounding to float32 absorbs), in two launches.
+    which the increments' rounding to float32 absorbs), in two launches (three with the per-head gate).
 
     Args:
         q: ``(B, T, Hq, D)``; k: ``(B, T, Hk, D)`` with ``Hq % Hk == 0``.

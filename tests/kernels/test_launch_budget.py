@@ -6,12 +6,12 @@ for in launches and ops, whatever the kernels compute (docs/gpu_performance.md, 
 - Decoding: every family's step with the default phase path is one launch of the kernel that computes the phase
   inputs itself (``selective_rotary_decode_from_input_triton``), GLA's as FoX's, and its outputs' allocations.
 - Training: one layer's Selective RoPE with the default phase path is the fused op from the input
-  (``rotary_fused_triton``): forward = 2 launches (the phase kernel, which also writes the scan's chunk totals, and
-  the rotation) and only its outputs' allocations; backward = the rotary walks (1 launch: the chunk totals are
-  saved, no pass 1 again) and the phase path's backward
-  (``phase_triton``'s, 1 launch, which with several chunks a sequence also adds the later chunks' sums that the
-  rotary walks leave to it), and their buffers' allocations. Issue 46's target, 4 launches and no other aten op, is
-  met in launches with one chunk a sequence or several. These budgets are today's counts, never to grow unnoticed.
+  (``rotary_fused_triton``): forward = 3 launches (every head's gate; the phase kernel, which also writes the scan's
+  chunk totals; the rotation) and only its outputs' and the gates' allocations; backward = the rotary walks (1
+  launch: the chunk totals are saved, no pass 1 again) and the phase path's backward (``phase_triton``'s, 1 launch,
+  which with several chunks a sequence also adds the later chunks' sums that the rotary walks leave to it), and their
+  buffers' allocations. Issue 46's target, 4 launches and no other aten op, was met with one chunk a sequence or
+  several until the gates got their own launch (5 now). These budgets are today's counts, never to grow unnoticed.
 
 Counted on the CPU only (with a GPU the chunk plan is the device's); aten ops are counted where they are called
 (``host_time_cpu.top_level_ops``), with torch 2.13.
@@ -45,19 +45,21 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="counted on th
 ONE_CHUNK = {"_selective_rotary_fwd_kernel": 1, "_selective_rotary_bwd_kernel": 1}  # (the backward walks back itself)
 CHUNKED = {**ONE_CHUNK, "_suffix_sum_kernel": 1,
            "_chunk_totals_kernel": 2}  # pass 1 of the two-pass scan, in the forward and the backward
-# The fused op from the input (its phase kernel is the scan's pass 1), forward and backward
-FUSED_FORWARD = {"_phase_increment_kernel": 1, "_selective_rotary_fwd_kernel": 1}
+# The fused op from the input (its phase kernel is the scan's pass 1), forward and backward. With the per-head gate (the
+# default phase path's) every head's gate first, once per token (_gate_kernel): a launch more than the issue's 4, for
+# the device time each key head's program spent recomputing it (docs/gpu_performance.md)
+FUSED_FORWARD = {"_gate_kernel": 1, "_phase_increment_kernel": 1, "_selective_rotary_fwd_kernel": 1}
 # (with several chunks too: each chunk is walked back alone, and the phase backward adds the later chunks' sums)
 FUSED_BACKWARD = {"_selective_rotary_bwd_kernel": 1, "_phase_increment_bwd_kernel": 1}
 # Every aten op left is an allocation, or autograd's own (docs/gpu_performance.md, "Launch and op budget"):
-FUSED_FORWARD_OPS = 6  # the outputs q, k, final phase, new history; the increments and chunk totals (kept)
+FUSED_FORWARD_OPS = 7  # the outputs q, k, final phase, new history; the increments and chunk totals (kept); the gates
 # The outputs dq, dk, d initial phase, d temperature (summed by the phase backward), dx and 5 weight gradients; the
 # buffers d increment, the walks' sums (one for both kinds) and the phase backward's zeroed float64 workspace;
 # autograd's own detach of each leaf's new .grad (8: x, q, k and 5 weights; any backward pays them)
 FUSED_BACKWARD_OPS = {"one": 21, "several": 21}
 # (before the fused op: 156 / 160; with it, before the convolution's weight was passed as it is (no (C, K) view and
 # its backward), d temperature summed in the kernel and the walks' sums put in one buffer: 30 / 30)
-LAYER_OPS = {"one": 27, "several": 27}
+LAYER_OPS = {"one": 28, "several": 28}  # (27 before the gates' own launch and buffer)
 OP_OPS = {"one": 18, "several": 20}  # the op alone: its outputs, casts, the gradients
 DECODE_OPS = 4  # the outputs (q, k, phase, history): no view of q, k, x or the taps, no phase-path op
 

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.floor_independent
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "triton_resources.py"
 KERNELS = {"_chunk_totals_kernel", "_selective_rotary_fwd_kernel", "_selective_rotary_bwd_kernel", "_suffix_sum_kernel",
            "_selective_rotary_decode_kernel", "_selective_rotary_decode_from_input_kernel", "_phase_increment_kernel",
-           "_phase_increment_bwd_kernel"}
+           "_gate_kernel", "_phase_increment_bwd_kernel"}
 
 
 def test_every_kernel_compiles_for_hopper(tmp_path):
