@@ -12,13 +12,13 @@ history or from a sequence start:
 in float64, rounded once to float32, zero at padding (``lengths``, right-padded rows) and restarting at packed
 sequences' boundaries (``cu_seqlens``), with the convolution's new history (the last K - 1 real inputs). One launch,
 one program per (sequence x key head, time chunk), walking its chunk in 16-token tiles and each input chunk 64 dims
-at a time; each tile recomputes the projection of the K - 1 tokens before it (the convolution's window) rather than
-reading another program's. With the gate, one launch before it (``_gate_kernel``, one program per 32 tokens of a
-row) computes every head's gate: each gate reads every input chunk, which each key head's program did again. For
-the fused op the chunks are the rotary scan's (``rotary_triton._plan``) and the kernel also writes each chunk's total
-(the scan's pass 1), so the forward is these launches and the rotation's. The
-sums run in another order than the torch path's matrix products: equal within float64 rounding, which the rounding
-to float32 absorbs (``tests/kernels/test_phase_triton.py``).
+at a time; a program computes each token's projection once, the K - 1 before its chunk (the convolution's window)
+too, rather than reading another program's. With the gate, one launch before it (``_gate_kernel``, one program per
+32 tokens of a row) computes every head's gate: each gate reads every input chunk, which each key head's program did
+again. For the fused op the chunks are the rotary scan's (``rotary_triton._plan``) and the kernel also writes each
+chunk's total (the scan's pass 1), so the forward is these launches and the rotation's. The sums run in another
+order than the torch path's matrix products: equal within float64 rounding, which the rounding to float32 absorbs
+(``tests/kernels/test_phase_triton.py``).
 
 ``phase_increment_backward_triton`` gives the gradients of those increments with respect to the input and every
 weight (projection, taps, bias, gate), recomputing the forward instead of keeping anything from it. One launch, one
@@ -82,28 +82,39 @@ def _projection(x_ptr, down_ptr, up_ptr, b, hk, ts, mask_t, sx_b, sx_t, Dc, RANK
 
 
 @triton.jit
-def _increment_tile(x_ptr, down_ptr, up_ptr, conv_ptr, bias_ptr, gate_ptr, state_ptr, b, n, hk, bos, ts,
-                    mask_t, T, Hk, R, Dc, RANK, sx_b, sx_t, CONV_K: tl.constexpr, SILU: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, HAS_GATE: tl.constexpr, HAS_STATE: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RANK: tl.constexpr):
-    """The increments of tokens ``ts`` (key head ``hk`` of sequence ``n``, batch row ``b``, first token ``bos``):
-    ``(BLOCK_T, BLOCK_R)`` float64, not yet rounded, zero where ``mask_t`` is False (padding, or past the tile)."""
+def _conv_inputs(x_ptr, down_ptr, up_ptr, state_ptr, b, n, hk, bos, real_end, ts, Hk, R, Dc, RANK, sx_b, sx_t,
+                 CONV_K: tl.constexpr, HAS_STATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_DC: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_RANK: tl.constexpr):
+    """The convolution's inputs ``a`` of tokens ``ts`` ``(BLOCK_T, BLOCK_R)`` float64: the projection of the real
+    tokens from ``bos`` on, the cached history before it (slot K-1 - (bos - token)), zeros elsewhere."""
+    a = _projection(x_ptr, down_ptr, up_ptr, b, hk, ts, (ts >= bos) & (ts < real_end), sx_b, sx_t, Dc, RANK, R,
+                    BLOCK_T, BLOCK_DC, BLOCK_R, BLOCK_RANK)
+    if HAS_STATE:
+        rs = tl.arange(0, BLOCK_R)
+        slot = ts - bos + (CONV_K - 1)
+        mask = ((ts < bos) & (slot >= 0))[:, None] & (rs < R)[None, :]
+        a += tl.load(state_ptr + (n * (CONV_K - 1) + slot[:, None]) * (Hk * R) + hk * R + rs[None, :], mask=mask,
+                     other=0.0)
+    return a
+
+
+@triton.jit
+def _increment_tile(x_ptr, down_ptr, up_ptr, conv_ptr, bias_ptr, gate_ptr, b, hk, ts, mask_t, a, a_before, T, Hk, R,
+                    Dc, RANK, sx_b, sx_t, CONV_K: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    HAS_GATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_RANK: tl.constexpr):
+    """The increments of tokens ``ts`` (key head ``hk``, batch row ``b``): ``(BLOCK_T, BLOCK_R)`` float64, not yet
+    rounded, zero where ``mask_t`` is False (padding, or past the tile). With a convolution, ``a`` and ``a_before``
+    are its inputs (``_conv_inputs``) on these tokens and on the ``BLOCK_T`` before them: each tap reads them shifted
+    (gathers), so no token's projection is computed twice."""
     rs = tl.arange(0, BLOCK_R)
     mask_r = rs < R
-    channels = Hk * R
-    if CONV_K > 0:  # taps oldest first
+    if CONV_K > 0:  # taps oldest first: tap j reads K-1-j tokens back
         c = tl.full([BLOCK_T, BLOCK_R], 0.0, tl.float64)
         for j in tl.static_range(CONV_K):
-            shifted = ts - (CONV_K - 1 - j)
-            a = _projection(x_ptr, down_ptr, up_ptr, b, hk, shifted, (shifted >= bos) & mask_t, sx_b, sx_t, Dc,
-                            RANK, R, BLOCK_T, BLOCK_DC, BLOCK_R, BLOCK_RANK)
-            if HAS_STATE:  # before the sequence start: the cached history, slot K-1 - (bos - token)
-                slot = shifted - bos + (CONV_K - 1)
-                mask = (mask_t & (shifted < bos) & (slot >= 0))[:, None] & mask_r[None, :]
-                a += tl.load(state_ptr + (n * (CONV_K - 1) + slot[:, None]) * channels + hk * R + rs[None, :],
-                             mask=mask, other=0.0)
+            window = _shift(a, CONV_K - 1 - j, BLOCK_T) + _shift(a_before, CONV_K - 1 - j - BLOCK_T, BLOCK_T)
             tap = tl.load(conv_ptr + (hk * R + rs) * CONV_K + j, mask=mask_r, other=0.0).to(tl.float64)
-            c += a * tap[None, :]
+            c += window * tap[None, :]
         if SILU:
             c = c * _sigmoid(c)
     else:
@@ -146,11 +157,22 @@ def _phase_increment_kernel(
     mask_r = rs < R
     channels = Hk * R
     total = tl.full([BLOCK_R], 0.0, tl.float64)
+    # The convolution's inputs of the tile before (the window of the first tile's tokens), then carried from tile to
+    # tile: each token's projection is computed once, not once per tap.
+    a = tl.full([BLOCK_T, BLOCK_R], 0.0, tl.float64)
+    if CONV_K > 0:
+        a = _conv_inputs(x_ptr, down_ptr, up_ptr, state_ptr, b, n, hk, bos, real_end,
+                         start - BLOCK_T + tl.arange(0, BLOCK_T), Hk, R, Dc, RANK, sx_b, sx_t, CONV_K, HAS_STATE,
+                         BLOCK_T, BLOCK_DC, BLOCK_R, BLOCK_RANK)
     for t0 in range(start, chunk_end, BLOCK_T):
         ts = t0 + tl.arange(0, BLOCK_T)
-        c = _increment_tile(x_ptr, down_ptr, up_ptr, conv_ptr, bias_ptr, gate_ptr, state_ptr, b, n, hk, bos,
-                            ts, ts < real_end, T, Hk, R, Dc, RANK, sx_b, sx_t, CONV_K, SILU, HAS_BIAS, HAS_GATE,
-                            HAS_STATE, BLOCK_T, BLOCK_DC, BLOCK_R, BLOCK_RANK).to(tl.float32)  # rounded once
+        a_before = a
+        if CONV_K > 0:
+            a = _conv_inputs(x_ptr, down_ptr, up_ptr, state_ptr, b, n, hk, bos, real_end, ts, Hk, R, Dc, RANK, sx_b,
+                             sx_t, CONV_K, HAS_STATE, BLOCK_T, BLOCK_DC, BLOCK_R, BLOCK_RANK)
+        c = _increment_tile(x_ptr, down_ptr, up_ptr, conv_ptr, bias_ptr, gate_ptr, b, hk, ts, ts < real_end, a,
+                            a_before, T, Hk, R, Dc, RANK, sx_b, sx_t, CONV_K, SILU, HAS_BIAS, HAS_GATE, BLOCK_T,
+                            BLOCK_DC, BLOCK_R, BLOCK_RANK).to(tl.float32)  # rounded once
         # (B, T, Hk, R) float32, contiguous
         offsets = ((b * T + ts[:, None]) * Hk + hk) * R + rs[None, :]
         tl.store(out_ptr + offsets, c, mask=(ts < chunk_end)[:, None] & mask_r[None, :])
@@ -267,7 +289,9 @@ def _launch(x, down, up, conv_weight, silu: bool, bias, gate_weight, gate_bias, 
         IS_VARLEN=cu_seqlens is not None, HAS_STATE=conv_state is not None, WRITE_STATE=conv_k > 1,
         WRITE_TOTALS=totals is not None, HAS_INIT=initial_phase is not None,
         # (every block >= 16: tl.dot's minimum; the history's K - 1 slots too)
-        BLOCK_T=_BLOCK_T, BLOCK_DC=max(min(_next_power_of_2(chunk_dim), _BLOCK_D), 16),
+        # (a tile holds at least the convolution's window: the taps read the tile before it, K - 1 <= BLOCK_T)
+        BLOCK_T=max(_BLOCK_T, _next_power_of_2(conv_k - 1)),
+        BLOCK_DC=max(min(_next_power_of_2(chunk_dim), _BLOCK_D), 16),
         BLOCK_R=max(_next_power_of_2(rotary_pairs), 16), BLOCK_RANK=max(_next_power_of_2(rank), 16),
         BLOCK_S=max(_next_power_of_2(conv_k - 1), 16), num_warps=8,
     )

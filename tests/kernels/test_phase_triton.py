@@ -82,10 +82,11 @@ def test_padding_adds_nothing_and_strided_rows_are_read_as_they_are():
     assert not increment[1, 5:].any() and not increment[2].any() and increment[1, :5].all()
 
 
-@pytest.mark.parametrize("taps", [4, 2])
+@pytest.mark.parametrize("taps", [4, 2, 20])
 def test_a_cached_history_is_continued(taps):
     """A prefill after a cache: the window before each row's start reads the cached history, and the new history
-    continues it where a row has fewer than K - 1 real tokens (lengths 1 and 0)."""
+    continues it where a row has fewer than K - 1 real tokens (lengths 1 and 0). 20 taps: a window wider than the
+    kernel's 16-token tile."""
     module = make_rotary(dtype=torch.float32, device=DEVICE, phase_conv_size=taps, phase_bias=True,
                          phase_proj_rank=4)
     x = torch.randn(4, 18, HIDDEN, device=DEVICE)
