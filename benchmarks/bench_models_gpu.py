@@ -265,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-steps", type=int, default=None, help="timed decoding steps (default 100, quick 10)")
     parser.add_argument("--no-packed", action="store_true", help="skip the packed training rows")
     parser.add_argument("--unfused", action="store_true",
-                        help=f"add {UNFUSED}: Selective RoPE through the module's PyTorch phase ops and the rotary "
-                             "op instead of the fused op from the input")
+                        help=f"add {UNFUSED} training rows: Selective RoPE through the module's PyTorch phase ops and "
+                             "the rotary op instead of the fused op from the input")
     parser.add_argument("--autotune", action="store_true",
                         help="let fla's kernels autotune where no saved choice exists (default: their first candidate)")
     args = parser.parse_args(argv)
@@ -315,25 +315,19 @@ def run_family(family: str, args, layers: int, seq_len: int, context: int, train
                                                           "reason": reason})
             else:
                 train_rows(family, backend, args, layers, seq_len, train_steps, results, start)
-            order = variant_order(args)
-            for batch in args.decode_batches:
-                for index, variant in enumerate(order):
-                    with rotary_path(variant):
-                        results["decode"].append(bench_decode(family, variant, backend, layers, batch, context,
-                                                              decode_steps, order[:index + 1].count(variant)))
+            for batch in args.decode_batches:  # (no UNFUSED row: a decoding step never takes the fused op)
+                for index, variant in enumerate(ORDER):
+                    results["decode"].append(bench_decode(family, variant, backend, layers, batch, context,
+                                                          decode_steps, ORDER[:index + 1].count(variant)))
                     record(results, start, args.output)
                     torch.cuda.empty_cache()
 
 
-def variant_order(args) -> tuple[str, ...]:
-    """``ORDER``, with ``UNFUSED`` after Selective RoPE under ``--unfused`` (on the auto backend's Triton path)."""
-    return (*VARIANTS, UNFUSED, "nope") if args.unfused else ORDER
-
-
 def train_rows(family: str, backend: str, args, layers: int, seq_len: int, train_steps: int, results: dict,
                start: float) -> None:
-    """The training rows of one family and backend: each variant, dense then packed."""
-    order = variant_order(args)
+    """The training rows of one family and backend: each variant, dense then packed (``UNFUSED`` after Selective
+    RoPE under ``--unfused``)."""
+    order = (*VARIANTS, UNFUSED, "nope") if args.unfused else ORDER
     for index, variant in enumerate(order):
         repeat = order[:index + 1].count(variant)
         layouts = [False] + ([True] if backend == "auto" and not args.no_packed else [])

@@ -308,7 +308,7 @@ def _gates(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torch.Tensor) 
     gate = x.new_empty(batch, seq_len, num_key_heads, dtype=torch.float64)
     _gate_kernel[(batch, max(_cdiv(seq_len, _GATE_BLOCK_T), 1))](
         x, _dense(gate_weight), _dense(gate_bias), gate, seq_len, num_key_heads, chunk_dim, x.stride(0), x.stride(1),
-        BLOCK_T=_GATE_BLOCK_T, BLOCK_D=max(min(_next_power_of_2(chunk_dim), _BACKWARD_BLOCK_D), 16),
+        BLOCK_T=_GATE_BLOCK_T, BLOCK_D=max(min(_next_power_of_2(chunk_dim), _BLOCK_D), 16),
         BLOCK_H=max(_next_power_of_2(num_key_heads), 16), num_warps=4,
     )
     return gate
