@@ -17,9 +17,9 @@ only ``.py`` files) is compiled on first use by the system's C compiler (``$CC``
 ``~/.cache/selective_rope``), named by a hash of the source and the compiler, and called through ``ctypes``, or
 where Python's C headers exist through a small CPython extension that makes the same call (``rotary_cpu_entry``). On
 x86-64 with glibc the hot functions are built for AVX-512, AVX2 and the baseline, chosen when the library loads.
-A row of at least 1024 real tokens is split between ``torch.get_num_threads()`` threads (at least 512 tokens each;
-see ``row_threaded``), and many short rows (512 tokens or more in all) are shared out between them, one row per
-thread, with the same results bit for bit. They are torch's own OpenMP threads: the library is built
+A row of at least 256 real tokens is split between ``torch.get_num_threads()`` threads (at least 128 tokens each;
+see ``row_threaded``), and a batch of rows shorter than 1024 tokens (512 tokens or more in all) is shared out between
+them, one row per thread, with the same results bit for bit. They are torch's own OpenMP threads: the library is built
 with ``-fopenmp`` and its libgomp resolves to the copy torch has loaded (a compiler without OpenMP gives a library
 that runs on one thread). Like torch's own parallel ops, they do not survive ``fork``: a child forked after the
 parent used them hangs in its first parallel region (GNU OpenMP; tested on torch ops alone too) unless it calls
@@ -585,7 +585,13 @@ static void row_rotate(const Parameters *p, const Tensors *a, const Scratch *s, 
    to fill its convolution history), the phase at each part's start is summed token by token on one thread, then each
    rotates its tokens. Every number is the one the single-threaded loop computes. */
 #define MAX_THREADS 64
-#define MIN_TOKENS_PER_THREAD 512
+/* A part has at least this many tokens: ~0.25 ms of work a layer at hidden 256 against a few microseconds to wake
+   the threads. (At 512, rows of 256-1023 tokens ran on one thread while torch's ops around them used every thread:
+   FoX's module took 1.0 ms at 512 tokens on two threads where split it takes 0.56, docs/cpu_performance.md.) */
+#define MIN_TOKENS_PER_THREAD 128
+/* A batch of rows shorter than this (SHARED_ROWS_BELOW / 2 tokens or more in all) is shared out between the threads,
+   each row whole: no part recomputes the K-1 tokens before it, no phase is summed twice. */
+#define SHARED_ROWS_BELOW 1024
 typedef struct {
     const Parameters *p;
     const Tensors *a;
@@ -707,7 +713,7 @@ HOT static int rotary(const Parameters *given, const Tensors *a, int64_t batch, 
     threads = 1;  /* built without OpenMP: splitting a row would only add work */
 #endif
     int status = 0;
-    if (threads > 1 && batch > 1 && seq_len < 2 * MIN_TOKENS_PER_THREAD && batch * seq_len >= MIN_TOKENS_PER_THREAD) {
+    if (threads > 1 && batch > 1 && seq_len < SHARED_ROWS_BELOW && batch * seq_len >= SHARED_ROWS_BELOW / 2) {
         const int count = (int)(threads < batch ? (threads < MAX_THREADS ? threads : MAX_THREADS) : batch);
 #pragma omp parallel for num_threads(count) schedule(static, 1) reduction(| : status)
         for (int i = 0; i < count; i++) {

@@ -210,9 +210,9 @@ def test_long_prefill_on_threads_is_bit_identical(options, monkeypatch, compiled
     each part's start summed in order on one thread): the same q, k and state bit for bit with 1, 2 or 3 threads,
     continuing a cached state, with a shorter padded row; and the torch path's values to rounding."""
     module = make_rotary(4, 2, dtype=torch.float32, **options)
-    seq_len = 1600  # parts of at least 512 real tokens: 3 for the first row, 2 for the second
-    x, q, k = torch.randn(2, seq_len, HIDDEN), torch.randn(2, seq_len, 4, 8), torch.randn(2, seq_len, 2, 8)
-    lengths = torch.tensor([seq_len, 1100])
+    seq_len = 1600  # parts of at least 128 real tokens: as many as threads for each row (the third: 2 at most)
+    x, q, k = torch.randn(3, seq_len, HIDDEN), torch.randn(3, seq_len, 4, 8), torch.randn(3, seq_len, 2, 8)
+    lengths = torch.tensor([seq_len, 1100, 300])
     _, _, state = module(x[:, :40], q[:, :40], k[:, :40])
     results = []
     for threads in (1, 2, 3):
