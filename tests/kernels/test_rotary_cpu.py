@@ -208,7 +208,7 @@ def test_prefill_in_any_pieces_equals_decoding_exactly(options, monkeypatch, com
 def test_long_prefill_on_threads_is_bit_identical(options, monkeypatch, compiled_steps):
     """A long row is split between torch's threads (each part's increments after the tokens before it, the phase at
     each part's start summed in order on one thread): the same q, k and state bit for bit with 1, 2 or 3 threads,
-    continuing a cached state, with a shorter padded row; and the torch path's values to rounding."""
+    continuing a cached state, with shorter padded rows (one of 300 tokens); and the torch path's values to rounding."""
     module = make_rotary(4, 2, dtype=torch.float32, **options)
     seq_len = 1600  # parts of at least 128 real tokens: as many as threads for each row (the third: 2 at most)
     x, q, k = torch.randn(3, seq_len, HIDDEN), torch.randn(3, seq_len, 4, 8), torch.randn(3, seq_len, 2, 8)
